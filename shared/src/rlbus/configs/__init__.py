@@ -1,0 +1,39 @@
+"""Typed config tree of every rlbus command. Importable without torch or vllm."""
+
+from rlbus.configs.base import BaseConfig
+from rlbus.configs.bus import BusConfig
+from rlbus.configs.common import (
+    CkptConfig,
+    DeploymentConfig,
+    FileMonitorConfig,
+    LogConfig,
+    ModelConfig,
+    MonitorsConfig,
+    OtelConfig,
+    ResumeConfig,
+    RunConfig,
+    WandbMonitorConfig,
+    WeightBroadcastConfig,
+)
+from rlbus.configs.inference import InferenceConfig, ServerConfig, VLLMConfig
+from rlbus.configs.orchestrator import EnvConfig, EvalConfig, OrchestratorConfig, SamplingConfig
+from rlbus.configs.rl import RLConfig
+from rlbus.configs.sft import SFTConfig, SFTDataConfig
+from rlbus.configs.trainer import (
+    AdamWConfig,
+    FullOffloadConfig,
+    MuonConfig,
+    SGDConfig,
+    SignSGDConfig,
+    TrainerConfig,
+    TrainerModelConfig,
+)
+
+__all__ = [
+    "AdamWConfig", "BaseConfig", "BusConfig", "CkptConfig", "DeploymentConfig", "EnvConfig",
+    "EvalConfig", "FileMonitorConfig", "FullOffloadConfig", "InferenceConfig", "LogConfig",
+    "ModelConfig", "MonitorsConfig", "MuonConfig", "OrchestratorConfig", "OtelConfig",
+    "RLConfig", "ResumeConfig", "RunConfig", "SFTConfig", "SFTDataConfig", "SGDConfig",
+    "SamplingConfig", "ServerConfig", "SignSGDConfig", "TrainerConfig", "TrainerModelConfig",
+    "VLLMConfig", "WandbMonitorConfig", "WeightBroadcastConfig",
+]

@@ -1,0 +1,52 @@
+"""NATS connection settings shared by every service."""
+
+from pydantic import Field
+
+from rlbus.configs.base import BaseConfig
+
+
+class BusConfig(BaseConfig):
+    """The NATS JetStream bus. Without `url`, the `rl` launcher starts an embedded nats-server
+    whose store lives in the run directory."""
+
+    url: str | None = None
+    """External NATS URL (e.g. nats://nats:4222). Unset: embedded server (launcher only)."""
+
+    run_id: str | None = None
+    """Subject prefix of this run (`rlbus.<run_id>.`); defaults to the run name."""
+
+    token: str | None = None
+    """Auth token."""
+
+    user: str | None = None
+    """User name (with `password`)."""
+
+    password: str | None = None
+    """Password (with `user`)."""
+
+    creds_file: str | None = None
+    """NATS credentials file (JWT + nkey seed)."""
+
+    tls_ca: str | None = None
+    """CA certificate used to verify the server."""
+
+    tls_cert: str | None = None
+    """Client certificate (mutual TLS)."""
+
+    tls_key: str | None = None
+    """Client key (mutual TLS)."""
+
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Timeout of one connection attempt."""
+
+    max_payload_mb: int = Field(8, ge=1, le=64)
+    """max_payload of the embedded server; bigger payloads go through the claim check."""
+
+    stream_max_age_s: float = Field(7 * 24 * 3600, gt=0)
+    """Retention of the limits streams (batches, events)."""
+
+    stream_max_bytes: int = Field(-1)
+    """Byte limit of each stream (-1: unlimited)."""
+
+    duplicate_window_s: float = Field(120.0, gt=0)
+    """JetStream dedup window for Nats-Msg-Id."""

@@ -1,0 +1,145 @@
+"""Config pieces shared by several services: model, run directory, checkpoints, monitors, logs."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from rlbus.configs.base import BaseConfig
+
+
+class ModelConfig(BaseConfig):
+    """The model being trained and served."""
+
+    name: str = "Qwen/Qwen3-0.6B"
+    """HF model id or local model directory (no hub is needed when this is a local path)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype used by the trainer and requested from vLLM."""
+
+    trust_remote_code: bool = False
+    """Pass trust_remote_code to transformers and vLLM."""
+
+
+class RunConfig(BaseConfig):
+    """Naming of the run directory `<output_dir>/<run.dir or run.name>`."""
+
+    name: str | None = None
+    """Run name. Auto-generated as `<envs>--<model>--<short-id>` (SFT: `<dataset>--<model>--<short-id>`)
+    when unset; pass it to make the run directory predictable (required to resume)."""
+
+    dir: str | None = None
+    """Leaf directory under output_dir when it should differ from the run name."""
+
+
+class ResumeConfig(BaseConfig):
+    """Resume a named run from its checkpoints and bus state."""
+
+    step: int | None = Field(None, ge=0)
+    """Checkpoint step to resume from; the latest complete checkpoint when unset."""
+
+
+class CkptConfig(BaseConfig):
+    """Periodic checkpoints under `<run_dir>/checkpoints/step_N/`."""
+
+    interval: int = Field(50, ge=1)
+    """Save a checkpoint every `interval` steps (and at the last step)."""
+
+    keep_last: int | None = Field(2, ge=1)
+    """Keep only the newest N complete checkpoints (None keeps all)."""
+
+
+class FileMonitorConfig(BaseConfig):
+    """Step metrics appended as JSON lines to `<run_dir>/metrics.jsonl`."""
+
+    path: str = "metrics.jsonl"
+    """File name inside the run directory."""
+
+
+class WandbMonitorConfig(BaseConfig):
+    """Weights & Biases logging (works offline with `offline = true`)."""
+
+    project: str = "rlbus"
+    """wandb project."""
+
+    entity: str | None = None
+    """wandb entity (team or user)."""
+
+    offline: bool = False
+    """Log offline into the run directory; sync later with `wandb sync`."""
+
+    tags: list[str] = []
+    """Tags added to the wandb run."""
+
+
+class MonitorsConfig(BaseConfig):
+    """Where step metrics go."""
+
+    file: FileMonitorConfig | None = FileMonitorConfig()
+    """metrics.jsonl monitor (on by default; `--no-monitors.file` disables)."""
+
+    wandb: WandbMonitorConfig | None = None
+    """wandb monitor (off by default; bare `--monitors.wandb` enables it)."""
+
+
+class LogConfig(BaseConfig):
+    """Logging (structlog): pretty on a terminal, JSON in files."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Minimum log level."""
+
+    json_console: bool = False
+    """Render console logs as JSON even on a terminal."""
+
+
+class OtelConfig(BaseConfig):
+    """OpenTelemetry tracing."""
+
+    endpoint: str | None = None
+    """OTLP/HTTP endpoint (e.g. http://localhost:4318). Falls back to OTEL_EXPORTER_OTLP_ENDPOINT;
+    without either, spans are written as JSONL to `<run_dir>/traces/<service>.jsonl`."""
+
+    enabled: bool = True
+    """Emit spans at all."""
+
+
+class WeightBroadcastConfig(BaseConfig):
+    """How the trainer moves new weights to inference."""
+
+    type: Literal["filesystem", "nccl"] = "filesystem"
+    """`filesystem`: safetensors under `<run_dir>/broadcasts/step_N/`; `nccl`: a process group
+    between trainer rank 0 and the inference workers (gloo on CPU)."""
+
+    keep_last: int = Field(2, ge=1)
+    """filesystem: broadcasts kept besides those a replica still uses."""
+
+    timeout_s: float = Field(300.0, gt=0)
+    """nccl: timeout of every collective; a sync fails loudly instead of hanging."""
+
+
+class DeploymentConfig(BaseConfig):
+    """Where the services run."""
+
+    type: Literal["local", "slurm"] = "local"
+    """`local`: subprocesses of the launcher; `slurm`: write and submit an sbatch script."""
+
+    num_train_gpus: int = Field(1, ge=1)
+    """Trainer processes (torchrun --nproc-per-node) on this node."""
+
+    num_infer_replicas: int = Field(1, ge=1)
+    """Inference server processes started by the launcher."""
+
+
+__all__ = [
+    "CkptConfig",
+    "DeploymentConfig",
+    "FileMonitorConfig",
+    "LogConfig",
+    "ModelConfig",
+    "MonitorsConfig",
+    "OtelConfig",
+    "ResumeConfig",
+    "RunConfig",
+    "WandbMonitorConfig",
+    "WeightBroadcastConfig",
+]

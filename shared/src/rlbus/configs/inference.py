@@ -1,0 +1,102 @@
+"""Inference service config (`inference` command): vLLM engine behind a router."""
+
+from typing import Any
+
+from pydantic import ConfigDict, Field
+
+from rlbus.configs.base import BaseConfig
+from rlbus.configs.bus import BusConfig
+from rlbus.configs.common import LogConfig, OtelConfig, WeightBroadcastConfig
+
+
+class VLLMConfig(BaseConfig):
+    """Options passed through to vLLM's engine/server (`--vllm.<option>`). Unknown keys are
+    forwarded verbatim as `--<option>` to vLLM, so every vLLM flag is available."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = "Qwen/Qwen3-0.6B"
+    """Model id or local directory served by vLLM."""
+
+    dtype: str = "auto"
+    """Model dtype."""
+
+    max_model_len: int | None = None
+    """Context length (None: the model's)."""
+
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of accelerator memory for vLLM (CPU: fraction of the KV-cache budget)."""
+
+    enforce_eager: bool = False
+    """Disable CUDA graphs / compilation."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor parallel degree."""
+
+    enable_prefix_caching: bool = True
+    """Prefix caching (reset on every weight update so versions never mix)."""
+
+    seed: int = 0
+    """Sampling seed of the engine."""
+
+
+class ServerConfig(BaseConfig):
+    """The client-facing router."""
+
+    host: str = "0.0.0.0"
+    """Bind address of the router and the engine."""
+
+    port: int = Field(8000, ge=0, le=65535)
+    """Client-facing router port (OpenAI API)."""
+
+
+class InferenceConfig(BaseConfig):
+    """The inference service: one vLLM engine, its router, its weight agent and replica lease."""
+
+    server: ServerConfig = ServerConfig()
+    """Router."""
+
+    backend_port: int = Field(8100, ge=0, le=65535)
+    """Engine port; admin endpoints (/update_weights, ...) live here only."""
+
+    vllm: VLLMConfig = VLLMConfig()
+    """vLLM pass-through options."""
+
+    replica_id: str | None = None
+    """Replica id in the registry (default: host:port)."""
+
+    lease_ttl_s: int = Field(5, ge=1)
+    """Replica lease TTL; the heartbeat renews it at a third of this."""
+
+    output_dir: str = "outputs"
+    """Directory that groups runs."""
+
+    run_dir: str | None = None
+    """Run directory (set by the launcher; holds broadcasts and logs)."""
+
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    """How new weights arrive."""
+
+    bus: BusConfig = BusConfig()
+    """NATS bus (the weight agent and the lease are off without bus.url)."""
+
+    log: LogConfig = LogConfig()
+    """Logging."""
+
+    otel: OtelConfig = OtelConfig()
+    """Tracing."""
+
+    def vllm_cli_args(self) -> list[str]:
+        """The vLLM server flags for the `vllm.*` options (known and pass-through)."""
+        args: list[str] = []
+        values: dict[str, Any] = self.vllm.model_dump()
+        values.update(self.vllm.model_extra or {})
+        for key, value in values.items():
+            flag = "--" + key.replace("_", "-")
+            if value is None:
+                continue
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + key.replace("_", "-"))
+            else:
+                args.extend([flag, str(value)])
+        return args

@@ -1,0 +1,116 @@
+"""`rl` launcher config: the three service configs plus the values they share.
+
+Shared values (model, seq_len, max_steps, run directory, bus, monitors, ...) are set once at the top
+and pushed down into `trainer`, `orchestrator` and `inference`; a value set explicitly on a
+service (`--trainer.max-steps 5`) wins over the pushed one.
+"""
+
+from pydantic import BaseModel, Field, model_validator
+
+from rlbus.configs.base import BaseConfig
+from rlbus.configs.bus import BusConfig
+from rlbus.configs.common import (
+    CkptConfig,
+    DeploymentConfig,
+    LogConfig,
+    ModelConfig,
+    MonitorsConfig,
+    OtelConfig,
+    ResumeConfig,
+    RunConfig,
+    WeightBroadcastConfig,
+)
+from rlbus.configs.inference import InferenceConfig
+from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.configs.trainer import TrainerConfig
+
+
+def push_down(target: BaseModel, field: str, value: object) -> None:
+    """Set `target.field = value` unless the user set that field on `target` explicitly."""
+    if field in target.model_fields_set:
+        return
+    object.__setattr__(target, field, value)
+
+
+def push_down_model(target: BaseModel, field: str, source: BaseModel) -> None:
+    """Push every field of the `source` sub-config into `target.field`, field by field, so an
+    explicitly set sub-field on the service (`--trainer.model.dtype`) still wins."""
+    sub = getattr(target, field)
+    for name in type(source).model_fields:
+        if name in type(sub).model_fields:
+            push_down(sub, name, getattr(source, name))
+
+
+class RLConfig(BaseConfig):
+    """Asynchronous RL: inference + orchestrator + trainer over a NATS JetStream bus."""
+
+    model: ModelConfig = ModelConfig()
+    """Model trained and served (pushed down to every service)."""
+
+    seq_len: int = Field(2048, ge=8)
+    """Max tokens per sample / packed row (trainer, orchestrator, vLLM max_model_len)."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Training steps (None: until stopped)."""
+
+    output_dir: str = "outputs"
+    """Directory that groups runs."""
+
+    run: RunConfig = RunConfig()
+    """Run naming: `<output_dir>/<run.dir or run.name>`."""
+
+    clean: bool = False
+    """Wipe this run's directory (only it) before starting."""
+
+    resume: ResumeConfig | None = None
+    """Resume the named run (bare `--resume`: latest checkpoint; `--resume.step N`)."""
+
+    ckpt: CkptConfig | None = None
+    """Checkpointing (without it a resumed run loads but saves no new checkpoints)."""
+
+    bus: BusConfig = BusConfig()
+    """NATS bus (embedded server unless bus.url is set)."""
+
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    """Weight transport (filesystem | nccl)."""
+
+    monitors: MonitorsConfig = MonitorsConfig()
+    """Metric sinks."""
+
+    deployment: DeploymentConfig = DeploymentConfig()
+    """Where the services run."""
+
+    log: LogConfig = LogConfig()
+    """Logging."""
+
+    otel: OtelConfig = OtelConfig()
+    """Tracing."""
+
+    dry_run: bool = False
+    """Write resolved configs and one launch script per process into the run directory; start nothing."""
+
+    trainer: TrainerConfig = TrainerConfig()
+    """Trainer service."""
+
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    """Orchestrator service."""
+
+    inference: InferenceConfig = InferenceConfig()
+    """Inference service."""
+
+    @model_validator(mode="after")
+    def _push_shared_values_down(self):
+        for service in (self.trainer, self.orchestrator):
+            push_down_model(service, "model", self.model)
+            for field in ("seq_len", "max_steps", "output_dir", "clean"):
+                push_down(service, field, getattr(self, field))
+            for field in ("run", "bus", "monitors", "log", "otel"):
+                push_down(service, field, getattr(self, field).model_copy(deep=True))
+        for field in ("resume", "ckpt", "weight_broadcast"):
+            push_down(self.trainer, field, getattr(self, field))
+        push_down(self.orchestrator, "num_train_ranks", self.deployment.num_train_gpus)
+        push_down(self.inference.vllm, "model", self.model.name)
+        push_down(self.inference.vllm, "max_model_len", self.seq_len)
+        for field in ("bus", "weight_broadcast", "log", "otel", "output_dir"):
+            push_down(self.inference, field, getattr(self, field))
+        return self

@@ -1,0 +1,256 @@
+"""Trainer service config (`trainer` command, and the base of `sft`)."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from rlbus.configs.base import BaseConfig
+from rlbus.configs.bus import BusConfig
+from rlbus.configs.common import (
+    CkptConfig,
+    LogConfig,
+    ModelConfig,
+    MonitorsConfig,
+    OtelConfig,
+    ResumeConfig,
+    RunConfig,
+    WeightBroadcastConfig,
+)
+
+
+class FullOffloadConfig(BaseConfig):
+    """Optimizer-in-backward with FP32 masters, gradients and optimizer state in host memory."""
+
+    backend: Literal["native", "torch"] = "native"
+    """`native`: torch's fused CPU optimizer kernel; `torch`: plain torch ops (debugging)."""
+
+    numa_binding: bool = True
+    """Pin the CPU optimizer threads to the NUMA node of the process."""
+
+
+class TrainerModelConfig(ModelConfig):
+    """The trained model and where its state lives."""
+
+    activation_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+    optim_cpu_offload: bool = True
+    """Keep optimizer state in host memory (state-only offload)."""
+
+    full_offload: FullOffloadConfig | bool = False
+    """FP32 masters, gradients and optimizer state on the host, optimizer step in backward.
+    `true` or a table selecting the backend; requires optim_cpu_offload = false and AdamW or
+    SignSGD; disables gradient clipping."""
+
+    @property
+    def full_offload_config(self) -> FullOffloadConfig | None:
+        if self.full_offload is True:
+            return FullOffloadConfig()
+        return self.full_offload or None
+
+    @model_validator(mode="after")
+    def _offload_modes_exclusive(self):
+        if self.full_offload_config is not None and self.optim_cpu_offload:
+            raise ValueError(
+                "model.full_offload and model.optim_cpu_offload are mutually exclusive: "
+                "set model.optim_cpu_offload = false (--no-model.optim-cpu-offload) to use full_offload"
+            )
+        return self
+
+
+class AdamWConfig(BaseConfig):
+    """AdamW (torch.optim.AdamW)."""
+
+    type: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.01, ge=0)
+    """Decoupled weight decay."""
+    betas: list[float] = [0.9, 0.999]
+    """Adam betas (two values)."""
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    max_norm: float | None = Field(1.0, gt=0)
+    """Gradient clipping norm (None disables)."""
+
+
+class SGDConfig(BaseConfig):
+    """SGD with optional momentum (torch.optim.SGD)."""
+
+    type: Literal["sgd"] = "sgd"
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate."""
+    momentum: float = Field(0.0, ge=0)
+    """Momentum factor."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Weight decay."""
+    max_norm: float | None = Field(1.0, gt=0)
+    """Gradient clipping norm (None disables)."""
+
+
+class SignSGDConfig(BaseConfig):
+    """Sign SGD: p -= lr * sign(grad). Keeps no state."""
+
+    type: Literal["sign_sgd"] = "sign_sgd"
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    max_norm: float | None = Field(1.0, gt=0)
+    """Gradient clipping norm (None disables)."""
+
+
+class MuonConfig(BaseConfig):
+    """Muon for 2-D weights (torch.optim.Muon), AdamW for the rest."""
+
+    type: Literal["muon"] = "muon"
+    lr: float = Field(2e-2, gt=0)
+    """Peak learning rate of the Muon parameter group."""
+    adamw_lr: float = Field(1e-5, gt=0)
+    """Learning rate of the AdamW group (embeddings, norms, biases)."""
+    momentum: float = Field(0.95, ge=0)
+    """Muon momentum."""
+    weight_decay: float = Field(0.01, ge=0)
+    """Weight decay."""
+    max_norm: float | None = Field(1.0, gt=0)
+    """Gradient clipping norm (None disables)."""
+
+
+OptimizerConfig = Annotated[
+    AdamWConfig | SGDConfig | SignSGDConfig | MuonConfig, Field(discriminator="type")
+]
+
+
+class ConstantSchedulerConfig(BaseConfig):
+    """Constant learning rate after warmup."""
+
+    type: Literal["constant"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps from 0 to the peak lr."""
+
+
+class LinearSchedulerConfig(BaseConfig):
+    """Linear decay after warmup."""
+
+    type: Literal["linear"] = "linear"
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps from 0 to the peak lr."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final lr as a fraction of the peak."""
+
+
+class CosineSchedulerConfig(BaseConfig):
+    """Cosine decay after warmup."""
+
+    type: Literal["cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps from 0 to the peak lr."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final lr as a fraction of the peak."""
+
+
+SchedulerConfig = Annotated[
+    ConstantSchedulerConfig | LinearSchedulerConfig | CosineSchedulerConfig,
+    Field(discriminator="type"),
+]
+
+
+class DefaultLossConfig(BaseConfig):
+    """Importance-weighted policy gradient with trust-region masking by probability difference."""
+
+    type: Literal["default"] = "default"
+    mask_low: float = Field(0.2, ge=0)
+    """Mask tokens whose trainer probability is lower than the inference probability by more than this."""
+    mask_high: float = Field(0.2, ge=0)
+    """Mask tokens whose trainer probability is higher than the inference probability by more than this."""
+    kl_tau: float = Field(0.0, ge=0)
+    """Weight of the `log_ratio^2` penalty."""
+
+
+class CustomLossConfig(BaseConfig):
+    """A user loss function given by import path."""
+
+    type: Literal["custom"] = "custom"
+    import_path: str
+    """`package.module:function` computing the loss from the micro-batch (see docs/trainer.md)."""
+    kwargs: dict[str, float | int | str | bool] = {}
+    """Extra keyword arguments passed to the function."""
+
+
+LossConfig = Annotated[DefaultLossConfig | CustomLossConfig, Field(discriminator="type")]
+
+
+class TrainerConfig(BaseConfig):
+    """The trainer service: consumes step batches, trains, checkpoints, publishes weights."""
+
+    model: TrainerModelConfig = TrainerModelConfig()
+    """Model to train."""
+
+    optim: OptimizerConfig = AdamWConfig()
+    """Optimizer (switch with `--optim.type`)."""
+
+    scheduler: SchedulerConfig = ConstantSchedulerConfig()
+    """Learning-rate schedule (switch with `--scheduler.type`)."""
+
+    loss: LossConfig = DefaultLossConfig()
+    """RL loss (switch with `--loss.type`)."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this step (None: run until stopped)."""
+
+    seq_len: int = Field(2048, ge=8)
+    """Tokens per packed micro-batch row."""
+
+    seed: int = 0
+    """Seed for torch and data order."""
+
+    output_dir: str = "outputs"
+    """Directory that groups runs."""
+
+    run: RunConfig = RunConfig()
+    """Run naming."""
+
+    clean: bool = False
+    """Wipe the run directory before starting."""
+
+    resume: ResumeConfig | None = None
+    """Resume from a checkpoint (bare `--resume`: latest; `--resume.step N`)."""
+
+    ckpt: CkptConfig | None = None
+    """Checkpointing (off unless set)."""
+
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    """How new weights reach inference."""
+
+    bus: BusConfig = BusConfig()
+    """NATS bus."""
+
+    monitors: MonitorsConfig = MonitorsConfig()
+    """Metric sinks."""
+
+    log: LogConfig = LogConfig()
+    """Logging."""
+
+    otel: OtelConfig = OtelConfig()
+    """Tracing."""
+
+    dry_run: bool = False
+    """Write resolved configs and scripts, start nothing."""
+
+    @model_validator(mode="after")
+    def _full_offload_rules(self):
+        if self.model.full_offload_config is None:
+            return self
+        if self.optim.type not in ("adamw", "sign_sgd"):
+            raise ValueError(
+                f"model.full_offload supports optim.type adamw or sign_sgd, not {self.optim.type!r}: "
+                "set --optim.type adamw (or sign_sgd), or drop model.full_offload"
+            )
+        # Gradients are consumed parameter by parameter during backward: no global norm exists.
+        if "max_norm" in self.optim.model_fields_set and self.optim.max_norm is not None:
+            raise ValueError(
+                "model.full_offload disables gradient clipping: drop optim.max_norm "
+                "(or set it to None), or turn full_offload off"
+            )
+        self.optim.max_norm = None
+        return self
