@@ -1,0 +1,53 @@
+"""Train batches: everything the trainer needs for one optimizer step.
+
+Sender: orchestrator coordinator (once per step, to `subjects.batch(step)`, message id
+`batch-<step>`). Receiver: trainer (reads step N by subject, so a restarted trainer re-reads the
+steps after its checkpoint). Large batches travel by claim check (see `rlbus.bus`).
+"""
+
+from typing import Any
+
+import msgspec
+
+from rlbus.wire.base import Message, now
+
+
+class MicroBatch(msgspec.Struct, kw_only=True, array_like=True):
+    """One packed micro-batch: several sequences concatenated into flat token lists.
+
+    All per-token lists have the same length `sum(seq_lens)`. Hot path: array_like.
+    """
+
+    input_ids: list[int]
+    position_ids: list[int]
+    """Restart at 0 for each packed sequence."""
+    loss_mask: list[int]
+    """1 where the token's loss counts (completion tokens), else 0."""
+    advantages: list[float]
+    inference_logprobs: list[float]
+    """Logprob of each token under the policy that sampled it (0.0 on prompt tokens)."""
+    temperatures: list[float]
+    """Sampling temperature per token (logits are divided by it before the loss)."""
+    seq_lens: list[int]
+    """Length of each packed sequence."""
+
+
+class TrainBatch(Message, kw_only=True):
+    """Step `step`'s data, split per data-parallel rank."""
+
+    step: int
+    micro_batches: list[list[MicroBatch]]
+    """`micro_batches[rank]` is the list of micro-batches of data-parallel rank `rank`."""
+    num_samples: int = 0
+    num_tokens: int = 0
+    min_policy_version: int = 0
+    max_policy_version: int = 0
+    task_ids: list[str] = []
+    metrics: dict[str, float] = {}
+    """Orchestrator-side metrics of this batch (reward mean, lengths, off-policy drops, ...)."""
+    metadata: dict[str, Any] = {}
+    created_at: float = msgspec.field(default_factory=now)
+
+
+encoder = msgspec.msgpack.Encoder()
+decoder = msgspec.msgpack.Decoder(TrainBatch)

@@ -1,0 +1,54 @@
+"""Rollouts: one finished group of samples for one task.
+
+Sender: orchestrator rollout workers. Receiver: orchestrator coordinator (durable pull consumer on
+the work-queue stream `subjects.rollouts`; acked only after the batch holding it is stored). The
+message id is `task_id` (plus the attempt when a task is redone), so a retried publish is a no-op.
+"""
+
+from typing import Any
+
+import msgspec
+
+from rlbus.wire.base import Message, now
+
+
+class RolloutSample(msgspec.Struct, kw_only=True, array_like=True):
+    """One sample of a group. Hot path: positional (array_like) encoding."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    """Inference logprob of each completion token (same length as completion_token_ids)."""
+    completion_mask: list[int]
+    """Loss mask over completion tokens (1 = trained; 0 = e.g. tool output in multi-turn)."""
+    reward: float = 0.0
+    reward_components: dict[str, float] = {}
+    finish_reason: str | None = None
+    """`stop`, `length`, ... as reported by inference."""
+    is_truncated: bool = False
+    policy_version: int = 0
+    """Weights version that generated the completion (oldest one if it changed mid-sample)."""
+    replica_id: str | None = None
+    timings: dict[str, float] = {}
+    """Named durations in seconds (e.g. `generate`, `score`)."""
+    temperature: float = 1.0
+    completion_text: str | None = None
+
+
+class Rollout(Message, kw_only=True):
+    """One finished group (all samples of one task)."""
+
+    task_id: str
+    step: int
+    env_id: str
+    example_id: int | str | None = None
+    samples: list[RolloutSample] = []
+    worker_id: str | None = None
+    error: str | None = None
+    """Set when the group could not be produced; samples are then empty."""
+    metadata: dict[str, Any] = {}
+    finished_at: float = msgspec.field(default_factory=now)
+
+
+encoder = msgspec.msgpack.Encoder()
+decoder = msgspec.msgpack.Decoder(Rollout)

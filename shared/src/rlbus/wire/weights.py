@@ -1,0 +1,62 @@
+"""Weights: published versions and the replicas' acknowledgements.
+
+- `WeightsPublished`: sender trainer rank 0, stored in the KV bucket `subjects.weights_bucket`
+  under key `subjects.WEIGHTS_LATEST_KEY` (and appended to the events stream); receivers: the
+  inference weight agents (KV watch) and the orchestrator (off-policy control).
+- `WeightsApplied` / `WeightsFailed`: sender an inference replica's weight agent, on
+  `subjects.weights_applied` / `subjects.weights_failed` (events stream); receivers: orchestrator,
+  trainer (pruning old broadcasts), monitors.
+"""
+
+from typing import Literal
+
+import msgspec
+
+from rlbus.wire.base import Message, now
+
+
+class WeightFile(msgspec.Struct, kw_only=True):
+    """One file of a filesystem broadcast, relative to `location`."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+class WeightsPublished(Message, kw_only=True, tag="weights_published"):
+    """Weights version `version` (= trainer step) is ready."""
+
+    version: int
+    transport: Literal["filesystem", "nccl"]
+    location: str
+    """filesystem: the broadcast directory; nccl: the rendezvous address `host:port`."""
+    files: list[WeightFile] = []
+    dtype: str = "float32"
+    lora_name: str | None = None
+    """Set when only a LoRA adapter is published."""
+    published_at: float = msgspec.field(default_factory=now)
+
+
+class WeightsApplied(Message, kw_only=True, tag="weights_applied"):
+    """A replica now serves `version`."""
+
+    version: int
+    replica_id: str
+    duration_s: float = 0.0
+    applied_at: float = msgspec.field(default_factory=now)
+
+
+class WeightsFailed(Message, kw_only=True, tag="weights_failed"):
+    """A replica could not apply `version` (it keeps serving its previous version)."""
+
+    version: int
+    replica_id: str
+    reason: str
+    failed_at: float = msgspec.field(default_factory=now)
+
+
+WeightsMessage = WeightsPublished | WeightsApplied | WeightsFailed
+
+encoder = msgspec.msgpack.Encoder()
+decoder = msgspec.msgpack.Decoder(WeightsMessage)
+published_decoder = msgspec.msgpack.Decoder(WeightsPublished)
