@@ -1,0 +1,130 @@
+"""The environment interface: a dataset of problems plus an async episode function.
+
+An environment owns three things:
+
+- a dataset with a `train` and an `eval` split; `example(split, index)` is deterministic for a
+  given seed, so the coordinator's data cursor (an integer) is all that is needed to resume;
+- `run_episode(client, problem, sampling)`: plays one episode (one or more chat turns) against
+  inference through a `ChatClient` and returns a `RolloutSample` (token ids, logprobs, loss mask,
+  reward and its named components);
+- nothing else: no bus, no batching. Rollout workers call `run_episode` `group_size` times per
+  task; the coordinator turns the samples into advantages and batches.
+
+Multi-turn environments call `client.chat` once per turn and merge the turns with `merge_turns`:
+tokens the environment adds between two model turns (tool output, user replies) become part of
+the completion with loss mask 0, so the trainer sees one sequence per episode.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from rlbus.wire.rollouts import RolloutSample
+from rlbus.wire.tasks import Problem, SamplingArgs
+
+Split = Literal["train", "eval"]
+
+
+@dataclass
+class ChatTurn:
+    """One completion from inference, with the tokens the trainer needs."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float]
+    text: str
+    finish_reason: str | None
+    policy_version: int
+    replica_id: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class ChatClient(Protocol):
+    """What an episode talks to: an OpenAI-style chat endpoint that also returns token ids."""
+
+    async def chat(self, messages: list[dict[str, Any]], sampling: SamplingArgs) -> ChatTurn: ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A dataset of problems and an episode function (see module docstring)."""
+
+    env_id: str
+
+    def num_examples(self, split: Split) -> int | None:
+        """Examples in `split`; None for an unbounded generated split."""
+        ...
+
+    def example(self, split: Split, index: int) -> Problem:
+        """The `index`-th problem of `split` (deterministic)."""
+        ...
+
+    async def run_episode(self, client: ChatClient, problem: Problem, sampling: SamplingArgs) -> RolloutSample:
+        """Play one episode and score it."""
+        ...
+
+
+def problem_messages(problem: Problem) -> list[dict[str, Any]]:
+    """The problem's chat messages as plain dicts (what the OpenAI API takes)."""
+    assert problem.messages is not None, "chat environments need problem.messages"
+    return [{"role": m.role, "content": m.content} for m in problem.messages]
+
+
+def merge_turns(turns: list[ChatTurn]) -> tuple[list[int], list[int], list[float], list[int]]:
+    """Flatten the turns of one episode into (prompt ids, completion ids, logprobs, mask).
+
+    Each turn's prompt must extend the previous prompt + completion (the chat template re-renders
+    the conversation); the extension is environment text: kept in the sequence, masked out.
+    """
+    assert turns, "an episode has at least one turn"
+    prompt = list(turns[0].prompt_token_ids)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    mask: list[int] = []
+    for turn in turns:
+        seen = prompt + ids
+        if turn is not turns[0]:
+            if turn.prompt_token_ids[: len(seen)] != seen:
+                raise ValueError(
+                    "multi-turn prompt does not extend the previous turn's tokens; the chat template "
+                    "must render earlier turns unchanged for token-level training"
+                )
+            extra = turn.prompt_token_ids[len(seen):]
+            ids += extra
+            logprobs += [0.0] * len(extra)
+            mask += [0] * len(extra)
+        ids += turn.completion_token_ids
+        logprobs += turn.completion_logprobs
+        mask += [1] * len(turn.completion_token_ids)
+    return prompt, ids, logprobs, mask
+
+
+def sample_from_turns(
+    turns: list[ChatTurn],
+    *,
+    reward: float,
+    reward_components: dict[str, float],
+    sampling: SamplingArgs,
+    completion_text: str | None = None,
+) -> RolloutSample:
+    """A scored `RolloutSample` from the turns of one episode."""
+    prompt, ids, logprobs, mask = merge_turns(turns)
+    last = turns[-1]
+    timings: dict[str, float] = {}
+    for turn in turns:
+        for key, value in turn.timings.items():
+            timings[key] = timings.get(key, 0.0) + value
+    return RolloutSample(
+        prompt_token_ids=prompt,
+        completion_token_ids=ids,
+        completion_logprobs=logprobs,
+        completion_mask=mask,
+        reward=reward,
+        reward_components=reward_components,
+        finish_reason=last.finish_reason,
+        is_truncated=last.finish_reason == "length",
+        policy_version=min(t.policy_version for t in turns),
+        replica_id=last.replica_id,
+        timings=timings,
+        temperature=sampling.temperature,
+        completion_text=completion_text if completion_text is not None else last.text,
+    )
