@@ -1,9 +1,291 @@
-"""The base class of every rlbus config.
+"""The base class of every rlbus config, and the command-line loader every entry point uses.
 
 `pydantic_config.BaseConfig` is a pydantic model with `extra="forbid"` plus the before-validators
 the CLI loader relies on ("None" strings, dict value coercion, default union tags).
+
+`parse_cli(Cls)` is `pydantic_config.cli(Cls)` with a thin layer around it (docs/configuration.md
+says why each piece exists):
+- `--a-b.c-d @ file.toml`: the file is nested under the snake_case path (pydantic_config nests it
+  under the raw kebab-case path, which then fails validation);
+- validation errors are re-rendered so the flag shown is the one the user types (pydantic puts the
+  discriminator tag into error locations: `--trainer.optim.muon.lr` -> `--trainer.optim.lr`) and
+  "did you mean" compares whole dotted paths, including fields inside optional sub-configs and
+  union variants;
+- bad JSON values and every other loader error end in the same box, exit code 2, no traceback;
+- `--print-config` prints the resolved config as TOML and exits.
 """
 
-from pydantic_config import BaseConfig
+import difflib
+import json
+import sys
+import types
+from typing import Any, NoReturn, TypeVar, Union, get_args, get_origin
 
-__all__ = ["BaseConfig"]
+from pydantic import AliasChoices, BaseModel, ValidationError
+from pydantic_config import BaseConfig, ConfigFileError, cli
+
+T = TypeVar("T", bound=BaseModel)
+
+PRINT_CONFIG_FLAG = "--print-config"
+EXIT_CONFIG_ERROR = 2
+
+
+# --- walking the config tree -------------------------------------------------------------------
+
+
+def _strip_annotated(annotation: Any) -> Any:
+    return get_args(annotation)[0] if hasattr(annotation, "__metadata__") else annotation
+
+
+def _model_variants(annotation: Any) -> list[type[BaseModel]]:
+    """The BaseModel classes a field can hold: itself, the X of `X | None`, or union variants."""
+    inner = _strip_annotated(annotation)
+    if isinstance(inner, type) and issubclass(inner, BaseModel):
+        return [inner]
+    if get_origin(inner) in (Union, types.UnionType):
+        return [a for a in get_args(inner) if isinstance(a, type) and issubclass(a, BaseModel)]
+    return []
+
+
+def _container_item_model(annotation: Any) -> type[BaseModel] | None:
+    """X for `list[X]` / `dict[str, X]` (optionally `| None`) when X is a BaseModel."""
+    inner = _strip_annotated(annotation)
+    if get_origin(inner) in (Union, types.UnionType):
+        non_none = [a for a in get_args(inner) if a is not type(None)]
+        if len(non_none) != 1:
+            return None
+        inner = non_none[0]
+    if get_origin(inner) in (list, dict):
+        item = get_args(inner)[-1] if get_args(inner) else None
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            return item
+    return None
+
+
+def _field_names(name: str, finfo: Any) -> list[str]:
+    """The field name plus every validation alias it accepts."""
+    names = [name]
+    alias = finfo.validation_alias
+    choices = alias.choices if isinstance(alias, AliasChoices) else [alias] if alias else []
+    names += [c for c in choices if isinstance(c, str) and c != name]
+    return names
+
+
+def known_flag_paths(cls: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted kebab-case flag path of `cls`: leaves, optional sub-configs (which are flags
+    themselves: `--monitors.wandb`), and the fields of every union variant."""
+    paths: list[str] = []
+    for name, finfo in cls.model_fields.items():
+        for spelling in _field_names(name, finfo):
+            path = f"{prefix}.{spelling.replace('_', '-')}" if prefix else spelling.replace("_", "-")
+            variants = _model_variants(finfo.annotation)
+            annotation = _strip_annotated(finfo.annotation)
+            is_plain_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            if not variants or not is_plain_model:
+                paths.append(path)
+            for variant in variants:
+                paths += known_flag_paths(variant, path)
+    return sorted(set(paths))
+
+
+def _variant_for_tag(variants: list[type[BaseModel]], tag: Any) -> type[BaseModel] | None:
+    for variant in variants:
+        type_field = variant.model_fields.get("type")
+        if type_field is not None and type_field.default == tag:
+            return variant
+    return None
+
+
+def loc_to_flag(cls: type[BaseModel], loc: tuple) -> str:
+    """A pydantic error location as the flag the user types: discriminator tags and pydantic's
+    union-member names dropped, list indices as `[i]`, snake_case as kebab-case."""
+    parts: list[str] = []
+    model: type[BaseModel] | None = cls
+    i = 0
+    while i < len(loc):
+        segment = loc[i]
+        i += 1
+        if isinstance(segment, int):
+            if parts:
+                parts[-1] += f"[{segment}]"
+            continue
+        segment = str(segment)
+        finfo = None
+        if model is not None:
+            finfo = next(
+                (f for n, f in model.model_fields.items() if segment in _field_names(n, f)), None
+            )
+        parts.append(segment.replace("_", "-"))
+        if finfo is None:
+            model = None
+            continue
+        variants = _model_variants(finfo.annotation)
+        item = _container_item_model(finfo.annotation)
+        if item is not None:
+            model = item
+        elif len(variants) == 1:
+            model = variants[0]
+            # `X | None` errors carry the member name (`WandbMonitorConfig`) as a loc segment.
+            if i < len(loc) and loc[i] == model.__name__:
+                i += 1
+        elif len(variants) > 1:
+            tagged = _variant_for_tag(variants, loc[i]) if i < len(loc) else None
+            if tagged is not None:
+                model = tagged
+                i += 1
+            else:
+                named = next((v for v in variants if i < len(loc) and v.__name__ == loc[i]), None)
+                model = named
+                i += 1 if named else 0
+        else:
+            model = None
+    return "--" + ".".join(parts) if parts else "<config>"
+
+
+def suggest_flag(unknown: str, known: list[str]) -> str | None:
+    """The closest known flag: first among siblings (same parent path), then among all flags."""
+    parent, _, leaf = unknown.rpartition(".")
+    siblings = [k for k in known if k.rpartition(".")[0] == parent]
+    match = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.6)
+    if match:
+        return f"{parent}.{match[0]}" if parent else match[0]
+    match = difflib.get_close_matches(unknown, known, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def format_validation_error(cls: type[BaseModel], error: ValidationError) -> str:
+    """One `--flag: message` line per error, with the input and a "did you mean" where useful."""
+    known = known_flag_paths(cls)
+    count = len(error.errors())
+    lines = [f"{count} invalid value{'s' if count != 1 else ''} for {cls.__name__}:"]
+    for err in error.errors():
+        flag = loc_to_flag(cls, tuple(err["loc"]))
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            message = "required field is missing: set it in the TOML file or pass " + flag
+        elif err["type"] == "extra_forbidden":
+            message = "unknown option"
+        value = err.get("input")
+        if value is not None and not isinstance(value, (dict, list)) and err["type"] != "missing":
+            message += f" (got {value!r})"
+        if err["type"] == "extra_forbidden":
+            hint = suggest_flag(flag.removeprefix("--"), known)
+            if hint:
+                message += f"; did you mean --{hint}?"
+        lines.append(f"{flag}: {message}")
+    return "\n".join(lines)
+
+
+def exit_with_config_error(message: str, title: str = "Config error") -> NoReturn:
+    """Print `message` in a box on stderr and exit with EXIT_CONFIG_ERROR, without a traceback."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.text import Text
+
+    console = Console(stderr=True, highlight=False)
+    console.print(Panel(Text(message), title=title, title_align="left", border_style="red", expand=False))
+    sys.exit(EXIT_CONFIG_ERROR)
+
+
+# --- argument pre-processing -------------------------------------------------------------------
+
+
+def _snake_case_file_targets(args: list[str]) -> list[str]:
+    """`--trainer.weight-broadcast @ f.toml` -> `--trainer.weight_broadcast @ f.toml`: the loader
+    nests the file under the flag path verbatim, and config keys are snake_case."""
+    out = list(args)
+    for i, token in enumerate(out[:-1]):
+        if token.startswith("--") and out[i + 1].startswith("@"):
+            out[i] = "--" + token[2:].replace("-", "_")
+    return out
+
+
+def _bool_union_paths(cls: type[BaseModel], prefix: str = "") -> set[str]:
+    """Flag paths of fields typed `X | bool` (e.g. `model.full_offload: FullOffloadConfig | bool`);
+    pydantic_config treats only plain `bool` fields as toggles."""
+    paths: set[str] = set()
+    for name, finfo in cls.model_fields.items():
+        path = f"{prefix}.{name.replace('_', '-')}" if prefix else name.replace("_", "-")
+        inner = _strip_annotated(finfo.annotation)
+        if get_origin(inner) in (Union, types.UnionType) and bool in get_args(inner):
+            paths.add(path)
+        for variant in _model_variants(finfo.annotation):
+            paths |= _bool_union_paths(variant, path)
+    return paths
+
+
+def _expand_bool_union_toggles(args: list[str], paths: set[str]) -> list[str]:
+    """`--x` -> `--x true` and `--no-x` -> `--x false` for `X | bool` fields, so they toggle
+    like plain bools (`--model.full-offload`), while `--x @ file.toml` still selects a table."""
+    out: list[str] = []
+    for i, token in enumerate(args):
+        following = args[i + 1] if i + 1 < len(args) else "--"
+        takes_no_value = following.startswith("--")
+        if token.startswith("--no-") and token[5:] in paths:
+            out += ["--" + token[5:], "false"]
+        elif token.startswith("--") and token[2:] in paths and takes_no_value:
+            out += [token, "true"]
+        else:
+            out.append(token)
+    return out
+
+
+# --- TOML output -------------------------------------------------------------------------------
+
+
+def _none_as_string(value: Any) -> Any:
+    """TOML has no null: pydantic_config reads the string "None" back as None."""
+    if value is None:
+        return "None"
+    if isinstance(value, dict):
+        return {k: _none_as_string(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_none_as_string(v) for v in value]
+    return value
+
+
+def config_to_toml(config: BaseModel) -> str:
+    """The full config as TOML that `@ file.toml` loads back to an equal config."""
+    import tomli_w
+
+    return tomli_w.dumps(_none_as_string(config.model_dump(mode="json")))
+
+
+# --- the loader --------------------------------------------------------------------------------
+
+
+def parse_cli(
+    cls: type[T], args: list[str] | None = None, *, prog: str | None = None, description: str | None = None
+) -> T:
+    """Parse `@ file` references and `--flags` into a validated `cls`; on a user error print a
+    box and exit 2. `--help` prints the panels and exits 0; `--print-config` prints TOML and exits 0."""
+    args = list(sys.argv[1:] if args is None else args)
+    print_config = PRINT_CONFIG_FLAG in args
+    args = [a for a in args if a != PRINT_CONFIG_FLAG]
+    args = _snake_case_file_targets(_expand_bool_union_toggles(args, _bool_union_paths(cls)))
+    try:
+        config = cli(cls, args=args, prog=prog, description=description or (cls.__doc__ or "").strip())
+    except ConfigFileError as error:
+        cause = error.__cause__
+        if isinstance(cause, ValidationError):
+            exit_with_config_error(format_validation_error(cls, cause))
+        exit_with_config_error(error.message)
+    except json.JSONDecodeError as error:
+        exit_with_config_error(f"a JSON value on the command line does not parse: {error}")
+    except ValidationError as error:  # raised by a before-validator outside the loader's wrapping
+        exit_with_config_error(format_validation_error(cls, error))
+    if print_config:
+        sys.stdout.write(config_to_toml(config))
+        sys.exit(0)
+    return config
+
+
+__all__ = [
+    "BaseConfig",
+    "config_to_toml",
+    "exit_with_config_error",
+    "format_validation_error",
+    "known_flag_paths",
+    "loc_to_flag",
+    "parse_cli",
+]

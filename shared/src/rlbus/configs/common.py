@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from rlbus.configs.base import BaseConfig
 
@@ -45,8 +45,9 @@ class CkptConfig(BaseConfig):
     interval: int = Field(50, ge=1)
     """Save a checkpoint every `interval` steps (and at the last step)."""
 
-    keep_last: int | None = Field(2, ge=1)
-    """Keep only the newest N complete checkpoints (None keeps all)."""
+    keep_last: int | None = Field(2, ge=1, validation_alias=AliasChoices("keep_last", "keep"))
+    """Keep only the newest N complete checkpoints (None keeps all). Formerly `keep`, which is
+    still accepted."""
 
 
 class FileMonitorConfig(BaseConfig):

@@ -5,6 +5,8 @@ and pushed down into `trainer`, `orchestrator` and `inference`; a value set expl
 service (`--trainer.max-steps 5`) wins over the pushed one.
 """
 
+from typing import Any
+
 from pydantic import BaseModel, Field, model_validator
 
 from rlbus.configs.base import BaseConfig
@@ -23,6 +25,7 @@ from rlbus.configs.common import (
 from rlbus.configs.inference import InferenceConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.configs.trainer import TrainerConfig
+from rlbus.runs import resolve_run_dir
 
 
 def push_down(target: BaseModel, field: str, value: object) -> None:
@@ -98,8 +101,34 @@ class RLConfig(BaseConfig):
     inference: InferenceConfig = InferenceConfig()
     """Inference service."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _remap_legacy_keys(cls, data: Any) -> Any:
+        """Older configs had a top-level `[wandb]` table (and `--wandb` flag); it now lives under
+        `[monitors.wandb]`. Move it there so those configs keep working."""
+        if not isinstance(data, dict) or "wandb" not in data:
+            return data
+        legacy = data.pop("wandb")
+        monitors = dict(data.get("monitors") or {})
+        if legacy is True or legacy == {}:
+            legacy = {}
+        elif legacy in (False, None, "None"):
+            legacy = None
+        current = monitors.get("wandb")
+        if isinstance(legacy, dict) and isinstance(current, dict):
+            legacy = {**legacy, **current}  # the new spelling wins over the legacy one
+        monitors["wandb"] = legacy
+        data["monitors"] = monitors
+        return data
+
     @model_validator(mode="after")
     def _push_shared_values_down(self):
+        self.push_shared_values_down()
+        return self
+
+    def push_shared_values_down(self) -> None:
+        """Copy the shared values into the service configs, except where a service sets its own.
+        Idempotent: called on validation and again once the launcher has named the run."""
         for service in (self.trainer, self.orchestrator):
             push_down_model(service, "model", self.model)
             for field in ("seq_len", "max_steps", "output_dir", "clean"):
@@ -112,5 +141,21 @@ class RLConfig(BaseConfig):
         push_down(self.inference.vllm, "model", self.model.name)
         push_down(self.inference.vllm, "max_model_len", self.seq_len)
         for field in ("bus", "weight_broadcast", "log", "otel", "output_dir"):
-            push_down(self.inference, field, getattr(self, field))
-        return self
+            push_down(self.inference, field, getattr(self, field).model_copy(deep=True)
+                      if isinstance(getattr(self, field), BaseModel) else getattr(self, field))
+        if self.run.name is not None:
+            push_down(self.inference, "run_dir", str(resolve_run_dir(self.output_dir, self.run.name, self.run.dir)))
+
+    def env_ids(self) -> list[str]:
+        """Environment ids of the run (for the run name)."""
+        return [env.id for env in self.orchestrator.env]
+
+    def with_run_name(self, name: str) -> "RLConfig":
+        """A copy whose run is named `name` (and bus subjects prefixed by it unless `bus.run_id`
+        is set), pushed down again to every service."""
+        config = self.model_copy(deep=True)
+        config.run.name = name
+        if config.bus.run_id is None:
+            config.bus.run_id = name
+        config.push_shared_values_down()
+        return config

@@ -1,0 +1,188 @@
+"""Run directories: `<output_dir>/<run.dir or run.name>`, their names, and the clean/resume rules.
+
+Every launch writes all its artifacts (logs, configs, scripts, checkpoints, broadcasts, the NATS
+store, metrics) into one run directory. Launchers (`rl`, `sft`) call `prepare_run_dir` once,
+before anything is written; the services they start only `resolve_run_dir` the same directory
+from the resolved configs the launcher wrote.
+
+Rules (docs/run-directories.md):
+- `run.name` unset: a fresh readable name `<envs>--<model>--<short-id>` (SFT:
+  `<dataset>--<model>--<short-id>`) per launch, so two launches never share a directory.
+- a directory that already holds artifacts is refused unless `--resume` (continue it) or `--clean`
+  (wipe it, and only it, first).
+- `--resume` needs an existing directory, hence a predictable `--run.name`; `--resume.step N`
+  needs checkpoint N. Without `[ckpt]` a resumed run loads its checkpoint but saves no new ones.
+- `--clean` never deletes anything that is not strictly inside `output_dir`, nor a directory that
+  contains the working directory or the home directory, nor through a symlink.
+"""
+
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger()
+
+CHECKPOINTS_DIR = "checkpoints"
+"""Checkpoints live in `<run_dir>/checkpoints/step_<N>/` (written by the trainer)."""
+
+RUN_SUBDIRS = ("logs", "configs", "scripts")
+"""Created by `prepare_run_dir`; the services add their own (checkpoints, broadcasts, nats, ...)."""
+
+
+class RunDirError(ValueError):
+    """A run directory rule was broken; the message names the flag that fixes it."""
+
+
+def short_id() -> str:
+    """6 random hex characters: enough to keep launches of one minute apart."""
+    return secrets.token_hex(3)
+
+
+def slug(text: str) -> str:
+    """A path-safe lowercase fragment: `Qwen/Qwen3-0.6B` -> `qwen3-0.6b`, `data/train.jsonl` -> `train`."""
+    leaf = text.rstrip("/").split("/")[-1] or text
+    for suffix in (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".txt"):
+        if leaf.endswith(suffix):
+            leaf = leaf[: -len(suffix)]
+    cleaned = re.sub(r"[^a-z0-9._+-]+", "-", leaf.lower()).strip("-.")
+    return cleaned or "run"
+
+
+def rl_run_name(env_ids: list[str], model_name: str) -> str:
+    """`<envs>--<model>--<short-id>`, e.g. `reverse-text--qwen3-0.6b--3f9a1c`."""
+    envs = "+".join(slug(env_id) for env_id in env_ids) or "noenv"
+    return f"{envs}--{slug(model_name)}--{short_id()}"
+
+
+def sft_run_name(dataset: str, model_name: str) -> str:
+    """`<dataset>--<model>--<short-id>`, e.g. `reverse-text--tiny-qwen3--3f9a1c`."""
+    return f"{slug(dataset)}--{slug(model_name)}--{short_id()}"
+
+
+def run_leaf(run_name: str | None, run_dir: str | None) -> str:
+    """The directory leaf under output_dir: `run.dir` when set, else `run.name`."""
+    leaf = run_dir or run_name
+    assert leaf, "run.name must be resolved before the run directory"
+    return leaf
+
+
+def resolve_run_dir(output_dir: str | Path, run_name: str | None, run_dir: str | None = None) -> Path:
+    """`<output_dir>/<run.dir or run.name>` (not created, not checked)."""
+    return Path(output_dir) / run_leaf(run_name, run_dir)
+
+
+def has_artifacts(run_dir: Path) -> bool:
+    """Whether the directory exists and holds anything at all."""
+    return run_dir.is_dir() and any(run_dir.iterdir())
+
+
+def check_safe_to_clean(run_dir: Path, output_dir: Path) -> None:
+    """Refuse to wipe anything but a real directory strictly inside output_dir."""
+    if run_dir.is_symlink():
+        raise RunDirError(f"--clean refuses to wipe {run_dir}: it is a symlink; remove it by hand")
+    target = run_dir.resolve()
+    root = output_dir.resolve()
+    if target == root or root not in target.parents:
+        raise RunDirError(
+            f"--clean refuses to wipe {run_dir}: it is not strictly inside output_dir {output_dir}; "
+            "check --run.name / --run.dir (no '..', no absolute paths)"
+        )
+    protected = {Path("/"), Path.home().resolve(), Path.cwd().resolve()}
+    for path in protected:
+        if target == path or target in path.parents:
+            raise RunDirError(
+                f"--clean refuses to wipe {run_dir}: it contains {path}; choose another --output-dir"
+            )
+
+
+def check_leaf_stays_inside(run_dir: Path, output_dir: Path) -> None:
+    """`run.name`/`run.dir` must not climb out of output_dir (`..`, absolute paths)."""
+    target = run_dir.resolve()
+    root = output_dir.resolve()
+    if target == root or root not in target.parents:
+        raise RunDirError(
+            f"run directory {run_dir} is not inside output_dir {output_dir}: "
+            "--run.name / --run.dir must be a relative name without '..'"
+        )
+
+
+def list_checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps of the checkpoints in `<run_dir>/checkpoints/step_<N>/`, ascending."""
+    ckpt_root = run_dir / CHECKPOINTS_DIR
+    if not ckpt_root.is_dir():
+        return []
+    steps = []
+    for path in ckpt_root.iterdir():
+        match = re.fullmatch(r"step_(\d+)", path.name)
+        if match and path.is_dir():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def resolve_resume_step(run_dir: Path, step: int | None) -> int | None:
+    """The checkpoint step a resumed run loads: `step` if it exists, else the latest; None when
+    the run has no checkpoint yet (it then continues from its bus state only)."""
+    steps = list_checkpoint_steps(run_dir)
+    if step is None:
+        return steps[-1] if steps else None
+    if step not in steps:
+        available = ", ".join(map(str, steps)) or "none"
+        raise RunDirError(
+            f"--resume.step {step}: no checkpoint {run_dir / CHECKPOINTS_DIR / f'step_{step}'} "
+            f"(available steps: {available}); pass one of them or a bare --resume for the latest"
+        )
+    return step
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a launcher decided about its run directory."""
+
+    run_dir: Path
+    resuming: bool
+    resume_step: int | None
+    """Checkpoint to load (None: start from the model / bus state only)."""
+    save_checkpoints: bool
+    """False when no `[ckpt]` is configured: a resumed run then loads but saves nothing new."""
+
+
+def prepare_run_dir(
+    output_dir: str | Path,
+    run_name: str,
+    run_dir: str | None = None,
+    *,
+    resume: bool = False,
+    resume_step: int | None = None,
+    clean: bool = False,
+    name_was_given: bool = True,
+    ckpt_enabled: bool = False,
+) -> RunPlan:
+    """Apply the run-directory rules, wipe on `clean`, create the directory and its subdirs."""
+    output = Path(output_dir)
+    path = resolve_run_dir(output, run_name, run_dir)
+    check_leaf_stays_inside(path, output)
+    if resume and clean:
+        raise RunDirError("--resume and --clean exclude each other: --clean would wipe what --resume loads")
+    if resume and not name_was_given:
+        raise RunDirError("--resume needs the name of the run to continue: pass --run.name <name>")
+    if resume and not path.is_dir():
+        raise RunDirError(
+            f"--resume: no run directory {path}; pass the --run.name (and --output-dir) of an existing run"
+        )
+    if clean and path.exists():
+        check_safe_to_clean(path, output)
+        shutil.rmtree(path)
+        log.info("run_dir_cleaned", run_dir=str(path))
+    elif has_artifacts(path) and not resume:
+        raise RunDirError(
+            f"run directory {path} already holds artifacts: pass --resume to continue that run, "
+            "or --clean to wipe it first (or choose another --run.name)"
+        )
+    step = resolve_resume_step(path, resume_step) if resume else None
+    for sub in RUN_SUBDIRS:
+        (path / sub).mkdir(parents=True, exist_ok=True)
+    return RunPlan(run_dir=path, resuming=resume, resume_step=step, save_checkpoints=ckpt_enabled)
