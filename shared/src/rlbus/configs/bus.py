@@ -50,3 +50,35 @@ class BusConfig(BaseConfig):
 
     duplicate_window_s: float = Field(120.0, gt=0)
     """JetStream dedup window for Nats-Msg-Id."""
+
+    connect_retry_s: float = Field(30.0, ge=0)
+    """How long the first connection is retried while no server answers (bad credentials fail at once)."""
+
+    reconnect_wait_s: float = Field(0.5, gt=0)
+    """Pause between reconnect attempts (the client reconnects forever)."""
+
+    ping_interval_s: float = Field(10.0, gt=0)
+    """Client ping interval; a dead server is noticed after ~3 missed pings."""
+
+    publish_timeout_s: float = Field(5.0, gt=0)
+    """Timeout of one JetStream publish acknowledgement."""
+
+    publish_retry_s: float = Field(120.0, gt=0)
+    """Total time a publish is retried (same Nats-Msg-Id, so never duplicated) before it fails."""
+
+    ack_wait_s: float = Field(30.0, gt=0)
+    """AckWait of the durable consumers; the bus sends in_progress() every third of it while a
+    message is held, so long handlers are not redelivered."""
+
+    max_deliver: int = Field(-1)
+    """Deliveries of one message before JetStream gives up (-1: unlimited)."""
+
+    max_ack_pending: int = Field(1000, ge=1)
+    """Unacknowledged messages a durable consumer may have outstanding."""
+
+    claim_check_bytes: int | None = Field(None, ge=1024)
+    """Payloads above this size go through the claim check (shared storage). Default: the server's
+    max_payload minus 256 KiB."""
+
+    fsync_always: bool = False
+    """Embedded server: fsync every write (safe against power loss, ~3-8x slower publishes)."""

@@ -1,0 +1,46 @@
+"""The NATS JetStream layer: the only code in rlbus that touches nats-py.
+
+- `Bus` (client.py): connect, ensure topology, publish (msg id, trace headers, claim check,
+  retries), consumers, step log, KV, leases, control request/reply.
+- `Consumer` / `Delivery` (consumer.py): pull-consume runner with ack/nak/term/in_progress.
+- `StepLog` (steplog.py): train batches keyed by step.
+- `KV` / `Lease` (kv.py): bucket wrappers and TTL leases with heartbeats.
+- `NatsServer` (server.py): the embedded nats-server (`rlbus-nats`).
+
+See docs/bus.md for usage.
+"""
+
+from rlbus.bus.client import Bus, encode
+from rlbus.bus.consumer import Consumer, Delivery
+from rlbus.bus.errors import (
+    BusAuthError,
+    BusConnectError,
+    BusError,
+    CasMismatch,
+    ClaimCheckError,
+    LeaseHeld,
+    StepNotFound,
+)
+from rlbus.bus.kv import KV, Entry, Lease
+from rlbus.bus.server import NatsServer, free_port
+from rlbus.bus.steplog import StepLog
+
+__all__ = [
+    "KV",
+    "Bus",
+    "BusAuthError",
+    "BusConnectError",
+    "BusError",
+    "CasMismatch",
+    "ClaimCheckError",
+    "Consumer",
+    "Delivery",
+    "Entry",
+    "Lease",
+    "LeaseHeld",
+    "NatsServer",
+    "StepLog",
+    "StepNotFound",
+    "encode",
+    "free_port",
+]

@@ -1,0 +1,272 @@
+"""Pull-consumer runner: fetch in batches, hand each message to a handler, settle it.
+
+    async def handle(delivery: Delivery[Task]) -> None:
+        ...                         # return: acked (auto_ack); raise: nak(nak_delay_s)
+    async with bus.consumer(s.tasks_stream, s.tasks_durable, tasks.decoder, handle, concurrency=8):
+        await stop_event.wait()
+
+How it behaves:
+- at most `concurrency` handlers run at once; each fetch asks only for free slots;
+- fetch timeouts (both `nats.errors.TimeoutError` and the builtin `asyncio.TimeoutError`, see
+  FACTS.md) just loop; connection trouble is logged and retried; a vanished consumer is re-ensured;
+- every delivered but unsettled message (running, or kept by a handler with `auto_ack=False`, e.g.
+  rollouts acked only once their batch is stored) gets `in_progress()` every third of AckWait, so
+  JetStream does not redeliver work that is still being done;
+- a message that cannot be decoded (or whose claim check is corrupt) is copied to the dead-letter
+  subject with the reason, terminated, logged, and the loop goes on;
+- `stop()` stops fetching, waits for running handlers, and naks messages fetched but not started
+  so they are redelivered at once elsewhere.
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
+
+from rlbus.bus.errors import ClaimCheckError
+from rlbus.obs import tracing
+from rlbus.wire.subjects import ConsumerSpec
+
+if TYPE_CHECKING:
+    from rlbus.bus.client import Bus
+
+log = structlog.get_logger()
+
+T = TypeVar("T")
+FETCH_TIMEOUTS = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.FetchTimeoutError)
+
+
+class Delivery(Generic[T]):
+    """One delivered message: decoded `data` plus ack/nak/term/in_progress."""
+
+    __slots__ = ("data", "msg", "_consumer", "settled")
+
+    def __init__(self, data: T, msg, consumer: "Consumer"):
+        self.data = data
+        self.msg = msg
+        self._consumer = consumer
+        self.settled = False
+
+    @property
+    def subject(self) -> str:
+        return self.msg.subject
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.msg.headers or {}
+
+    @property
+    def msg_id(self) -> str | None:
+        return self.headers.get("Nats-Msg-Id")
+
+    @property
+    def num_delivered(self) -> int:
+        """1 on first delivery, more on redeliveries."""
+        return self.msg.metadata.num_delivered
+
+    @property
+    def stream_seq(self) -> int:
+        return self.msg.metadata.sequence.stream
+
+    def _settle(self) -> None:
+        self.settled = True
+        self._consumer._unsettled.discard(self)
+
+    async def ack(self, *, sync: bool = False) -> None:
+        """Done; never redelivered. `sync=True` waits for the server to confirm."""
+        self._settle()
+        if sync:
+            await self.msg.ack_sync()
+        else:
+            await self.msg.ack()
+
+    async def nak(self, delay_s: float | None = None) -> None:
+        """Not done; redeliver (after `delay_s`)."""
+        self._settle()
+        await self.msg.nak(delay=delay_s)
+
+    async def term(self, reason: str | None = None) -> None:
+        """Never redeliver (a poison message)."""
+        self._settle()
+        log.warning("message_terminated", subject=self.subject, msg_id=self.msg_id, reason=reason)
+        await self.msg.term()
+
+    async def in_progress(self) -> None:
+        """Still working: restart the AckWait timer (the consumer also does this periodically)."""
+        await self.msg.in_progress()
+
+
+class Consumer(Generic[T]):
+    """Runs `handler` on messages of a durable pull consumer (see module docstring)."""
+
+    def __init__(
+        self,
+        bus: "Bus",
+        stream: str,
+        durable: str,
+        decoder: msgspec.msgpack.Decoder,
+        handler: Callable[[Delivery[T]], Awaitable[Any]],
+        *,
+        concurrency: int = 1,
+        batch: int | None = None,
+        auto_ack: bool = True,
+        nak_delay_s: float = 1.0,
+        fetch_timeout_s: float = 1.0,
+        filter_subject: str | None = None,
+    ):
+        assert concurrency >= 1
+        self.bus = bus
+        self.stream = stream
+        self.durable = durable
+        self.decoder = decoder
+        self.handler = handler
+        self.concurrency = concurrency
+        self.batch = batch or concurrency
+        self.auto_ack = auto_ack
+        self.nak_delay_s = nak_delay_s
+        self.fetch_timeout_s = fetch_timeout_s
+        self.filter_subject = filter_subject
+        self.num_handled = 0
+        self.num_dead = 0
+        self._sub = None
+        self._running: set[asyncio.Task] = set()
+        self._unsettled: set[Delivery] = set()
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        self._heartbeat_task: asyncio.Task | None = None
+
+    def _spec(self) -> ConsumerSpec:
+        for spec in self.bus.subjects.consumers():
+            if (spec.stream, spec.durable) == (self.stream, self.durable):
+                return spec
+        return ConsumerSpec(self.stream, self.durable, self.filter_subject)
+
+    async def subscribe(self) -> None:
+        """Ensure the durable exists and bind a pull subscription to it."""
+        await self.bus.ensure_consumer(self._spec())
+        self._sub = await self.bus.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
+
+    async def run(self) -> None:
+        """Fetch and dispatch until `stop()`."""
+        if self._sub is None:
+            await self.subscribe()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat())
+        log.info("consumer_started", stream=self.stream, durable=self.durable, concurrency=self.concurrency)
+        while not self._stopping:
+            free = self.concurrency - len(self._running)
+            if free <= 0:
+                await asyncio.wait(self._running, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            msgs = await self._fetch(min(self.batch, free))
+            for index, msg in enumerate(msgs):
+                if self._stopping:  # fetched during stop: hand back at once
+                    for late in msgs[index:]:
+                        await late.nak()
+                    break
+                task = asyncio.create_task(self._handle(msg))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+
+    async def _fetch(self, count: int) -> list:
+        assert self._sub is not None
+        try:
+            return await self._sub.fetch(count, timeout=self.fetch_timeout_s)
+        except FETCH_TIMEOUTS:
+            return []
+        except nats.js.errors.NotFoundError:
+            log.warning("consumer_missing", stream=self.stream, durable=self.durable)
+            await self._recover()
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+            if not self._stopping:
+                log.warning("consumer_connection_closed", stream=self.stream, durable=self.durable)
+                await asyncio.sleep(self.fetch_timeout_s)
+        except Exception as error:  # server restart, JetStream briefly unavailable, ...
+            log.warning("consumer_fetch_failed", stream=self.stream, durable=self.durable, error=repr(error))
+            await asyncio.sleep(min(self.fetch_timeout_s, 0.5))
+            if isinstance(error, nats.js.errors.ServiceUnavailableError | nats.js.errors.APIError):
+                await self._recover()
+        return []
+
+    async def _recover(self) -> None:
+        try:
+            await self.bus.ensure()
+            await self.subscribe()
+        except Exception as error:
+            log.warning("consumer_recover_failed", stream=self.stream, error=repr(error))
+            await asyncio.sleep(0.5)
+
+    async def _handle(self, msg) -> None:
+        headers = msg.headers
+        try:
+            data = self.decoder.decode(self.bus.decode_payload(msg.data, headers))
+        except (msgspec.DecodeError, ClaimCheckError) as error:
+            await self._dead_letter(msg, f"{type(error).__name__}: {error}")
+            return
+        delivery = Delivery(data, msg, self)
+        self._unsettled.add(delivery)
+        try:
+            with tracing.consumer_span(f"process {msg.subject}", headers=headers, subject=msg.subject):
+                await self.handler(delivery)
+        except Exception as error:
+            log.exception("handler_failed", stream=self.stream, msg_id=delivery.msg_id, error=repr(error))
+            if not delivery.settled:
+                await self._settle_quietly(delivery.nak(self.nak_delay_s))
+        else:
+            if self.auto_ack and not delivery.settled:
+                await self._settle_quietly(delivery.ack())
+        self.num_handled += 1
+
+    async def _dead_letter(self, msg, reason: str) -> None:
+        self.num_dead += 1
+        log.error("message_dead_lettered", stream=self.stream, subject=msg.subject, reason=reason)
+        try:
+            await self.bus.dead_letter(self.stream, msg.subject, msg.data, msg.headers, reason)
+        finally:
+            await msg.term()
+
+    @staticmethod
+    async def _settle_quietly(coro) -> None:
+        try:
+            await coro
+        except Exception as error:  # disconnected: the server redelivers after AckWait anyway
+            log.warning("settle_failed", error=repr(error))
+
+    async def _heartbeat(self) -> None:
+        interval = max(self.bus.config.ack_wait_s / 3, 0.2)
+        while True:
+            await asyncio.sleep(interval)
+            for delivery in list(self._unsettled):
+                try:
+                    await delivery.in_progress()
+                except Exception as error:
+                    log.debug("in_progress_failed", error=repr(error))
+
+    async def stop(self) -> None:
+        """Stop fetching, let running handlers finish, and close the subscription."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._task is not None:
+            await self._task
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+        log.info("consumer_stopped", stream=self.stream, durable=self.durable, num_handled=self.num_handled)
+
+    async def __aenter__(self) -> "Consumer[T]":
+        await self.subscribe()
+        self._task = asyncio.create_task(self.run())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()

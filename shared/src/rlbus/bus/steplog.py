@@ -1,0 +1,107 @@
+"""Step-keyed log of train batches: one message per step subject in a limits-retention stream.
+
+The orchestrator calls `publish(batch)` once per step (`batch-<step>` message id, and a direct
+get before publishing, so repeats are no-ops even after the dedup window). The trainer calls
+`get(step)`, which reads `rlbus.<run>.batches.<step>` by direct get and, while it is absent,
+waits for a core-NATS notification of that subject (polling as a fallback across reconnects).
+Nothing is consumed, so a trainer restarted from checkpoint K simply reads K+1, K+2, ...
+"""
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import nats.errors
+import nats.js.errors
+import structlog
+
+from rlbus.bus.errors import StepNotFound
+from rlbus.wire import batches
+
+if TYPE_CHECKING:
+    from rlbus.bus.client import Bus
+
+log = structlog.get_logger()
+
+
+class StepLog:
+    """Read/write access to the run's batches stream (see module docstring)."""
+
+    def __init__(self, bus: "Bus", poll_s: float = 0.5):
+        self.bus = bus
+        self.poll_s = poll_s
+        self._arrived = asyncio.Event()
+        self._sub = None
+
+    async def publish(self, batch: batches.TrainBatch) -> bool:
+        """Store `batch` as step `batch.step`; False when that step was already stored."""
+        if await self._raw(batch.step) is not None:
+            log.info("batch_already_stored", step=batch.step)
+            return False
+        subjects = self.bus.subjects
+        ack = await self.bus.publish(subjects.batch(batch.step), batch, msg_id=subjects.batch_msg_id(batch.step))
+        return not ack.duplicate
+
+    async def get(self, step: int, *, timeout_s: float | None = None) -> batches.TrainBatch:
+        """Step `step`'s batch, waiting up to `timeout_s` (forever: None) for it to be published."""
+        batch, _ = await self.get_with_headers(step, timeout_s=timeout_s)
+        return batch
+
+    async def get_with_headers(
+        self, step: int, *, timeout_s: float | None = None
+    ) -> tuple[batches.TrainBatch, dict[str, str]]:
+        """Like `get`, plus the message headers (trace context for a span link/parent)."""
+        await self._subscribe()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._arrived.clear()
+            raw = await self._raw(step)
+            if raw is not None:
+                headers = dict(raw.headers or {})
+                payload = self.bus.decode_payload(raw.data or b"", headers)
+                return batches.decoder.decode(payload), headers
+            wait = self.poll_s
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    raise StepNotFound(f"no batch for step {step} within {timeout_s}s")
+            try:
+                await asyncio.wait_for(self._arrived.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+
+    async def exists(self, step: int) -> bool:
+        return await self._raw(step) is not None
+
+    async def last_step(self) -> int | None:
+        """Highest step stored in the log (None when empty)."""
+        subjects = self.bus.subjects
+        info = await self.bus.js.stream_info(subjects.batches_stream, subjects_filter=subjects.batches_all)
+        steps = [int(subject.rsplit(".", 1)[1]) for subject in (info.state.subjects or {})]
+        return max(steps) if steps else None
+
+    async def _raw(self, step: int):
+        subjects = self.bus.subjects
+        try:
+            return await self.bus.js.get_last_msg(subjects.batches_stream, subjects.batch(step), direct=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError) as error:
+            log.warning("step_log_read_retry", step=step, error=type(error).__name__)
+            return None
+
+    async def _subscribe(self) -> None:
+        if self._sub is None:
+
+            async def on_batch(msg) -> None:
+                self._arrived.set()
+
+            self._sub = await self.bus.nc.subscribe(self.bus.subjects.batches_all, cb=on_batch)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+            self._sub = None

@@ -1,0 +1,1 @@
+"""Observability: structlog setup (`logging`) and OpenTelemetry tracing (`tracing`)."""
