@@ -105,6 +105,9 @@ class OrchestratorConfig(BaseConfig):
     max_concurrency: int = Field(32, ge=1)
     """Episodes in flight per worker."""
 
+    inference_urls: list[str] = []
+    """Static OpenAI API roots (e.g. http://host:8000/v1) used instead of the replica registry."""
+
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many steps."""
 

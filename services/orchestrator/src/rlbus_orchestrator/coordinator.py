@@ -1,0 +1,443 @@
+"""The coordinator: hands out tasks, turns rollouts into train batches, keeps the run resumable.
+
+    ┌──────────────── Coordinator.run() ─────────────────────────────────────────────────┐
+    │                                                                                     │
+    │  watch_weights ──(applied version)──┐                                               │
+    │                                     ▼                                               │
+    │  issue_tasks ──tasks──▶ [tasks stream] ──▶ rollout workers ──▶ [rollouts stream]    │
+    │      ▲  (wakes on `changed`)                                        │               │
+    │      │                                                              ▼               │
+    │      └──────── changed ◀── on_rollout (consumer handler) ◀──────────┘               │
+    │                              │ stale / error / no signal: drop (counted), ack        │
+    │                              │ eval task: aggregate, ack                            │
+    │                              ▼ else: pool (unacked, heartbeated by the consumer)    │
+    │                          build_batches ──▶ [batches stream, subject per step]       │
+    │                              then: save state (KV), ack the pooled rollouts          │
+    └─────────────────────────────────────────────────────────────────────────────────────┘
+
+| asyncio task   | waits on                                   | unblocked by                            |
+| -------------- | ------------------------------------------ | --------------------------------------- |
+| watch_weights  | 1 s poll of replicas KV + weights.applied  | inference applying a new version         |
+| issue_tasks    | `changed` event                            | a rollout accepted/dropped, new weights, |
+|                |                                            | a batch published                        |
+| rollouts       | pull fetch on the `coordinator` durable    | a worker publishing a group              |
+| (handler)      | `lock` (one rollout at a time)             | -                                        |
+
+Issuing rule: keep `pooled + in_flight * group_size >= batch_size * (max_step - next_step + 1)`
+samples on the way, where `max_step = applied + 1 + async_level` (never more than `async_level`
+steps ahead of the newest applied weights, and never past `max_steps`).
+
+State (KV `state`, key `orchestrator`): next step, data cursor, outstanding task cursors (published
+and not yet in a batch or dropped), and the cursors of a publish in progress (written before the
+publish; republished on restart, deduplicated by message id). The batches stream is the truth for
+which steps exist: on start, any batch at `next_step` already in the log (crash between publish
+and state save) is adopted and its task ids marked consumed.
+
+Clean shutdown: stop issuing, stop the consumer (pooled rollouts stay unacked and are redelivered
+to the next coordinator), save state. Crash (kill -9): the same, minus the last save, which the
+restart repairs from the batch log and the write-ahead cursors.
+"""
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import structlog
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from rlbus.bus.client import Bus
+from rlbus.bus.consumer import Delivery
+from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.obs import tracing
+from rlbus.wire import batches as batches_wire
+from rlbus.wire import rollouts as rollouts_wire
+from rlbus.wire.batches import TrainBatch
+from rlbus.wire.events import StepMetrics
+from rlbus.wire.rollouts import Rollout
+from rlbus.wire.tasks import SamplingArgs, Task
+
+from rlbus_orchestrator.advantages import group_advantages, has_signal
+from rlbus_orchestrator.envs import Environment, load_environment
+from rlbus_orchestrator.packing import make_train_sample, pack
+from rlbus_orchestrator.staleness import is_stale, max_allowed_step, min_policy_version, off_policy_lag
+
+log = structlog.get_logger()
+
+STATE_KEY = "orchestrator"
+WEIGHTS_POLL_S = 1.0
+
+
+@dataclass
+class CoordinatorState:
+    """What survives a restart (JSON in the state KV bucket)."""
+
+    next_step: int = 1
+    cursor: int = 0
+    outstanding: dict[str, int] = field(default_factory=dict)
+    """task_id -> data cursor, for tasks published and not yet batched or dropped."""
+    publishing: list[int] = field(default_factory=list)
+    """Cursors being published right now (republished after a crash)."""
+
+    def encode(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "CoordinatorState":
+        return cls(**json.loads(data))
+
+
+@dataclass
+class PooledGroup:
+    rollout: Rollout
+    delivery: Delivery
+    advantages: list[float]
+
+
+def dataset_index(cursor: int, num_examples: int | None, seed: int) -> int:
+    """Example index of a data cursor: the cursor itself for generated data, else a per-epoch shuffle."""
+    if num_examples is None:
+        return cursor
+    epoch, pos = divmod(cursor, num_examples)
+    order = list(range(num_examples))
+    random.Random(f"{seed}/{epoch}").shuffle(order)
+    return order[pos]
+
+
+def task_id_of(cursor: int) -> str:
+    return f"train-{cursor}"
+
+
+class StepStats:
+    """Counters between two batches (reset after each step's metrics)."""
+
+    def __init__(self) -> None:
+        self.dropped: Counter[str] = Counter()
+        self.started = time.monotonic()
+        self.wait_weights_s = 0.0
+        self.own_s = 0.0
+        self.completion_tokens = 0
+
+
+class Coordinator:
+    """One per run (see module docstring)."""
+
+    def __init__(self, bus: Bus, config: OrchestratorConfig):
+        self.bus = bus
+        self.config = config
+        self.envs: list[tuple[Environment, dict]] = [(load_environment(e.id, e.args), e.args) for e in config.env]
+        self.env_weights = [e.weight for e in config.env]
+        self.state = CoordinatorState()
+        self.pool: dict[str, PooledGroup] = {}
+        self.applied_version = 0
+        self.changed = asyncio.Event()
+        self.lock = asyncio.Lock()
+        self.done = asyncio.Event()
+        self.stats = StepStats()
+        self.eval_results: dict[int, dict[str, float]] = {}
+        self.eval_pending: dict[int, list[float]] = {}
+        self.num_batches_published = 0
+
+    # ---- state ---------------------------------------------------------------------------
+
+    async def state_kv(self):
+        return await self.bus.js.key_value(self.bus.subjects.state_bucket)
+
+    async def load_state(self) -> None:
+        kv = await self.state_kv()
+        try:
+            entry = await kv.get(STATE_KEY)
+            self.state = CoordinatorState.decode(entry.value)
+        except KeyNotFoundError:
+            self.state = CoordinatorState()
+        await self.adopt_published_batches()
+        if self.state.publishing:
+            await self.publish_tasks(self.state.publishing)
+        log.info("coordinator_state_loaded", next_step=self.state.next_step, cursor=self.state.cursor,
+                 outstanding=len(self.state.outstanding))
+
+    async def save_state(self) -> None:
+        kv = await self.state_kv()
+        await kv.put(STATE_KEY, self.state.encode())
+
+    async def read_batch(self, step: int) -> TrainBatch | None:
+        try:
+            msg = await self.bus.js.get_last_msg(self.bus.subjects.batches_stream, self.bus.subjects.batch(step))
+        except NotFoundError:
+            return None
+        return batches_wire.decoder.decode(self.bus.decode_payload(msg.data, msg.headers))
+
+    async def adopt_published_batches(self) -> None:
+        """Steps published before a crash but not recorded in the state: mark their tasks consumed."""
+        while (batch := await self.read_batch(self.state.next_step)) is not None:
+            for task_id in batch.task_ids:
+                self.state.outstanding.pop(task_id, None)
+            log.warning("coordinator_adopted_published_batch", step=batch.step)
+            self.state.next_step += 1
+        await self.save_state()
+
+    # ---- tasks ---------------------------------------------------------------------------
+
+    def make_task(self, cursor: int) -> Task:
+        rng = random.Random(f"{self.config.seed}/env/{cursor}")
+        env_index = rng.choices(range(len(self.envs)), weights=self.env_weights)[0] if len(self.envs) > 1 else 0
+        env, args = self.envs[env_index]
+        index = dataset_index(cursor, env.num_examples("train"), self.config.seed)
+        step = self.state.next_step
+        return Task(
+            task_id=task_id_of(cursor), step=step, env_id=env.env_id, env_args=args, example_id=index,
+            problem=env.example("train", index), sampling=self.sampling_args(), group_size=self.config.group_size,
+            min_policy_version=min_policy_version(step, self.config.max_off_policy_steps),
+        )
+
+    def sampling_args(self, *, greedy: bool = False) -> SamplingArgs:
+        s = self.config.sampling
+        return SamplingArgs(
+            temperature=0.0 if greedy else s.temperature, top_p=1.0 if greedy else s.top_p,
+            max_tokens=s.max_tokens, extra=dict(s.extra_body),
+        )
+
+    async def publish_tasks(self, cursors: list[int]) -> None:
+        for cursor in cursors:
+            task = self.make_task(cursor)
+            await self.bus.publish(self.bus.subjects.tasks, task, msg_id=task.task_id)
+
+    def max_step(self) -> int:
+        limit = max_allowed_step(self.applied_version, self.config.async_level)
+        return min(limit, self.config.max_steps) if self.config.max_steps else limit
+
+    def num_tasks_to_issue(self) -> int:
+        steps_ahead = self.max_step() - self.state.next_step + 1
+        if steps_ahead <= 0:
+            return 0
+        pooled = sum(len(g.rollout.samples) for g in self.pool.values())
+        in_flight = len(self.state.outstanding) - len(self.pool)
+        missing = self.config.batch_size * steps_ahead - pooled - in_flight * self.config.group_size
+        return max(0, math.ceil(missing / self.config.group_size))
+
+    async def issue_tasks(self) -> None:
+        while not self.done.is_set():
+            await self.changed.wait()
+            self.changed.clear()
+            async with self.lock:
+                started = time.monotonic()
+                num = self.num_tasks_to_issue()
+                if num:
+                    cursors = list(range(self.state.cursor, self.state.cursor + num))
+                    self.state.cursor += num
+                    for c in cursors:
+                        self.state.outstanding[task_id_of(c)] = c
+                    self.state.publishing = cursors
+                    await self.save_state()
+                    await self.publish_tasks(cursors)
+                    self.state.publishing = []
+                    await self.save_state()
+                    log.debug("tasks_published", num_tasks=num, cursor=self.state.cursor)
+                self.stats.own_s += time.monotonic() - started
+
+    # ---- weights -------------------------------------------------------------------------
+
+    async def newest_applied_version(self) -> int:
+        from rlbus_orchestrator.worker import read_registry
+
+        infos = await read_registry(self.bus)
+        return max((i.weights_version for i in infos), default=self.applied_version)
+
+    async def watch_weights(self) -> None:
+        while not self.done.is_set():
+            gated = self.state.next_step > self.max_step()
+            started = time.monotonic()
+            try:
+                version = await self.newest_applied_version()
+            except Exception as error:
+                log.warning("weights_version_read_failed", error=repr(error))
+                version = self.applied_version
+            if version > self.applied_version:
+                self.applied_version = version
+                log.info("weights_applied_seen", version=version)
+                self.changed.set()
+            await asyncio.sleep(WEIGHTS_POLL_S)
+            if gated:
+                self.stats.wait_weights_s += time.monotonic() - started
+
+    # ---- rollouts ------------------------------------------------------------------------
+
+    async def on_rollout(self, delivery: Delivery[Rollout]) -> None:
+        rollout = delivery.data
+        if rollout.task_id.startswith("eval-"):
+            await self.on_eval_rollout(delivery)
+            return
+        async with self.lock:
+            started = time.monotonic()
+            await self.accept_rollout(delivery)
+            await self.build_batches()
+            self.stats.own_s += time.monotonic() - started
+        self.changed.set()
+
+    async def accept_rollout(self, delivery: Delivery[Rollout]) -> None:
+        rollout = delivery.data
+        if rollout.task_id not in self.state.outstanding:
+            await delivery.ack()  # a duplicate of a task already batched or dropped
+            return
+        if rollout.task_id in self.pool:  # redelivered while pooled: keep the newest handle
+            self.pool[rollout.task_id].delivery = delivery
+            return
+        reason = self.drop_reason(rollout)
+        if reason is not None:
+            self.stats.dropped[reason] += 1
+            self.state.outstanding.pop(rollout.task_id)
+            await self.save_state()
+            await delivery.ack()
+            log.debug("rollout_dropped", task_id=rollout.task_id, reason=reason)
+            return
+        rewards = [s.reward for s in rollout.samples]
+        advantages = group_advantages(rewards, normalize=self.config.normalize_advantages)
+        self.pool[rollout.task_id] = PooledGroup(rollout, delivery, advantages)
+        self.stats.completion_tokens += sum(len(s.completion_token_ids) for s in rollout.samples)
+
+    def drop_reason(self, rollout: Rollout) -> str | None:
+        if rollout.error is not None or not rollout.samples:
+            return "error"
+        step = self.state.next_step
+        if any(is_stale(step, s.policy_version, self.config.max_off_policy_steps) for s in rollout.samples):
+            return "stale"
+        if self.config.filter_zero_advantage and not has_signal([s.reward for s in rollout.samples]):
+            return "zero_advantage"
+        return None
+
+    def batch_ready(self) -> list[PooledGroup] | None:
+        """The groups of the next batch (FIFO), or None if there are not enough yet."""
+        chosen, num_samples, num_tokens = [], 0, 0
+        for group in self.pool.values():
+            chosen.append(group)
+            num_samples += len(group.rollout.samples)
+            num_tokens += sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in group.rollout.samples)
+            if self.config.token_budget is not None and num_tokens >= self.config.token_budget:
+                return chosen
+            if self.config.token_budget is None and num_samples >= self.config.batch_size:
+                return chosen
+        return None
+
+    async def build_batches(self) -> None:
+        while not self.done.is_set() and self.state.next_step <= self.max_step() and (groups := self.batch_ready()):
+            await self.publish_batch(groups)
+
+    async def publish_batch(self, groups: list[PooledGroup]) -> None:
+        step = self.state.next_step
+        links = [link for g in groups if (link := tracing.link_from_headers(g.delivery.headers)) is not None]
+        with tracing.tracer().start_as_current_span("batch", links=links, attributes={"step": step}):
+            batch = self.make_batch(step, groups)
+            await self.bus.publish(self.bus.subjects.batch(step), batch, msg_id=self.bus.subjects.batch_msg_id(step))
+        for g in groups:
+            del self.pool[g.rollout.task_id]
+            self.state.outstanding.pop(g.rollout.task_id, None)
+        self.state.next_step = step + 1
+        await self.save_state()
+        for g in groups:
+            await g.delivery.ack()
+        await self.publish_metrics(step, batch.metrics)
+        self.num_batches_published += 1
+        log.info("batch_published", step=step, num_samples=batch.num_samples, num_tokens=batch.num_tokens,
+                 reward_mean=round(batch.metrics.get("reward/mean", 0.0), 4))
+        self.stats = StepStats()
+        if self.config.eval is not None and step % self.config.eval.interval == 0:
+            asyncio.create_task(self.publish_eval_tasks(step))
+        if self.config.max_steps is not None and step >= self.config.max_steps:
+            self.done.set()
+
+    def make_batch(self, step: int, groups: list[PooledGroup]) -> TrainBatch:
+        samples = [s for g in groups for s in g.rollout.samples]
+        train = [make_train_sample(s, a, self.config.seq_len) for g in groups for s, a in zip(g.rollout.samples, g.advantages, strict=True)]
+        micro = pack(train, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
+        versions = [s.policy_version for s in samples]
+        return TrainBatch(
+            step=step, micro_batches=micro, num_samples=len(samples), num_tokens=sum(len(t) for t in train),
+            min_policy_version=min(versions), max_policy_version=max(versions),
+            task_ids=[g.rollout.task_id for g in groups], metrics=self.step_metrics(step, samples),
+        )
+
+    def step_metrics(self, step: int, samples) -> dict[str, float]:
+        rewards = [s.reward for s in samples]
+        lengths = [len(s.completion_token_ids) for s in samples]
+        elapsed = max(time.monotonic() - self.stats.started, 1e-9)
+        m: dict[str, float] = {
+            "reward/mean": statistics.fmean(rewards), "reward/std": statistics.pstdev(rewards),
+            "reward/min": min(rewards), "reward/max": max(rewards),
+            "completion_len/mean": statistics.fmean(lengths), "completion_len/max": float(max(lengths)),
+            "truncated/rate": sum(s.is_truncated for s in samples) / len(samples),
+            "tasks/in_flight": float(len(self.state.outstanding) - len(self.pool)),
+            "tokens_per_s": self.stats.completion_tokens / elapsed,
+            "time/step_s": elapsed, "time/wait_weights_s": self.stats.wait_weights_s,
+            "time/orchestrator_s": self.stats.own_s,
+            "time/wait_rollouts_s": max(0.0, elapsed - self.stats.wait_weights_s - self.stats.own_s),
+            "weights/applied_version": float(self.applied_version),
+        }
+        for name in {k for s in samples for k in s.reward_components}:
+            m[f"reward/{name}/mean"] = statistics.fmean(s.reward_components.get(name, 0.0) for s in samples)
+        for lag, count in Counter(off_policy_lag(step, s.policy_version) for s in samples).items():
+            m[f"off_policy_lag/{lag}"] = float(count)
+        for reason in ("stale", "zero_advantage", "error"):
+            m[f"dropped/{reason}"] = float(self.stats.dropped[reason])
+        return m
+
+    async def publish_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        event = StepMetrics(service="orchestrator", step=step, metrics=metrics)
+        await self.bus.publish(self.bus.subjects.metrics("orchestrator"), event)
+
+    # ---- evaluation ----------------------------------------------------------------------
+
+    async def publish_eval_tasks(self, step: int) -> None:
+        ev = self.config.eval
+        assert ev is not None
+        env, args = self.envs[0]
+        num = min(ev.num_examples, env.num_examples("eval") or ev.num_examples)
+        self.eval_pending[step] = []
+        for i in range(num):
+            task = Task(task_id=f"eval-{step}-{i}", step=step, env_id=env.env_id, env_args=args, example_id=i,
+                        problem=env.example("eval", i), sampling=self.sampling_args(greedy=ev.greedy), group_size=1)
+            await self.bus.publish(self.bus.subjects.tasks, task, msg_id=task.task_id)
+
+    async def on_eval_rollout(self, delivery: Delivery[Rollout]) -> None:
+        rollout = delivery.data
+        step = int(rollout.task_id.split("-")[1])
+        await delivery.ack()
+        rewards = self.eval_pending.get(step)
+        if rewards is None:
+            return  # an evaluation from before a restart
+        rewards.extend(s.reward for s in rollout.samples)
+        num = min(self.config.eval.num_examples, self.envs[0][0].num_examples("eval") or self.config.eval.num_examples)
+        if len(rewards) >= num:
+            del self.eval_pending[step]
+            metrics = {"eval/reward/mean": statistics.fmean(rewards), "eval/num_examples": float(len(rewards))}
+            self.eval_results[step] = metrics
+            await self.publish_metrics(step, metrics)
+            log.info("eval_done", step=step, reward_mean=round(metrics["eval/reward/mean"], 4))
+
+    # ---- main ----------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.load_state()
+        if self.config.max_steps is not None and self.state.next_step > self.config.max_steps:
+            log.info("coordinator_already_done", next_step=self.state.next_step)
+            return
+        s = self.bus.subjects
+        consumer = self.bus.consumer(s.rollouts_stream, s.rollouts_durable, rollouts_wire.decoder, self.on_rollout,
+                                     concurrency=64, auto_ack=False)
+        self.changed.set()
+        background = [asyncio.create_task(self.issue_tasks()), asyncio.create_task(self.watch_weights())]
+        try:
+            async with consumer:
+                stopper = asyncio.create_task(stop.wait())
+                await asyncio.wait([stopper, asyncio.create_task(self.done.wait())], return_when=asyncio.FIRST_COMPLETED)
+                stopper.cancel()
+        finally:
+            self.done.set()
+            self.changed.set()
+            for t in background:
+                t.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+        log.info("coordinator_stopped", next_step=self.state.next_step)

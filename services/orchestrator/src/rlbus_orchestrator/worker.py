@@ -1,0 +1,168 @@
+"""Rollout workers: tasks in, finished groups out.
+
+A worker is one pull consumer on the shared durable `rollout-workers` of the tasks stream (N
+workers, in one process or many, share it: JetStream hands each task to one of them). For each
+task it runs `group_size` episodes of the task's environment concurrently (at most
+`max_concurrency` episodes in flight per worker), each against the inference replica with the
+fewest outstanding requests, then publishes the group as one `Rollout` (message id = task id, so a
+worker that dies after publishing but before acking is deduplicated) and acks the task.
+
+Failure handling:
+- a replica that fails mid-request is retried on another (`InferenceClient`);
+- no replica alive: the task is nak'ed with a delay and comes back later;
+- the worker process dies: the task is never acked and JetStream redelivers it after AckWait;
+- the environment raises: the group is published with `error` set (the coordinator drops it,
+  counts it, and issues a replacement task) and the task is acked.
+
+A background loop refreshes the replica registry (bus KV `replicas`, or `inference_urls`).
+"""
+
+import asyncio
+import json
+import math
+import time
+import uuid
+
+import httpx
+import structlog
+from nats.js.errors import NoKeysError
+
+from rlbus.bus.client import Bus
+from rlbus.bus.consumer import Delivery
+from rlbus.obs import tracing
+from rlbus.wire import replicas as replicas_wire
+from rlbus.wire import tasks as tasks_wire
+from rlbus.wire.rollouts import Rollout, RolloutSample
+from rlbus.wire.tasks import Task
+
+from rlbus_orchestrator.client import InferenceClient, NoReplicaError, ReplicaPool, static_replicas
+from rlbus_orchestrator.envs import Environment, load_environment
+
+log = structlog.get_logger()
+
+NO_REPLICA_NAK_DELAY_S = 2.0
+REGISTRY_REFRESH_S = 1.0
+
+
+class EnvCache:
+    """Environments built once per (id, args)."""
+
+    def __init__(self) -> None:
+        self._envs: dict[str, Environment] = {}
+
+    def get(self, env_id: str, args: dict) -> Environment:
+        key = env_id + json.dumps(args, sort_keys=True)
+        if key not in self._envs:
+            self._envs[key] = load_environment(env_id, args)
+        return self._envs[key]
+
+
+async def read_registry(bus: Bus) -> list[replicas_wire.ReplicaInfo]:
+    """Every replica lease currently in the registry."""
+    kv = await bus.js.key_value(bus.subjects.replicas_bucket)
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return []
+    infos = []
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except Exception:  # expired between keys() and get()
+            continue
+        if entry.value:
+            infos.append(replicas_wire.decoder.decode(entry.value))
+    return infos
+
+
+async def refresh_replicas(bus: Bus, pool: ReplicaPool, static_urls: list[str], model: str, stop: asyncio.Event) -> None:
+    """Keep `pool` in sync with the registry (or the static URLs) until `stop`."""
+    while not stop.is_set():
+        if static_urls:
+            pool.update(static_replicas(static_urls, model))
+        else:
+            try:
+                pool.update(await read_registry(bus))
+            except Exception as error:
+                log.warning("replica_registry_read_failed", error=repr(error))
+        try:
+            await asyncio.wait_for(stop.wait(), REGISTRY_REFRESH_S)
+        except TimeoutError:
+            pass
+
+
+class RolloutWorker:
+    """One consumer of the tasks stream (see module docstring)."""
+
+    def __init__(self, bus: Bus, client: InferenceClient, *, max_concurrency: int, group_size: int, worker_id: str | None = None):
+        self.bus = bus
+        self.client = client
+        self.envs = EnvCache()
+        self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+        self.episodes = asyncio.Semaphore(max_concurrency)
+        self.num_tasks = max(1, math.ceil(max_concurrency / group_size))
+        self.num_rollouts = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = self.bus.subjects
+        consumer = self.bus.consumer(
+            s.tasks_stream, s.tasks_durable, tasks_wire.decoder, self.handle, concurrency=self.num_tasks,
+            nak_delay_s=NO_REPLICA_NAK_DELAY_S,
+        )
+        async with consumer:
+            log.info("rollout_worker_started", worker_id=self.worker_id, tasks_in_flight=self.num_tasks)
+            await stop.wait()
+        log.info("rollout_worker_stopped", worker_id=self.worker_id, num_rollouts=self.num_rollouts)
+
+    async def handle(self, delivery: Delivery[Task]) -> None:
+        task = delivery.data
+        with tracing.tracer().start_as_current_span("rollout", attributes={"task_id": task.task_id, "step": task.step}):
+            try:
+                rollout = await self.roll_out(task)
+            except NoReplicaError as error:
+                log.warning("task_deferred_no_replica", task_id=task.task_id, error=str(error))
+                await delivery.nak(NO_REPLICA_NAK_DELAY_S)
+                return
+            await self.bus.publish(self.bus.subjects.rollouts, rollout, msg_id=task.task_id)
+        await delivery.ack()
+        self.num_rollouts += 1
+
+    async def roll_out(self, task: Task) -> Rollout:
+        """Run the task's group; an environment error becomes `Rollout.error`."""
+        started = time.time()
+        try:
+            env = self.envs.get(task.env_id, task.env_args)
+            samples = await asyncio.gather(*(self.episode(env, task) for _ in range(task.group_size)))
+        except NoReplicaError:
+            raise
+        except Exception as error:
+            log.exception("episode_failed", task_id=task.task_id, env_id=task.env_id)
+            return self.make_rollout(task, [], error=f"{type(error).__name__}: {error}", started=started)
+        return self.make_rollout(task, list(samples), started=started)
+
+    async def episode(self, env: Environment, task: Task) -> RolloutSample:
+        async with self.episodes:
+            return await env.run_episode(self.client, task.problem, task.sampling)
+
+    def make_rollout(self, task: Task, samples: list[RolloutSample], *, started: float, error: str | None = None) -> Rollout:
+        return Rollout(
+            task_id=task.task_id, step=task.step, env_id=task.env_id, example_id=task.example_id, samples=samples,
+            worker_id=self.worker_id, error=error, metadata={"started_at": started},
+        )
+
+
+def make_http_client(max_connections: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=httpx.Limits(max_connections=max_connections))
+
+
+async def run_workers(bus: Bus, *, num_workers: int, max_concurrency: int, group_size: int, model: str,
+                      static_urls: list[str], stop: asyncio.Event) -> None:
+    """Run `num_workers` workers sharing one replica pool until `stop`."""
+    pool = ReplicaPool()
+    async with make_http_client(num_workers * max_concurrency) as http:
+        client = InferenceClient(pool, http, model)
+        workers = [RolloutWorker(bus, client, max_concurrency=max_concurrency, group_size=group_size) for _ in range(num_workers)]
+        await asyncio.gather(
+            refresh_replicas(bus, pool, static_urls, model, stop),
+            *(w.run(stop) for w in workers),
+        )
