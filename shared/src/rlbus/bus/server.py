@@ -23,8 +23,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
+
+if TYPE_CHECKING:
+    from rlbus.configs.bus import BusConfig
 
 log = structlog.get_logger()
 
@@ -69,6 +73,7 @@ class NatsServer:
         password: str | None = None,
         log_file: str | Path | None = None,
         lame_duck_s: float = 30.0,
+        sync_always: bool = False,
     ):
         assert not (token and user), "token and user/password auth are exclusive"
         self.store_dir = Path(store_dir)
@@ -81,7 +86,21 @@ class NatsServer:
         self.password = password
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.lame_duck_s = lame_duck_s
+        self.sync_always = sync_always
         self.process: subprocess.Popen | None = None
+
+    @classmethod
+    def for_config(cls, config: "BusConfig", store_dir: str | Path, **kwargs) -> "NatsServer":
+        """A server matching a `BusConfig` (payload size, auth, fsync) storing under `store_dir`."""
+        return cls(
+            store_dir,
+            max_payload_mb=config.max_payload_mb,
+            token=config.token,
+            user=config.user,
+            password=config.password,
+            sync_always=config.fsync_always,
+            **kwargs,
+        )
 
     @property
     def url(self) -> str:
@@ -109,6 +128,8 @@ class NatsServer:
             "lame_duck_grace_period": "0s",
             "jetstream": {"store_dir": str(self.store_dir / "jetstream")},
         }
+        if self.sync_always:  # fsync every write (FACTS.md: ~3-8x slower publishes)
+            config["jetstream"]["sync_interval"] = "always"
         if self.token:
             config["authorization"] = {"token": self.token}
         elif self.user:
