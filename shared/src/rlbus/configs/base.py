@@ -176,15 +176,15 @@ def format_validation_error(cls: type[BaseModel], error: ValidationError) -> str
     return "\n".join(lines)
 
 
-def exit_with_config_error(message: str, title: str = "Config error") -> NoReturn:
-    """Print `message` in a box on stderr and exit with EXIT_CONFIG_ERROR, without a traceback."""
+def exit_with_config_error(message: str, title: str = "Config error", code: int = EXIT_CONFIG_ERROR) -> NoReturn:
+    """Print `message` in a box on stderr and exit with `code`, without a traceback."""
     from rich.console import Console
     from rich.panel import Panel
     from rich.text import Text
 
     console = Console(stderr=True, highlight=False)
     console.print(Panel(Text(message), title=title, title_align="left", border_style="red", expand=False))
-    sys.exit(EXIT_CONFIG_ERROR)
+    sys.exit(code)
 
 
 # --- argument pre-processing -------------------------------------------------------------------

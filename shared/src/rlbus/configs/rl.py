@@ -30,6 +30,7 @@ from rlbus.runs import resolve_run_dir
 
 def push_down(target: BaseModel, field: str, value: object) -> None:
     """Set `target.field = value` unless the user set that field on `target` explicitly."""
+    assert field in type(target).model_fields, f"{type(target).__name__} has no field {field!r}"
     if field in target.model_fields_set:
         return
     object.__setattr__(target, field, value)
@@ -131,11 +132,11 @@ class RLConfig(BaseConfig):
         Idempotent: called on validation and again once the launcher has named the run."""
         for service in (self.trainer, self.orchestrator):
             push_down_model(service, "model", self.model)
-            for field in ("seq_len", "max_steps", "output_dir", "clean"):
+            for field in ("seq_len", "max_steps", "output_dir"):
                 push_down(service, field, getattr(self, field))
             for field in ("run", "bus", "monitors", "log", "otel"):
                 push_down(service, field, getattr(self, field).model_copy(deep=True))
-        for field in ("resume", "ckpt", "weight_broadcast"):
+        for field in ("resume", "ckpt", "weight_broadcast", "clean"):
             push_down(self.trainer, field, getattr(self, field))
         push_down(self.orchestrator, "num_train_ranks", self.deployment.num_train_gpus)
         push_down(self.inference.vllm, "model", self.model.name)

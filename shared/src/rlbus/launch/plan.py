@@ -1,0 +1,142 @@
+"""The processes of one RL run, decided once and written down before anything starts.
+
+`build_rl_launch(config, run_dir)` turns a named `RLConfig` into:
+- the resolved config of every service (`trainer`, `orchestrator`, `inference` or
+  `inference-<i>` per replica), plus the resolved `rl` config itself, and
+- the argv of every process, in launch order:
+
+    nats          embedded nats-server (only without bus.url), store in <run_dir>/nats
+    inference     python -m rlbus_inference.entrypoint @ configs/inference.toml   (per replica)
+    orchestrator  python -m rlbus_orchestrator.entrypoint @ configs/orchestrator.toml
+    trainer       python -m torch.distributed.run --standalone --nproc-per-node N
+                      -m rlbus_trainer.entrypoint @ configs/trainer.toml
+
+Ports are picked here (free ports for the embedded server) and written into the configs, so the
+scripts in the run directory repeat this exact launch. Services are only ever named as modules in
+argv lists: the launcher imports none of them.
+"""
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from rlbus.configs import InferenceConfig, RLConfig
+from rlbus.launch.supervisor import ServiceProcess
+from rlbus.launch.scripts import config_path
+from rlbus.obs.logging import log_file_path
+
+NATS_STORE_DIR = "nats"
+
+
+@dataclass
+class Launch:
+    """Everything a launcher writes and starts."""
+
+    config: RLConfig
+    run_dir: Path
+    configs: dict[str, BaseModel] = field(default_factory=dict)
+    processes: list[ServiceProcess] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+    """Other files for `configs/` (name with suffix -> text), e.g. `nats.conf`."""
+    config_files: list[Path] = field(default_factory=list)
+    """Written by `write_launch`: configs/*.toml and the extra files."""
+    script_files: list[Path] = field(default_factory=list)
+    """Written by `write_launch`: scripts/<process>.sh, then scripts/launch.sh."""
+
+
+def python_module_argv(module: str, config_file: Path) -> list[str]:
+    return [sys.executable, "-m", module, "@", str(config_file)]
+
+
+def torchrun_argv(num_procs: int, module: str, config_file: Path) -> list[str]:
+    """torchrun through the interpreter (`-m torch.distributed.run`), so the launcher needs no
+    torch import and no PATH lookup; `--standalone` picks a free rendezvous port."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(num_procs), "-m", module, "@", str(config_file),
+    ]  # fmt: skip
+
+
+def embedded_nats(config: RLConfig, run_dir: Path) -> tuple[str, ServiceProcess, str]:
+    """(url, process, config text) of the embedded nats-server whose store is in the run dir."""
+    from rlbus.bus.server import NatsServer, nats_server_binary
+
+    server = NatsServer(
+        run_dir.absolute() / NATS_STORE_DIR,
+        max_payload_mb=config.bus.max_payload_mb,
+        token=config.bus.token,
+        user=config.bus.user,
+        password=config.bus.password,
+    )
+    conf = config_path(run_dir, "nats").with_suffix(".conf")
+    process = ServiceProcess(
+        name="nats",
+        argv=[nats_server_binary(), "-c", str(conf.absolute())],
+        log_path=log_file_path(run_dir, "nats"),
+        cwd=Path.cwd(),
+    )
+    return server.url, process, server.config_text()
+
+
+def inference_replicas(config: RLConfig) -> dict[str, InferenceConfig]:
+    """One inference config per replica; replica i serves on port + i and backend_port + i."""
+    count = config.deployment.num_infer_replicas
+    if count == 1:
+        return {"inference": config.inference.model_copy(deep=True)}
+    replicas = {}
+    for i in range(count):
+        replica = config.inference.model_copy(deep=True)
+        replica.server.port = config.inference.server.port + i
+        replica.backend_port = config.inference.backend_port + i
+        replica.replica_id = replica.replica_id or str(i)
+        replicas[f"inference-{i}"] = replica
+    return replicas
+
+
+def service_configs(config: RLConfig) -> dict[str, BaseModel]:
+    """Resolved configs of the services. `clean` and `dry_run` are launcher decisions already
+    taken, so the services get them off (a service must never wipe the run directory)."""
+    trainer = config.trainer.model_copy(deep=True)
+    trainer.clean = False
+    trainer.dry_run = False
+    orchestrator = config.orchestrator.model_copy(deep=True)
+    return {**inference_replicas(config), "orchestrator": orchestrator, "trainer": trainer}
+
+
+def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
+    """Resolve the bus, the service configs and the argv of every process of an RL run."""
+    assert config.run.name is not None, "name the run (RLConfig.with_run_name) before planning it"
+    config = config.model_copy(deep=True)
+    processes: list[ServiceProcess] = []
+    files: dict[str, str] = {}
+    if config.bus.url is None:
+        url, nats, nats_conf = embedded_nats(config, run_dir)
+        config.bus.url = url
+        processes.append(nats)
+        files["nats.conf"] = nats_conf
+    config.push_shared_values_down()
+
+    resolved_rl = config.model_copy(deep=True)
+    resolved_rl.dry_run = False
+    resolved_rl.clean = False
+    launch = Launch(config=resolved_rl, run_dir=run_dir, files=files)
+    launch.configs["rl"] = resolved_rl
+    services = service_configs(config)
+    launch.configs.update(services)
+    for name, service in services.items():
+        path = config_path(run_dir, name).absolute()
+        if name == "trainer":
+            argv = torchrun_argv(config.deployment.num_train_gpus, "rlbus_trainer.entrypoint", path)
+        elif name == "orchestrator":
+            argv = python_module_argv("rlbus_orchestrator.entrypoint", path)
+        else:
+            argv = python_module_argv("rlbus_inference.entrypoint", path)
+        processes.append(
+            ServiceProcess(name=name, argv=argv, log_path=log_file_path(run_dir, name), cwd=Path.cwd())
+        )
+    # inference first, then orchestrator, then trainer (DESIGN.md); nats before all of them.
+    order = {"nats": 0, "orchestrator": 2, "trainer": 3}
+    launch.processes = sorted(processes, key=lambda p: order.get(p.name, 1))
+    return launch
