@@ -16,6 +16,7 @@ Rules (docs/run-directories.md):
   contains the working directory or the home directory, nor through a symlink.
 """
 
+import os
 import re
 import secrets
 import shutil
@@ -91,6 +92,11 @@ def check_safe_to_clean(run_dir: Path, output_dir: Path) -> None:
             f"--clean refuses to wipe {run_dir}: it is not strictly inside output_dir {output_dir}; "
             "check --run.name / --run.dir (no '..', no absolute paths)"
         )
+    if root in (Path("/"), Path.home().resolve()):
+        raise RunDirError(
+            f"--clean refuses to wipe {run_dir}: output_dir {output_dir} is the filesystem root or "
+            "your home directory; give runs a directory of their own with --output-dir"
+        )
     protected = {Path("/"), Path.home().resolve(), Path.cwd().resolve()}
     for path in protected:
         if target == path or target in path.parents:
@@ -100,9 +106,10 @@ def check_safe_to_clean(run_dir: Path, output_dir: Path) -> None:
 
 
 def check_leaf_stays_inside(run_dir: Path, output_dir: Path) -> None:
-    """`run.name`/`run.dir` must not climb out of output_dir (`..`, absolute paths)."""
-    target = run_dir.resolve()
-    root = output_dir.resolve()
+    """`run.name`/`run.dir` must not climb out of output_dir (`..`, absolute paths). Checked on
+    the path as written, so a run directory that is a symlink to another disk stays usable."""
+    target = Path(os.path.normpath(run_dir.absolute()))
+    root = Path(os.path.normpath(output_dir.absolute()))
     if target == root or root not in target.parents:
         raise RunDirError(
             f"run directory {run_dir} is not inside output_dir {output_dir}: "
