@@ -1,0 +1,58 @@
+"""RLConfig pushes shared values down into the service configs; explicit service values win."""
+
+from rlbus.configs import RLConfig
+from rlbus.configs.base import parse_cli
+
+
+def make_rl(*args: str) -> RLConfig:
+    return parse_cli(RLConfig, list(args))
+
+
+def test_shared_values_reach_every_service():
+    config = make_rl("--model.name", "m", "--seq-len", "256", "--max-steps", "7", "--bus.url", "nats://h:4222")
+
+    assert config.trainer.model.name == config.orchestrator.model.name == config.inference.vllm.model == "m"
+    assert config.trainer.seq_len == config.orchestrator.seq_len == config.inference.vllm.max_model_len == 256
+    assert config.trainer.max_steps == config.orchestrator.max_steps == 7
+    assert config.trainer.bus.url == config.orchestrator.bus.url == config.inference.bus.url == "nats://h:4222"
+
+
+def test_explicit_service_values_win_over_shared_ones():
+    config = make_rl(
+        "--max-steps", "10", "--trainer.max-steps", "5",
+        "--model.dtype", "bfloat16", "--trainer.model.dtype", "float32",
+        "--seq-len", "256", "--inference.vllm.max-model-len", "512",
+        "--deployment.num-train-gpus", "2", "--orchestrator.num-train-ranks", "1",
+    )  # fmt: skip
+
+    assert config.trainer.max_steps == 5 and config.orchestrator.max_steps == 10
+    assert config.trainer.model.dtype == "float32" and config.orchestrator.model.dtype == "bfloat16"
+    assert config.inference.vllm.max_model_len == 512 and config.trainer.seq_len == 256
+    assert config.orchestrator.num_train_ranks == 1
+
+
+def test_explicit_service_values_from_a_file_win_too(tmp_path):
+    path = tmp_path / "rl.toml"
+    path.write_text("max_steps = 10\n[orchestrator]\nmax_steps = 3\n[orchestrator.log]\nlevel = 'debug'\n")
+
+    config = make_rl("@", str(path))
+
+    assert config.orchestrator.max_steps == 3 and config.trainer.max_steps == 10
+    assert config.orchestrator.log.level == "debug" and config.trainer.log.level == "info"
+
+
+def test_naming_the_run_pushes_the_name_and_bus_prefix_down_again():
+    config = make_rl("--trainer.log.level", "debug").with_run_name("my-run")
+
+    assert config.trainer.run.name == config.orchestrator.run.name == "my-run"
+    assert config.trainer.bus.run_id == config.inference.bus.run_id == "my-run"
+    assert config.inference.run_dir == "outputs/my-run"
+    assert config.trainer.log.level == "debug"  # still the explicit value
+
+
+def test_services_do_not_share_mutable_sub_configs():
+    config = make_rl().with_run_name("r")
+
+    config.trainer.bus.url = "nats://changed"
+
+    assert config.orchestrator.bus.url is None and config.bus.url is None
