@@ -1,0 +1,144 @@
+"""`rl --dry-run` / `sft --dry-run`: resolved configs and launch scripts that repeat the launch."""
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import tomli
+
+from cli_helpers import REPO, error_text, run_command
+
+DEBUG_RL = str(REPO / "configs/debug/rl.toml")
+DEBUG_SFT = str(REPO / "configs/debug/sft.toml")
+
+
+def exec_argv(script: Path) -> list[str]:
+    """The argv of a process script's `exec` line."""
+    line = next(line for line in script.read_text().splitlines() if line.startswith("exec "))
+    return shlex.split(line)[1:]
+
+
+def service_argv(argv: list[str]) -> list[str]:
+    """`python -m torch.distributed.run ... -m module @ cfg` -> `python -m module @ cfg` (one rank)."""
+    if "torch.distributed.run" not in argv:
+        return argv
+    module_at = len(argv) - 1 - argv[::-1].index("-m")
+    return [argv[0], *argv[module_at:]]
+
+
+def load_toml(path: Path) -> dict:
+    return tomli.loads(path.read_text())
+
+
+def wait_for_port(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+def test_rl_dry_run_writes_every_resolved_config_and_one_script_per_process(tmp_path):
+    result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "t1", cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "outputs" / "t1"
+    assert f"Run directory: outputs/t1" in result.stdout and "launch.sh" in result.stdout
+    configs = {p.name for p in (run_dir / "configs").iterdir()}
+    assert configs == {"rl.toml", "inference.toml", "orchestrator.toml", "trainer.toml", "nats.conf"}
+    scripts = sorted((run_dir / "scripts").iterdir())
+    assert [p.name for p in scripts] == ["inference.sh", "launch.sh", "nats.sh", "orchestrator.sh", "trainer.sh"]
+    assert all(os.access(p, os.X_OK) for p in scripts)
+    launch_all = (run_dir / "scripts" / "launch.sh").read_text()
+    order = [launch_all.index(f'"$here/{name}.sh"') for name in ("nats", "inference", "orchestrator", "trainer")]
+    assert order == sorted(order)
+    assert not (run_dir / "nats").exists()  # nothing was started
+
+
+def test_rl_dry_run_service_configs_match_the_resolved_rl_config(tmp_path):
+    run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "t2", "--trainer.max-steps", "4", cwd=tmp_path)
+    configs = tmp_path / "outputs" / "t2" / "configs"
+    rl, trainer = load_toml(configs / "rl.toml"), load_toml(configs / "trainer.toml")
+    nats_port = json.loads((configs / "nats.conf").read_text())["port"]
+
+    assert trainer["max_steps"] == 4 and rl["max_steps"] == 5
+    assert trainer["model"] == rl["trainer"]["model"] and trainer["optim"] == rl["trainer"]["optim"]
+    assert load_toml(configs / "orchestrator.toml")["batch_size"] == rl["orchestrator"]["batch_size"] == 32
+    assert trainer["bus"]["url"] == f"nats://127.0.0.1:{nats_port}" == rl["bus"]["url"]
+    assert trainer["run"]["name"] == "t2" and trainer["bus"]["run_id"] == "t2"
+    assert load_toml(configs / "inference.toml")["run_dir"] == "outputs/t2"
+    assert trainer["clean"] is False and trainer["dry_run"] is False and rl["dry_run"] is False
+
+
+def test_dry_run_scripts_reproduce_the_launch(tmp_path):
+    run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "t3", cwd=tmp_path)
+    run_dir = tmp_path / "outputs" / "t3"
+
+    # Every service script runs its service on exactly the config file that was written.
+    for name in ("inference", "orchestrator", "trainer"):
+        argv = exec_argv(run_dir / "scripts" / f"{name}.sh")
+        assert argv[-2:] == ["@", str((run_dir / "configs" / f"{name}.toml").absolute())]
+        printed = subprocess.run([*service_argv(argv), "--print-config"], cwd=tmp_path, capture_output=True, text=True)
+        assert printed.returncode == 0, printed.stderr
+        assert tomli.loads(printed.stdout) == load_toml(run_dir / "configs" / f"{name}.toml")
+    assert "--nproc-per-node" in exec_argv(run_dir / "scripts" / "trainer.sh")
+
+    # The NATS script really starts the embedded server on the port written into the configs.
+    port = json.loads((run_dir / "configs" / "nats.conf").read_text())["port"]
+    server = subprocess.Popen(["bash", str(run_dir / "scripts" / "nats.sh")], cwd="/", start_new_session=True)
+    try:
+        wait_for_port(port)
+        assert (run_dir / "nats" / "jetstream").is_dir()  # the store lives in the run directory
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(10)
+
+
+def test_rl_generates_a_fresh_readable_run_name_per_launch(tmp_path):
+    first = run_command("rl", "--dry-run", "--model.name", "Org/Tiny-Model", cwd=tmp_path)
+    second = run_command("rl", "--dry-run", "--model.name", "Org/Tiny-Model", cwd=tmp_path)
+
+    names = sorted(p.name for p in (tmp_path / "outputs").iterdir())
+    assert first.returncode == second.returncode == 0
+    assert len(names) == 2
+    assert all(re.fullmatch(r"reverse-text--tiny-model--[0-9a-f]{6}", n) for n in names)
+
+
+def test_rl_refuses_a_used_run_directory_unless_resume_or_clean(tmp_path):
+    args = ("--dry-run", "--run.name", "again")
+    assert run_command("rl", *args, cwd=tmp_path).returncode == 0
+    marker = tmp_path / "outputs" / "again" / "metrics.jsonl"
+    marker.write_text("{}\n")
+
+    refused = run_command("rl", *args, cwd=tmp_path)
+    resumed = run_command("rl", *args, "--resume", cwd=tmp_path)
+    assert marker.exists()  # resume keeps the artifacts
+    cleaned = run_command("rl", *args, "--clean", cwd=tmp_path)
+
+    assert refused.returncode == 2
+    assert "--resume to continue that run, or --clean to wipe it" in error_text(refused)
+    assert resumed.returncode == 0 and cleaned.returncode == 0
+    assert not marker.exists() and (tmp_path / "outputs" / "again" / "configs" / "rl.toml").exists()
+
+
+def test_sft_dry_run_names_the_run_after_dataset_and_model_and_writes_a_torchrun_script(tmp_path):
+    result = run_command("sft", "@", DEBUG_SFT, "--dry-run", "--run.name", "None", cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = (tmp_path / "outputs").iterdir()
+    assert re.fullmatch(r"reverse-text--tiny-qwen3--[0-9a-f]{6}", run_dir.name)
+    argv = exec_argv(run_dir / "scripts" / "sft.sh")
+    assert argv[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m"]
+    assert argv[7:] == ["rlbus_trainer.sft_entrypoint", "@", str((run_dir / "configs" / "sft.toml").absolute())]
+    printed = subprocess.run([*service_argv(argv), "--print-config"], cwd=tmp_path, capture_output=True, text=True)
+    written = load_toml(run_dir / "configs" / "sft.toml")
+    assert tomli.loads(printed.stdout) == written
+    assert written["run"]["name"] == run_dir.name and written["max_steps"] == 20
