@@ -6,9 +6,23 @@ import json
 import logging
 import re
 
+import pytest
 import structlog
 
 from rlbus.obs.logging import bind_step, log_file_path, setup_logging
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    """setup_logging configures process-wide state: put the defaults back for other tests."""
+    yield
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(logging.WARNING)
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
 
 
 class FakeTerminal(io.StringIO):
