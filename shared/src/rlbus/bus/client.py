@@ -309,6 +309,7 @@ class Bus:
             await msg.respond(encode(reply))
 
         self._subscriptions.append(await self.nc.subscribe(self.subjects.control(service), cb=on_request))
+        await self.nc.flush()  # the subscription is live on the server before we return
 
     async def close(self) -> None:
         """Stop consumers and leases (releasing them), then drain and close the connection."""

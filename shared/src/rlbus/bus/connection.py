@@ -33,8 +33,11 @@ def connect_options(config: BusConfig, *, name: str) -> dict:
         servers=[config.url],
         name=name,
         connect_timeout=config.connect_timeout_s,
-        allow_reconnect=True,
-        max_reconnect_attempts=-1,  # reconnect forever: a restarted server must not kill services
+        # The first connection fails fast (our loop retries it, and stops at bad credentials,
+        # which nats-py would otherwise retry forever); `enable_reconnect_forever` flips these
+        # once connected, so a restarted server never kills a service.
+        allow_reconnect=False,
+        max_reconnect_attempts=1,
         reconnect_time_wait=config.reconnect_wait_s,
         # Buffer while disconnected: at least two maximum-size messages (FACTS: default is 2 MiB).
         pending_size=max(2 * config.max_payload_mb, 16) * 1024 * 1024,
@@ -90,6 +93,7 @@ async def open_connection(config: BusConfig, *, name: str) -> NATS:
                 reconnected_cb=on_reconnected,
                 closed_cb=on_closed,
             )
+            enable_reconnect_forever(nc)
             log.info("nats_connected", url=url, name=name, max_payload=nc.max_payload)
             return nc
         except Exception as error:  # nats-py raises several unrelated types here
@@ -107,6 +111,12 @@ async def open_connection(config: BusConfig, *, name: str) -> NATS:
                 ) from error
             await _close_quietly(nc)
             await asyncio.sleep(min(config.reconnect_wait_s, 0.5))
+
+
+def enable_reconnect_forever(nc: NATS) -> None:
+    """Reconnect without limit from now on (nats-py reads these options at each disconnect)."""
+    nc.options["allow_reconnect"] = True
+    nc.options["max_reconnect_attempts"] = -1
 
 
 async def _close_quietly(nc: NATS) -> None:
