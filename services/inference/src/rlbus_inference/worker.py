@@ -1,0 +1,78 @@
+"""vLLM worker extension: the worker-side half of the admin endpoints.
+
+vLLM mixes this class into every worker process (`--worker-extension-cls`), and the API server
+reaches its methods with `engine_client.collective_rpc("<method>", args=...)`. Methods run inside
+the worker, next to the model, so weights never travel through the API server process.
+All methods are prefixed `rlbus_` so they cannot clash with vLLM's own worker attributes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+class RlbusWorkerExtension:
+    """Load weights from a safetensors directory or from a trainer broadcast."""
+
+    def _rlbus_reload(self, weights) -> None:
+        """Load checkpoint-format tensors into the running model.
+
+        A plain `model.load_weights` fails after the first load on CPU: vLLM repacks linear
+        weights for its kernels after loading (the checkpoint-shaped parameters become empty).
+        `Worker.reload_weights` restores the checkpoint layout layer by layer, loads, and
+        repacks again (vllm/model_executor/model_loader/reload/).
+        """
+        from rlbus_inference.patches import refresh_tied_lm_head
+
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)  # type: ignore[attr-defined]
+        refresh_tied_lm_head(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def rlbus_load_weights_from_dir(self, weights_dir: str) -> dict:
+        """Load every `*.safetensors` file of `weights_dir` into the running model, in place."""
+        from safetensors.torch import safe_open
+
+        from rlbus_inference.checksums import safetensors_files
+
+        start = time.perf_counter()
+        num_tensors = 0
+
+        def tensors():
+            nonlocal num_tensors
+            for path in safetensors_files(Path(weights_dir)):
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        num_tensors += 1
+                        yield name, f.get_tensor(name)
+
+        self._rlbus_reload(tensors())
+        return {"num_tensors": num_tensors, "seconds": time.perf_counter() - start}
+
+    def rlbus_init_broadcaster(
+        self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float
+    ) -> int:
+        """Join the trainer's broadcast group as rank `rank_offset + local rank`; returns the rank."""
+        from rlbus_inference.broadcast import make_group
+
+        rank = rank_offset + self.rank  # type: ignore[attr-defined]
+        self._rlbus_group = make_group(
+            host, port, rank, world_size, timeout_s,
+            self.device,  # type: ignore[attr-defined]
+        )
+        return rank
+
+    def rlbus_receive_broadcast(self) -> dict:
+        """Receive one version from the broadcast group and load it tensor by tensor."""
+        from rlbus_inference.broadcast import receive_header, receive_tensors
+
+        group = getattr(self, "_rlbus_group", None)
+        if group is None:
+            raise RuntimeError("no broadcast group: call /init_broadcaster first")
+        start = time.perf_counter()
+        header = receive_header(group)
+        if header is None:
+            self._rlbus_group = None
+            return {"version": None, "closed": True}
+        self._rlbus_reload(receive_tensors(group, header))
+        return {"version": header["version"], "num_tensors": len(header["tensors"]),
+                "seconds": time.perf_counter() - start}
