@@ -1,0 +1,179 @@
+"""Checkpoints: `<run_dir>/checkpoints/step_N/trainer/`, written with torch.distributed.checkpoint.
+
+Layout of one checkpoint:
+
+    step_N/trainer/            DCP shards of {"model", "optim"} (every rank writes its own)
+    step_N/trainer/rank_R.pt   per-rank extras: RNG states, full-offload masters + optimizer state
+    step_N/trainer/meta.json   progress (step, schedule, anything the caller adds), rank 0
+    step_N/trainer/COMPLETE    written last, after a barrier, with fsync: only marked checkpoints count
+
+A kill -9 mid-save leaves a directory without COMPLETE; resume ignores it and `prune` removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+import torch.distributed as dist
+
+log = structlog.get_logger()
+
+COMPLETE = "COMPLETE"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step}" / "trainer"
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    """Steps with a complete trainer checkpoint, ascending."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    steps = []
+    for path in root.iterdir():
+        match = re.fullmatch(r"step_(\d+)", path.name)
+        if match and (path / "trainer" / COMPLETE).exists():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def resolve_resume_step(run_dir: Path, step: int | None) -> int | None:
+    """`step` if its checkpoint is complete, else the latest complete one (None: none yet)."""
+    steps = complete_steps(run_dir)
+    if step is None:
+        return steps[-1] if steps else None
+    if step not in steps:
+        raise ValueError(
+            f"--resume.step {step}: no complete checkpoint {checkpoint_dir(run_dir, step)} "
+            f"(complete steps: {steps or 'none'}); pass one of them or a bare --resume"
+        )
+    return step
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(path: Path) -> None:
+    for file in path.iterdir():
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dcp_state(engine) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    from rlbus_trainer.engine import torch_optimizers
+
+    if engine.full_offload:
+        return {"model": get_model_state_dict(engine.model)}
+    model_sd, optim_sd = get_state_dict(engine.model, torch_optimizers(engine.optimizer))
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_checkpoint(engine, run_dir: Path, step: int, progress: dict) -> Path:
+    """Write step `step`'s checkpoint on every rank, then mark it complete. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    path = checkpoint_dir(run_dir, step)
+    if engine.world.is_main and path.exists():
+        shutil.rmtree(path)  # an incomplete leftover of a killed run
+    dist.barrier()
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save(_dcp_state(engine), checkpoint_id=str(path))
+    extras = {"rng": _rng_state()}
+    if engine.full_offload:
+        extras["full_offload"] = engine.optimizer.state_dict()
+    torch.save(extras, path / f"rank_{engine.world.rank}.pt")
+    if engine.world.is_main:
+        meta = {"step": step, "schedule": engine.schedule.state_dict(), "world_size": engine.world.world_size,
+                "progress": progress}
+        _fsync_write(path / "meta.json", json.dumps(meta))
+    dist.barrier()
+    if engine.world.is_main:
+        _fsync_tree(path)
+        _fsync_write(path / COMPLETE, str(step))
+    dist.barrier()
+    log.info("checkpoint_saved", step=step, path=str(path))
+    return path
+
+
+def load_checkpoint(engine, run_dir: Path, step: int) -> dict:
+    """Restore model, optimizer, schedule and RNG from step `step`; returns the saved progress."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    from rlbus_trainer.engine import torch_optimizers
+
+    path = checkpoint_dir(run_dir, step)
+    assert (path / COMPLETE).exists(), f"checkpoint {path} is incomplete"
+    state = _dcp_state(engine)
+    dcp.load(state, checkpoint_id=str(path))
+    if engine.full_offload:
+        set_model_state_dict(engine.model, state["model"])
+    else:
+        set_state_dict(engine.model, torch_optimizers(engine.optimizer),
+                       model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = json.loads((path / "meta.json").read_text())
+    engine.schedule.load_state_dict(meta["schedule"])
+    rank_file = path / f"rank_{engine.world.rank}.pt"
+    if rank_file.exists():  # absent when resuming with more ranks than were saved
+        extras = torch.load(rank_file, weights_only=False)
+        _set_rng_state(extras["rng"])
+        if engine.full_offload:
+            engine.optimizer.load_state_dict(extras["full_offload"])
+    log.info("checkpoint_loaded", step=step, path=str(path))
+    return meta["progress"]
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int | None, *, current_step: int) -> list[int]:
+    """Delete trainer checkpoints beyond the newest `keep_last` complete ones, and incomplete
+    ones older than `current_step` (rank 0 only). Returns the pruned steps."""
+    complete = complete_steps(run_dir)
+    doomed = set(complete[:-keep_last] if keep_last else [])
+    root = Path(run_dir) / "checkpoints"
+    for path in root.glob("step_*"):
+        match = re.fullmatch(r"step_(\d+)", path.name)
+        if match and int(match.group(1)) < current_step and not (path / "trainer" / COMPLETE).exists() \
+                and (path / "trainer").exists():
+            doomed.add(int(match.group(1)))
+    for step in sorted(doomed):
+        shutil.rmtree(checkpoint_dir(run_dir, step), ignore_errors=True)
+        try:
+            checkpoint_dir(run_dir, step).parent.rmdir()  # only if no other service wrote there
+        except OSError:
+            pass
+    if doomed:
+        log.info("checkpoints_pruned", steps=sorted(doomed))
+    return sorted(doomed)

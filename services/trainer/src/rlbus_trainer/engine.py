@@ -1,0 +1,265 @@
+"""The training core shared by RL (`service.py`) and SFT (`sft.py`).
+
+    setup_distributed()            torch.distributed from torchrun's env (or a 1-rank group), gloo on CPU
+    build_engine(config, world)    model (FSDP2 `fully_shard` per layer + root), optimizer, lr schedule
+    engine.train_step(mbs, fn)     forward/backward every micro-batch of this rank, clip, step
+    engine.full_state_dict()       the whole model on rank 0 (weight publishing, final SFT model)
+
+Micro-batches are `rlbus.wire.batches.MicroBatch` (packed: several sequences per row, a block-causal
+attention mask keeps them apart). Up to `rows_per_forward` rows are stacked (padded) into one
+forward pass, which matters for tiny models where per-call overhead dominates. Every rank runs
+the same number of forward/backward passes (FSDP2 collectives must match), so a rank with fewer
+rows runs empty-loss padding passes.
+Loss terms are normalised by the step's global loss-token count; FSDP2 averages gradients over
+ranks, so each rank's loss is multiplied by the world size to turn that average back into a sum.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from rlbus.wire.batches import MicroBatch
+from rlbus_trainer.loss import LossInputs, block_causal_mask, token_logprobs_and_entropy
+from rlbus_trainer.optim import LRSchedule, Optimizers, OptimizerStateOffload, build_optimizer, clip_grad_norm
+
+log = structlog.get_logger()
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> World:
+    """Join torchrun's process group (or make a 1-rank one when started without torchrun)."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group("gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return World(dist.get_rank(), dist.get_world_size(), device)
+
+
+def teardown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def load_model(model_config, device: torch.device) -> torch.nn.Module:
+    """A causal LM from a local directory or HF id (Qwen3, Llama, ...), in the configured dtype."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_config.name,
+        dtype=DTYPES[model_config.dtype],
+        trust_remote_code=model_config.trust_remote_code,
+        attn_implementation="sdpa",
+    )
+    if getattr(model_config, "activation_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.to(device)
+
+
+def shard_model(model: torch.nn.Module, world: World) -> torch.nn.Module:
+    """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, tied head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    num_tokens: int
+    num_loss_tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    forward_backward_s: float = 0.0
+    optimizer_s: float = 0.0
+
+
+class Engine:
+    """Model + optimizer + schedule of one rank; `train_step` runs one optimizer step."""
+
+    def __init__(self, config, world: World, model: torch.nn.Module, optimizer, schedule: LRSchedule):
+        self.config = config
+        self.world = world
+        self.model = model
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.max_norm = config.optim.max_norm
+        self.full_offload = getattr(optimizer, "last_micro_batch", None) is not None
+
+    # ---- one optimizer step -------------------------------------------------------------
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: Callable) -> StepResult:
+        """Forward/backward this rank's micro-batches, then clip and step. Collective over ranks."""
+        t0 = time.perf_counter()
+        num_local_loss = sum(sum(mb.loss_mask) for mb in micro_batches)
+        num_local_tokens = sum(len(mb.input_ids) for mb in micro_batches)
+        totals = torch.tensor([num_local_loss, num_local_tokens], dtype=torch.float64)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        num_global_loss, num_global_tokens = int(totals[0]), int(totals[1])
+        padded = self._groups(micro_batches)
+
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        metric_sums: dict[str, torch.Tensor] = {}
+        self.model.train()
+        for i, mb in enumerate(padded):
+            if self.full_offload:
+                self.optimizer.last_micro_batch = i == len(padded) - 1
+            loss, metrics = self._forward_loss(mb, loss_fn, num_global_loss)
+            (loss * self.world.world_size).backward()
+            loss_sum += loss.detach().double().cpu()
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0) + v.detach().double().cpu()
+        t1 = time.perf_counter()
+
+        grad_norm = 0.0 if self.full_offload else clip_grad_norm(self.model.parameters(), self.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        lr = self.schedule.lr
+        self.schedule.step()
+        t2 = time.perf_counter()
+
+        names = sorted(metric_sums)
+        reduced = torch.stack([loss_sum] + [metric_sums[k] for k in names])
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+        return StepResult(
+            loss=float(reduced[0]),
+            grad_norm=grad_norm,
+            lr=lr,
+            num_tokens=num_global_tokens,
+            num_loss_tokens=num_global_loss,
+            metrics={k: float(v) for k, v in zip(names, reduced[1:])},
+            forward_backward_s=t1 - t0,
+            optimizer_s=t2 - t1,
+        )
+
+    def _forward_loss(self, group: list[MicroBatch], loss_fn: Callable, num_global_loss: int):
+        """One forward pass over a group of packed rows (padded to the longest), loss over all."""
+        dev = self.world.device
+        num_rows, width = len(group), max(len(mb.input_ids) for mb in group)
+        ids = torch.zeros(num_rows, width, dtype=torch.long)  # [B, T]
+        pos = torch.zeros(num_rows, width, dtype=torch.long)  # [B, T]
+        mask = torch.eye(width, dtype=torch.bool).repeat(num_rows, 1, 1, 1)  # [B, 1, T, T]; pads see themselves
+        for b, mb in enumerate(group):
+            n = len(mb.input_ids)
+            ids[b, :n] = torch.tensor(mb.input_ids)
+            pos[b, :n] = torch.tensor(mb.position_ids)
+            mask[b, 0, :n, :n] = block_causal_mask(mb.seq_lens)[0, 0]
+        logits = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev)).logits
+        logprobs, entropies = [], []
+        for b, mb in enumerate(group):  # per row: [T_b] each, pads dropped
+            n = len(mb.input_ids)
+            temps = torch.tensor(mb.temperatures, dtype=torch.float32, device=dev)
+            lp, ent = token_logprobs_and_entropy(logits[b, :n], ids[b, :n].to(dev), temps)
+            logprobs.append(lp)
+            entropies.append(ent)
+
+        def flat(attr, dtype):
+            return torch.tensor([x for mb in group for x in getattr(mb, attr)], dtype=dtype, device=dev)
+
+        inputs = LossInputs(
+            trainer_logprobs=torch.cat(logprobs),
+            inference_logprobs=flat("inference_logprobs", torch.float32),
+            advantages=flat("advantages", torch.float32),
+            loss_mask=flat("loss_mask", torch.bool),
+            entropy=torch.cat(entropies),
+        )
+        return loss_fn(inputs, num_global_loss)
+
+    def _groups(self, micro_batches: list[MicroBatch]) -> list[list[MicroBatch]]:
+        """Rows stacked per forward pass, padded with empty groups to the max count over ranks."""
+        k = self.config.rows_per_forward
+        groups = [micro_batches[i : i + k] for i in range(0, len(micro_batches), k)]
+        count = torch.tensor([len(groups)], dtype=torch.float64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return groups + [[make_padding_micro_batch()]] * (int(count) - len(groups))
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[MicroBatch], loss_fn: Callable) -> float:
+        """Mean loss over micro-batches of every rank without updating anything (validation)."""
+        self.model.eval()
+        total = torch.tensor([sum(sum(mb.loss_mask) for mb in micro_batches)], dtype=torch.float64)
+        dist.all_reduce(total)
+        padded = self._groups(micro_batches)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for mb in padded:
+            loss, _ = self._forward_loss(mb, loss_fn, int(total))
+            loss_sum += loss.double().cpu()
+        dist.all_reduce(loss_sum)
+        return float(loss_sum)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded model state on rank 0 (empty elsewhere), on the CPU. Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def make_padding_micro_batch() -> MicroBatch:
+    """A 2-token micro-batch without loss tokens: keeps FSDP collectives matched across ranks."""
+    return MicroBatch(
+        input_ids=[0, 0], position_ids=[0, 1], loss_mask=[0, 0], advantages=[0.0, 0.0],
+        inference_logprobs=[0.0, 0.0], temperatures=[1.0, 1.0], seq_lens=[2],
+    )
+
+
+def build_engine(config, world: World) -> Engine:
+    """Model, FSDP2 sharding, optimizer (plain, state-offloaded or in-backward) and schedule."""
+    torch.manual_seed(config.seed)
+    model = shard_model(load_model(config.model, world.device), world)
+    full = config.model.full_offload_config
+    if full is not None:
+        from rlbus_trainer.full_offload import OptimizerInBackward
+
+        optimizer = OptimizerInBackward(model, config.optim, backend=full.backend, numa_binding=full.numa_binding)
+    else:
+        optimizer = build_optimizer(config.optim, model)
+        if config.model.optim_cpu_offload:
+            optimizer = OptimizerStateOffload(optimizer)
+    schedule = LRSchedule(config.scheduler, optimizer, config.max_steps)
+    log.info("engine_built", model=config.model.name, world_size=world.world_size,
+             num_params=sum(p.numel() for p in model.parameters()), optim=config.optim.type,
+             full_offload=full is not None, optim_cpu_offload=config.model.optim_cpu_offload)
+    return Engine(config, world, model, optimizer, schedule)
+
+
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside an `Optimizers` / `OptimizerStateOffload` (for DCP)."""
+    assert isinstance(optimizer, (Optimizers, OptimizerStateOffload)), type(optimizer)
+    return optimizer.optimizers

@@ -1,0 +1,137 @@
+"""SFT: the per-rank training body that `sft` launches under torchrun (`run(config)`).
+
+Same engine as RL (model, FSDP2, optimizer, offload, checkpoints), fed from local data instead of
+the bus: step s trains on examples [(s-1)*batch_size, s*batch_size) of the data (sft_data.py),
+split round-robin over ranks and packed into rows of seq_len. Validation loss every
+`data.val_interval` steps when `data.val_path` is set. At the end rank 0 writes `<run_dir>/model/`,
+an HF directory that `inference` and `rl` load.
+
+`torchrun_argv(config_path, num_processes)` is the command line the `sft` launcher runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger()
+
+
+def torchrun_argv(config_path: str | Path, num_processes: int, *, extra_args: list[str] | None = None) -> list[str]:
+    """`python -m torch.distributed.run ... -m rlbus_trainer.sft @ config` for the sft launcher."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc-per-node={num_processes}",
+        "-m", "rlbus_trainer.sft", "@", str(config_path), *(extra_args or []),
+    ]
+
+
+def _run_dir(config) -> Path:
+    from rlbus.runs import resolve_run_dir
+
+    if not (config.run.name or config.run.dir):
+        raise ValueError("sft: run.name is not set; launch through `sft` (it names the run) or pass --run.name")
+    return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+
+
+def _num_steps(config, data) -> int:
+    if config.max_steps is not None:
+        return config.max_steps
+    if data.num_examples is None:
+        raise ValueError("sft: the built-in reverse-text data never ends: set max_steps (--max-steps N)")
+    return max(1, data.num_examples // config.data.batch_size)
+
+
+def _append_metrics(run_dir: Path, config, record: dict) -> None:
+    if config.monitors.file is None:
+        return
+    with open(run_dir / config.monitors.file.path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def run(config) -> Path | None:
+    """Train per `config` (an SFTConfig) on this rank; returns the final model dir on rank 0."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from rlbus_trainer import ckpt
+    from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
+    from rlbus_trainer.hf_dir import write_hf_dir
+    from rlbus_trainer.sft_data import SFTData, pack, sft_loss
+
+    world = setup_distributed()
+    run_dir = _run_dir(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    structlog.contextvars.bind_contextvars(service="sft", rank=world.rank)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    data = SFTData(config.data.path, tokenizer, loss_roles=config.data.loss_roles,
+                   batch_size=config.data.batch_size, seed=config.seed)
+    val = None
+    if config.data.val_path:
+        val = SFTData(config.data.val_path, tokenizer, loss_roles=config.data.loss_roles,
+                      batch_size=config.data.batch_size, seed=config.seed, split="val")
+    num_steps = _num_steps(config, data)
+    engine = build_engine(config, world)
+
+    start = 0
+    if config.resume is not None:
+        step = ckpt.resolve_resume_step(run_dir, config.resume.step)
+        if step is not None:
+            ckpt.load_checkpoint(engine, run_dir, step)
+            start = step
+    log.info("sft_started", run_dir=str(run_dir), start_step=start, num_steps=num_steps)
+
+    for step in range(start + 1, num_steps + 1):
+        t0 = time.perf_counter()
+        samples = data.batch(step)[world.rank :: world.world_size]
+        micro_batches = pack(samples, config.seq_len, pack=config.data.pack)
+        result = engine.train_step(micro_batches, sft_loss)
+        elapsed = time.perf_counter() - t0
+        record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                  "tokens_per_s": result.num_tokens / elapsed, "num_tokens": result.num_tokens,
+                  "step_time_s": elapsed, **result.metrics}
+        if val is not None and (step % config.data.val_interval == 0 or step == num_steps):
+            record["val_loss"] = engine.eval_loss(
+                pack(val.batch(1)[world.rank :: world.world_size], config.seq_len, pack=config.data.pack), sft_loss)
+        if world.is_main:
+            log.info("sft_step", step=step, loss=round(result.loss, 4), lr=result.lr,
+                     grad_norm=round(result.grad_norm, 3), tokens_per_s=round(record["tokens_per_s"]),
+                     **({"val_loss": round(record["val_loss"], 4)} if "val_loss" in record else {}))
+            _append_metrics(run_dir, config, record)
+        if config.ckpt is not None and (step % config.ckpt.interval == 0 or step == num_steps):
+            ckpt.save_checkpoint(engine, run_dir, step, progress={"step": step})
+            if world.is_main:
+                ckpt.prune_checkpoints(run_dir, config.ckpt.keep_last, current_step=step)
+
+    out = None
+    if config.save_final_model:
+        state = engine.full_state_dict()
+        if world.is_main:
+            out = write_hf_dir(state, config.model.name, run_dir / "model",
+                               trust_remote_code=config.model.trust_remote_code)
+            log.info("sft_model_written", path=str(out))
+        dist.barrier()
+    teardown_distributed()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m rlbus_trainer.sft @ cfg.toml` (one rank; torchrun starts one per process)."""
+    import os
+
+    from rlbus.configs.base import parse_cli
+    from rlbus.configs.sft import SFTConfig
+    from rlbus.obs.logging import setup_logging
+
+    config = parse_cli(SFTConfig, argv, prog="sft-rank")
+    setup_logging("sft", run_dir=_run_dir(config), run_id=config.run.name, level=config.log.level,
+                  json_console=config.log.json_console, rank=int(os.environ.get("RANK", 0)))
+    run(config)
+
+
+if __name__ == "__main__":
+    main()
