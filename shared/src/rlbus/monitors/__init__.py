@@ -1,0 +1,15 @@
+"""Monitors: the run's step events (bus) -> `<run_dir>/metrics.jsonl` and, when enabled, wandb.
+
+    events stream ──(durable "monitor")──▶ StepJoiner ──rows──▶ JsonlSink / WandbSink
+                                                          └─▶ ack the events of written rows
+
+Trainer and orchestrator each publish a `StepMetrics` per step; the joiner writes one row per step
+once both have arrived (or when the run has moved on, so a missing one never blocks the file).
+Events are acked only after their row is written, so a monitor killed mid-run re-reads what it
+had not written yet. `python -m rlbus.monitors @ <run_dir>/configs/rl.toml` runs it as a process.
+"""
+
+from rlbus.monitors.join import StepJoiner
+from rlbus.monitors.sinks import JsonlSink, WandbSink
+
+__all__ = ["JsonlSink", "StepJoiner", "WandbSink"]

@@ -1,0 +1,3 @@
+from rlbus.monitors.service import main
+
+main()

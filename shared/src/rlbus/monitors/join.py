@@ -1,0 +1,92 @@
+"""Joining the per-service step metrics of one step into one row."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlbus.wire.events import StepMetrics
+from rlbus.wire.weights import WeightsApplied, WeightsFailed
+
+JOINED_SERVICES = ("orchestrator", "trainer")
+
+
+@dataclass
+class PendingRow:
+    values: dict[str, Any] = field(default_factory=dict)
+    services: set[str] = field(default_factory=set)
+    tokens: list[Any] = field(default_factory=list)
+    """Whatever the caller wants back when the row is written (e.g. deliveries to ack)."""
+
+
+@dataclass
+class StepJoiner:
+    """Buffers step events until every expected service reported the step.
+
+    A row is also released when a step `lookahead` steps later is complete, so a service that
+    never reports a step (e.g. it restarted) delays its row but never blocks the file.
+    """
+
+    expected: tuple[str, ...] = JOINED_SERVICES
+    lookahead: int = 2
+    max_pending: int = 8
+    """A row is released anyway once this many newer steps have data (a service is gone)."""
+    pending: dict[int, PendingRow] = field(default_factory=dict)
+    last_written: int = -1
+
+    def add_metrics(self, event: StepMetrics, token: Any = None) -> list[tuple[dict, list]]:
+        row = self._row(event.step, token)
+        for key, value in event.metrics.items():
+            # Same metric name from two services: keep both, prefixed by service.
+            if key in row.values and key not in _own_keys(row, event.service):
+                row.values[f"{event.service}/{key}"] = value
+            else:
+                row.values[key] = value
+        row.values.setdefault("time", event.time)
+        row.values["time"] = max(row.values["time"], event.time)
+        row.services.add(event.service)
+        return self.ready()
+
+    def add_weights(self, event: WeightsApplied | WeightsFailed, token: Any = None) -> list[tuple[dict, list]]:
+        """Weights acks go into the row of the step that published that version."""
+        row = self._row(event.version, token)
+        if isinstance(event, WeightsApplied):
+            row.values["weights/num_applied"] = row.values.get("weights/num_applied", 0) + 1
+            row.values["weights/apply_s"] = max(row.values.get("weights/apply_s", 0.0), event.duration_s)
+        else:
+            row.values["weights/num_failed"] = row.values.get("weights/num_failed", 0) + 1
+        return self.ready()
+
+    def ready(self) -> list[tuple[dict, list]]:
+        """Rows that can be written now, in step order: (row, tokens)."""
+        complete = [s for s, r in self.pending.items() if set(self.expected) <= r.services]
+        horizon = max(
+            max(complete, default=-1) - self.lookahead,
+            max(self.pending, default=-1) - self.max_pending,
+        )
+        out = []
+        for step in sorted(self.pending):
+            row = self.pending[step]
+            if set(self.expected) <= row.services or step <= horizon:
+                out.append(self._pop(step))
+            else:
+                break
+        return out
+
+    def flush(self) -> list[tuple[dict, list]]:
+        """Every buffered row, complete or not (at shutdown)."""
+        return [self._pop(step) for step in sorted(self.pending)]
+
+    def _row(self, step: int, token: Any) -> PendingRow:
+        row = self.pending.setdefault(step, PendingRow())
+        if token is not None:
+            row.tokens.append(token)
+        return row
+
+    def _pop(self, step: int) -> tuple[dict, list]:
+        row = self.pending.pop(step)
+        self.last_written = max(self.last_written, step)
+        return {"step": step, **row.values}, row.tokens
+
+
+def _own_keys(row: PendingRow, service: str) -> set[str]:
+    """Keys a service wrote itself (only known when it is the only one so far)."""
+    return set(row.values) if row.services <= {service} else set()

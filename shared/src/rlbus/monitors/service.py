@@ -1,0 +1,103 @@
+"""The monitor process: consumes the events stream of a run and writes the joined rows."""
+
+import asyncio
+import signal
+from pathlib import Path
+
+import structlog
+
+from rlbus.bus import Bus
+from rlbus.configs import RLConfig
+from rlbus.monitors.join import StepJoiner
+from rlbus.monitors.sinks import JsonlSink, WandbSink
+from rlbus.runs import resolve_run_dir
+from rlbus.wire import events
+from rlbus.wire.events import Lifecycle, StepMetrics
+from rlbus.wire.weights import WeightsApplied, WeightsFailed
+
+log = structlog.get_logger()
+
+MONITOR_DURABLE = "monitor"
+
+
+def build_sinks(config: RLConfig, run_dir: Path) -> list:
+    sinks: list = []
+    if config.monitors.file is not None:
+        sinks.append(JsonlSink(run_dir / config.monitors.file.path))
+    if config.monitors.wandb is not None:
+        sinks.append(WandbSink(config.monitors.wandb, config.run.name or run_dir.name, run_dir, config.model_dump()))
+    return sinks
+
+
+class Monitor:
+    """Feeds events into a StepJoiner and writes released rows to every sink, then acks."""
+
+    def __init__(self, sinks: list, joiner: StepJoiner | None = None):
+        self.sinks = sinks
+        self.joiner = joiner or StepJoiner()
+        self.num_rows = 0
+
+    async def handle(self, delivery) -> None:
+        event = delivery.data
+        if isinstance(event, StepMetrics) and event.service in self.joiner.expected:
+            await self.write(self.joiner.add_metrics(event, delivery))
+        elif isinstance(event, (WeightsApplied, WeightsFailed)):
+            await self.write(self.joiner.add_weights(event, delivery))
+        else:
+            if isinstance(event, Lifecycle):
+                log.info("service_lifecycle", of=event.service, state=event.state, reason=event.reason)
+            await delivery.ack()
+
+    async def write(self, rows) -> None:
+        for row, deliveries in rows:
+            for sink in self.sinks:
+                sink.write(row)
+            self.num_rows += 1
+            for delivery in deliveries:
+                await delivery.ack()
+
+    async def close(self) -> None:
+        await self.write(self.joiner.flush())
+        for sink in self.sinks:
+            sink.close()
+
+
+async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
+    run_dir = resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+    bus = await Bus.connect(config.bus, storage_dir=run_dir, name="monitor")
+    monitor = Monitor(build_sinks(config, run_dir))
+    subjects = bus.subjects
+    consumer = bus.consumer(
+        subjects.events_stream,
+        MONITOR_DURABLE,
+        events.decoder,
+        monitor.handle,
+        auto_ack=False,
+        batch=64,
+        filter_subject=subjects.events_all,
+    )
+    try:
+        async with consumer:
+            await stop.wait()
+    finally:
+        await monitor.close()
+        await bus.close()
+        log.info("monitor_stopped", num_rows=monitor.num_rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rlbus.configs.base import parse_cli
+    from rlbus.obs.logging import setup_logging
+
+    config = parse_cli(RLConfig, argv, prog="python -m rlbus.monitors")
+    run_dir = resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+    setup_logging("monitor", run_dir=run_dir, run_id=config.bus.run_id, level=config.log.level)
+
+    async def amain() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run_monitor(config, stop)
+
+    asyncio.run(amain())

@@ -1,0 +1,58 @@
+from rlbus.monitors.join import StepJoiner
+from rlbus.wire.events import StepMetrics
+from rlbus.wire.weights import WeightsApplied, WeightsFailed
+
+
+def make_metrics(service, step, **metrics):
+    return StepMetrics(service=service, step=step, metrics=metrics, time=float(step))
+
+
+def test_row_is_released_only_when_trainer_and_orchestrator_reported():
+    joiner = StepJoiner()
+    assert joiner.add_metrics(make_metrics("orchestrator", 1, **{"reward/mean": 0.5}), "a") == []
+    rows = joiner.add_metrics(make_metrics("trainer", 1, loss=0.1), "b")
+    assert rows == [({"step": 1, "reward/mean": 0.5, "loss": 0.1, "time": 1.0}, ["a", "b"])]
+
+
+def test_rows_come_out_in_step_order():
+    joiner = StepJoiner()
+    joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))
+    joiner.add_metrics(make_metrics("orchestrator", 2, r=2.0))
+    assert joiner.add_metrics(make_metrics("trainer", 2, loss=2.0)) == []  # step 1 still waits
+    rows = joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))
+    assert [row["step"] for row, _ in rows] == [1, 2]
+
+
+def test_a_step_a_service_never_reports_is_released_after_lookahead():
+    joiner = StepJoiner(lookahead=2)
+    joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))  # trainer never reports step 1
+    released = []
+    for step in (2, 3):
+        joiner.add_metrics(make_metrics("orchestrator", step, r=1.0))
+        released += joiner.add_metrics(make_metrics("trainer", step, loss=1.0))
+    assert [row["step"] for row, _ in released] == [1, 2, 3]
+    assert "loss" not in released[0][0]
+
+
+def test_same_metric_from_two_services_keeps_both():
+    joiner = StepJoiner()
+    joiner.add_metrics(make_metrics("orchestrator", 1, tokens_per_s=10.0))
+    (row, _), = joiner.add_metrics(make_metrics("trainer", 1, tokens_per_s=99.0))
+    assert row["tokens_per_s"] == 10.0 and row["trainer/tokens_per_s"] == 99.0
+
+
+def test_weights_acks_land_in_the_row_of_their_version():
+    joiner = StepJoiner()
+    joiner.add_weights(WeightsApplied(version=1, replica_id="r0", duration_s=0.3))
+    joiner.add_weights(WeightsFailed(version=1, replica_id="r1", reason="checksum"))
+    joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))
+    (row, _), = joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))
+    assert row["weights/num_applied"] == 1 and row["weights/num_failed"] == 1
+    assert row["weights/apply_s"] == 0.3
+
+
+def test_flush_releases_incomplete_rows():
+    joiner = StepJoiner()
+    joiner.add_metrics(make_metrics("orchestrator", 5, r=1.0))
+    assert [row["step"] for row, _ in joiner.flush()] == [5]
+    assert joiner.pending == {}
