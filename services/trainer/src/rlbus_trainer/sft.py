@@ -4,30 +4,19 @@ Same engine as RL (model, FSDP2, optimizer, offload, checkpoints), fed from loca
 the bus: step s trains on examples [(s-1)*batch_size, s*batch_size) of the data (sft_data.py),
 split round-robin over ranks and packed into rows of seq_len. Validation loss every
 `data.val_interval` steps when `data.val_path` is set. At the end rank 0 writes `<run_dir>/model/`,
-an HF directory that `inference` and `rl` load.
-
-`torchrun_argv(config_path, num_processes)` is the command line the `sft` launcher runs.
+an HF directory that `inference` and `rl` load. The `sft` command (sft_entrypoint.py) names the
+run, writes the resolved config and starts torchrun, whose ranks call `run(config)`.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import structlog
 
 log = structlog.get_logger()
-
-
-def torchrun_argv(config_path: str | Path, num_processes: int, *, extra_args: list[str] | None = None) -> list[str]:
-    """`python -m torch.distributed.run ... -m rlbus_trainer.sft @ config` for the sft launcher."""
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc-per-node={num_processes}",
-        "-m", "rlbus_trainer.sft", "@", str(config_path), *(extra_args or []),
-    ]
 
 
 def _run_dir(config) -> Path:
@@ -117,21 +106,3 @@ def run(config) -> Path | None:
         dist.barrier()
     teardown_distributed()
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m rlbus_trainer.sft @ cfg.toml` (one rank; torchrun starts one per process)."""
-    import os
-
-    from rlbus.configs.base import parse_cli
-    from rlbus.configs.sft import SFTConfig
-    from rlbus.obs.logging import setup_logging
-
-    config = parse_cli(SFTConfig, argv, prog="sft-rank")
-    setup_logging("sft", run_dir=_run_dir(config), run_id=config.run.name, level=config.log.level,
-                  json_console=config.log.json_console, rank=int(os.environ.get("RANK", 0)))
-    run(config)
-
-
-if __name__ == "__main__":
-    main()
