@@ -220,3 +220,13 @@ def test_config_errors_never_print_a_traceback_for_bad_json_or_files(tmp_path):
     assert "nope.toml" in error_text(missing_file)
     assert "Traceback" not in bad_json.stderr + missing_file.stderr
     assert os.listdir(tmp_path) == []  # nothing written on a config error
+
+
+def test_file_for_a_kebab_case_sub_tree(tmp_path):
+    write(tmp_path / "wb.toml", 'type = "nccl"\ntimeout_s = 60\n')
+
+    config = resolved_config("rl", "--trainer.weight-broadcast", "@", "wb.toml", cwd=tmp_path)
+
+    assert config["trainer"]["weight_broadcast"]["type"] == "nccl"
+    assert config["trainer"]["weight_broadcast"]["timeout_s"] == 60
+    assert config["weight_broadcast"]["type"] == "filesystem"  # only the trainer's was set
