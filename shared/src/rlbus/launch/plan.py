@@ -108,6 +108,11 @@ def service_configs(config: RLConfig) -> dict[str, BaseModel]:
 def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     """Resolve the bus, the service configs and the argv of every process of an RL run."""
     assert config.run.name is not None, "name the run (RLConfig.with_run_name) before planning it"
+    # rl.toml keeps the user's intent (no bus.url: "start an embedded server"), so that
+    # `rl @ <run_dir>/configs/rl.toml --resume` starts one again; the services get the URL.
+    resolved_rl = config.model_copy(deep=True)
+    resolved_rl.dry_run = False
+    resolved_rl.clean = False
     config = config.model_copy(deep=True)
     processes: list[ServiceProcess] = []
     files: dict[str, str] = {}
@@ -118,9 +123,6 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
         files["nats.conf"] = nats_conf
     config.push_shared_values_down()
 
-    resolved_rl = config.model_copy(deep=True)
-    resolved_rl.dry_run = False
-    resolved_rl.clean = False
     launch = Launch(config=resolved_rl, run_dir=run_dir, files=files)
     launch.configs["rl"] = resolved_rl
     services = service_configs(config)
