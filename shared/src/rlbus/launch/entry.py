@@ -32,7 +32,8 @@ def load_service_run(module: str, command: str) -> Callable[[Any], Any]:
     try:
         service = importlib.import_module(module)
     except ModuleNotFoundError as error:
-        if error.name is None or not module.startswith(error.name):
+        missing = error.name or ""
+        if missing != module and not module.startswith(missing + "."):
             raise  # a dependency of the service is missing: a real error, keep its traceback
         service = None
     run = getattr(service, "run", None)
