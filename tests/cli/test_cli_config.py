@@ -230,3 +230,11 @@ def test_file_for_a_kebab_case_sub_tree(tmp_path):
     assert config["trainer"]["weight_broadcast"]["type"] == "nccl"
     assert config["trainer"]["weight_broadcast"]["timeout_s"] == 60
     assert config["weight_broadcast"]["type"] == "filesystem"  # only the trainer's was set
+
+
+def test_resume_is_a_bare_flag_or_takes_a_step(tmp_path):
+    assert resolved_config("rl", cwd=tmp_path)["resume"] == "None"
+    assert resolved_config("rl", "--resume", cwd=tmp_path)["resume"] == {"step": "None"}
+    stepped = resolved_config("rl", "--resume.step", "40", cwd=tmp_path)
+
+    assert stepped["resume"] == {"step": 40} and stepped["trainer"]["resume"] == {"step": 40}

@@ -143,3 +143,21 @@ def test_sft_dry_run_names_the_run_after_dataset_and_model_and_writes_a_torchrun
     written = load_toml(run_dir / "configs" / "sft.toml")
     assert tomli.loads(printed.stdout) == written
     assert written["run"]["name"] == run_dir.name and written["max_steps"] == 20
+
+
+def test_each_inference_replica_gets_its_own_config_ports_and_script(tmp_path):
+    result = run_command(
+        "rl", "--dry-run", "--run.name", "two", "--deployment.num-infer-replicas", "2",
+        "--bus.url", "nats://bus:4222", cwd=tmp_path,
+    )  # fmt: skip
+
+    run_dir = tmp_path / "outputs" / "two"
+    assert result.returncode == 0, result.stderr
+    replicas = [load_toml(run_dir / "configs" / f"inference-{i}.toml") for i in (0, 1)]
+    assert [(r["server"]["port"], r["backend_port"], r["replica_id"]) for r in replicas] == [
+        (8000, 8100, "0"),
+        (8001, 8101, "1"),
+    ]
+    assert (run_dir / "scripts" / "inference-1.sh").exists()
+    assert not (run_dir / "scripts" / "nats.sh").exists()  # external bus: no embedded server
+    assert all(r["bus"]["url"] == "nats://bus:4222" for r in replicas)
