@@ -14,7 +14,7 @@ Routes (engine port only; the router in front forwards only the OpenAI API, so t
     POST /resume             schedule again
     POST /update_weights     {"version", "path", "sha256": {file: hex}} or {"version", "source": "broadcast"}
     POST /init_broadcaster   {"host", "port", "rank_offset", "world_size", "timeout_s"}
-    POST /load_lora_adapter  {"lora_name", "lora_path"}  load, or reload in place under that name
+    POST /load_lora_adapter  {"lora_name", "lora_path", "version"?}  load, or reload in place
 
 The router does not call backend_port: it calls a second, loopback-only listener of the same
 app (`RLBUS_ROUTER_FACING_PORT`), where every admin path answers 404 (`RlbusMiddleware`).
@@ -92,6 +92,8 @@ class InitBroadcasterRequest(BaseModel):
 class LoadLoraRequest(BaseModel):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    version: int | None = Field(None, ge=0)
+    """Policy version of this adapter; when set, later responses report it."""
 
 
 def _state(request: Request) -> AdminState:
@@ -211,10 +213,13 @@ async def load_lora_adapter(request: Request, body: LoadLoraRequest) -> JSONResp
             lora_name=body.lora_name, lora_path=body.lora_path, load_inplace=True))
         # Cached prefixes computed with the adapter's previous weights must not be reused.
         await state.engine.reset_prefix_cache()
+        if isinstance(result, str) and body.version is not None:
+            state.version = body.version
     if not isinstance(result, str):
         status = getattr(result, "error", result)
         return JSONResponse(result.model_dump(), status_code=getattr(status, "code", 400))
-    return JSONResponse({"status": "ok", "lora_name": body.lora_name})
+    return JSONResponse({"status": "ok", "lora_name": body.lora_name,
+                         "weights_version": state.version})
 
 
 class RlbusMiddleware:

@@ -46,7 +46,7 @@ class GlooBroadcastGroup:
         self.device = torch.device("cpu")
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        self.group.broadcast([tensor], 0).wait()
+        self.group.broadcast(tensor, 0).wait()
 
 
 class NcclBroadcastGroup:

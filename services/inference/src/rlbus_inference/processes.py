@@ -103,11 +103,22 @@ def router_command(config: InferenceConfig, router_facing_port: int) -> list[str
     ]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: own session (so stop() reaches its whole group) and SIGKILL
+    when the replica process dies, even by kill -9 (Linux PR_SET_PDEATHSIG)."""
+    os.setsid()
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def start(name: str, command: list[str], *, env: dict[str, str] | None, log_path: Path | None):
-    """Start a child in its own session; its output goes to log_path (or ours)."""
+    """Start a child (see `_die_with_parent`); its output goes to log_path (or ours)."""
     out = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            start_new_session=True)
+                            preexec_fn=_die_with_parent)
     log.info("child_started", child=name, pid=proc.pid, log=str(log_path) if log_path else None)
     return proc
 

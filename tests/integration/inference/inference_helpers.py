@@ -1,0 +1,171 @@
+"""Factories for the inference integration tests: tiny models, weight dirs, replica processes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlbus.bus import free_port
+from rlbus.wire.weights import WeightFile, WeightsPublished
+
+PROMPT = [{"role": "user", "content": "Hi"}]
+VLLM_TEST_ARGS = [
+    "--vllm.max-model-len", "256",
+    "--vllm.gpu-memory-utilization", "0.05",  # CPU: KV-cache budget; a few hundred MB is plenty
+    "--vllm.enforce-eager",
+    "--vllm.enable-lora", "--vllm.max-lora-rank", "8",
+]
+
+
+def make_base_model(out_dir: Path) -> Path:
+    from rlbus_trainer.tiny_model import build_tiny_model
+
+    return build_tiny_model(out_dir, seed=0)
+
+
+def make_changed_weights(model_dir: Path, out_dir: Path, *, seed: int = 3) -> Path:
+    """A weights dir (safetensors only) whose greedy output clearly differs from the base model's.
+
+    A random tiny model with tied embeddings echoes the last prompt token; scaling the embedding
+    and the residual-branch projections makes the layers dominate, so outputs are diverse with
+    top-1/top-2 logprob margins >= ~0.02 (far above vLLM-vs-transformers numerical noise).
+    """
+    from rlbus_trainer.tiny_model import build_tiny_model
+
+    scratch = build_tiny_model(out_dir.with_name(out_dir.name + "-full"), seed=seed)
+    tensors = load_file(str(scratch / "model.safetensors"))
+    tensors["model.embed_tokens.weight"] *= 5
+    for name in tensors:
+        if "down_proj" in name or "o_proj" in name:
+            tensors[name] *= 100
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    for name in os.listdir(model_dir):  # a full HF dir: config + tokenizer for transformers
+        if not name.endswith(".safetensors"):
+            shutil.copy(model_dir / name, out_dir / name)
+    return out_dir
+
+
+def make_lora_adapter(out_dir: Path, *, seed: int, rank: int = 8, hidden: int = 128,
+                      num_layers: int = 2, scale: float = 2.0) -> Path:
+    """A PEFT-format LoRA adapter on o_proj of every layer with large random weights."""
+    import json
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(num_layers):
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.o_proj"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * scale
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, rank, generator=gen) * scale
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["o_proj"],
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM",
+    }))
+    return out_dir
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def make_published(version: int, weights_dir: Path, **overrides) -> WeightsPublished:
+    files = [WeightFile(name=p.name, size=p.stat().st_size, sha256=sha256(p))
+             for p in sorted(weights_dir.glob("*.safetensors"))]
+    fields = dict(version=version, transport="filesystem", location=str(weights_dir), files=files)
+    return WeightsPublished(**(fields | overrides))
+
+
+def transformers_greedy(model_dir: Path, max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their logprobs from transformers for PROMPT."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    logprobs = [s[0].log_softmax(-1)[t].item() for s, t in zip(out.scores, tokens)]
+    return tokens, logprobs
+
+
+@dataclass
+class Replica:
+    proc: subprocess.Popen
+    router_url: str
+    engine_url: str
+    replica_id: str
+    log_path: Path
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the replica's whole process group (engine + router are in their own groups)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.proc.wait()
+
+
+def inference_command() -> list[str]:
+    script = Path(sys.executable).with_name("inference")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "rlbus_inference.service"]
+
+
+def start_replica(model_dir: Path, run_dir: Path, *, replica_id: str, bus_args: list[str],
+                  timeout_s: float = 300.0) -> Replica:
+    port, backend_port = free_port(), free_port()
+    log_path = run_dir / f"{replica_id}.out"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = [*inference_command(), "--vllm.model", str(model_dir),
+               "--server.host", "127.0.0.1", "--server.port", str(port),
+               "--backend-port", str(backend_port), "--replica-id", replica_id,
+               "--lease-ttl-s", "3", "--run-dir", str(run_dir), *bus_args, *VLLM_TEST_ARGS]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    replica = Replica(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{backend_port}",
+                      replica_id, log_path)
+    try:
+        wait_until_healthy(replica, timeout_s)
+    except BaseException:
+        replica.stop()
+        raise
+    return replica
+
+
+def wait_until_healthy(replica: Replica, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if replica.proc.poll() is not None:
+            raise RuntimeError(f"inference exited ({replica.proc.returncode}); see {replica.log_path}:\n"
+                               + replica.log_path.read_text()[-3000:])
+        try:
+            if httpx.get(replica.router_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"inference not healthy after {timeout_s} s; see {replica.log_path}")
