@@ -149,9 +149,11 @@ async def test_task_of_a_killed_worker_is_redelivered_and_completed(nats_server_
         task = Task(task_id="kill-test-0", step=1, env_id="reverse-text", problem=problem,
                     sampling=SamplingArgs(max_tokens=8), group_size=2)
         await bus.publish(bus.subjects.tasks, task, msg_id=task.task_id)
-        await asyncio.sleep(4)  # the hung worker has taken the task by now
-        info = await bus.js.consumer_info(bus.subjects.tasks_stream, bus.subjects.tasks_durable)
-        assert info.num_ack_pending == 1
+        deadline = time.monotonic() + 60
+        while (await bus.js.consumer_info(bus.subjects.tasks_stream, bus.subjects.tasks_durable)).num_ack_pending != 1:
+            assert hung.poll() is None and time.monotonic() < deadline, "the worker never took the task"
+            await asyncio.sleep(0.3)
+        await asyncio.sleep(1)  # it is now waiting on the silent replica
         stop(hung)
         good = start(cli_args(config, tmp_path) + ["--role", "worker"], tmp_path / "good.log")
         sub = await bus.js.pull_subscribe_bind(durable=bus.subjects.rollouts_durable, stream=bus.subjects.rollouts_stream)

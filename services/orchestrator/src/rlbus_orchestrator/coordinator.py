@@ -17,7 +17,8 @@
 
 | asyncio task   | waits on                                   | unblocked by                            |
 | -------------- | ------------------------------------------ | --------------------------------------- |
-| watch_weights  | 1 s poll of replicas KV + weights.applied  | inference applying a new version         |
+| watch_weights  | 1 s poll of replicas KV; `weights.applied` | inference applying a new version         |
+|                | events (core subscription)                 |                                          |
 | issue_tasks    | `changed` event                            | a rollout accepted/dropped, new weights, |
 |                |                                            | a batch published                        |
 | rollouts       | pull fetch on the `coordinator` durable    | a worker publishing a group              |
@@ -247,7 +248,35 @@ class Coordinator:
         infos = await read_registry(self.bus)
         return max((i.weights_version for i in infos), default=self.applied_version)
 
+    def on_weights_applied(self, version: int) -> None:
+        if version > self.applied_version:
+            self.applied_version = version
+            log.info("weights_applied_seen", version=version)
+            self.changed.set()
+
+    async def subscribe_weights_applied(self):
+        """Core subscription to `weights.applied` events: reacts faster than the registry poll."""
+        from rlbus.wire import weights as weights_wire
+
+        async def on_msg(msg) -> None:
+            try:
+                event = weights_wire.decoder.decode(self.bus.decode_payload(msg.data, msg.headers))
+            except Exception as error:
+                log.warning("weights_event_undecodable", error=repr(error))
+                return
+            if isinstance(event, weights_wire.WeightsApplied):
+                self.on_weights_applied(event.version)
+
+        return await self.bus.nc.subscribe(self.bus.subjects.weights_applied, cb=on_msg)
+
     async def watch_weights(self) -> None:
+        subscription = await self.subscribe_weights_applied()
+        try:
+            await self.poll_weights()
+        finally:
+            await subscription.unsubscribe()
+
+    async def poll_weights(self) -> None:
         while not self.done.is_set():
             gated = self.state.next_step > self.max_step()
             started = time.monotonic()
@@ -256,10 +285,7 @@ class Coordinator:
             except Exception as error:
                 log.warning("weights_version_read_failed", error=repr(error))
                 version = self.applied_version
-            if version > self.applied_version:
-                self.applied_version = version
-                log.info("weights_applied_seen", version=version)
-                self.changed.set()
+            self.on_weights_applied(version)
             await asyncio.sleep(WEIGHTS_POLL_S)
             if gated:
                 self.stats.wait_weights_s += time.monotonic() - started
