@@ -1,0 +1,134 @@
+"""Coordinator decisions with an in-memory stand-in for the bus (the real bus is in integration tests)."""
+
+import asyncio
+from importlib.metadata import EntryPoint
+
+from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.wire import batches as batches_wire
+from rlbus.wire.rollouts import Rollout, RolloutSample
+from rlbus.wire.subjects import RunSubjects
+from rlbus_orchestrator.coordinator import Coordinator, PooledGroup
+from rlbus_orchestrator.envs import ReverseTextEnv, load_environment, registry
+
+
+class FakeBus:
+    def __init__(self):
+        self.subjects = RunSubjects("unit")
+        self.published = []
+
+    async def publish(self, subject, message, msg_id=None):
+        self.published.append((subject, message, msg_id))
+
+
+class FakeDelivery:
+    def __init__(self, rollout):
+        self.data = rollout
+        self.headers = {}
+        self.acked = False
+
+    async def ack(self):
+        self.acked = True
+
+
+def make_rollout(task_id, rewards, version=0, num_completion=3):
+    samples = [
+        RolloutSample(prompt_token_ids=[1, 2], completion_token_ids=[3] * num_completion,
+                      completion_logprobs=[-0.1] * num_completion, completion_mask=[1] * num_completion,
+                      reward=r, policy_version=version)
+        for r in rewards
+    ]
+    return Rollout(task_id=task_id, step=1, env_id="reverse-text", samples=samples)
+
+
+def make_coordinator(**overrides):
+    fields = dict(batch_size=4, group_size=2, async_level=1, max_off_policy_steps=1, seq_len=64, num_train_ranks=2)
+    coordinator = Coordinator(FakeBus(), OrchestratorConfig(**(fields | overrides)))
+
+    async def save_state():
+        pass
+
+    coordinator.save_state = save_state
+    return coordinator
+
+
+def test_async_level_bounds_how_many_tasks_are_issued():
+    sync = make_coordinator(async_level=0)
+    assert sync.max_step() == 1 and sync.num_tasks_to_issue() == 2
+    ahead = make_coordinator(async_level=2)
+    assert ahead.max_step() == 3 and ahead.num_tasks_to_issue() == 6
+    ahead.state.next_step = 4
+    assert ahead.num_tasks_to_issue() == 0  # waits for newer weights
+    ahead.applied_version = 1
+    assert ahead.num_tasks_to_issue() == 2
+
+
+def test_tasks_in_flight_and_pooled_samples_count_toward_the_target():
+    c = make_coordinator(async_level=0)
+    c.state.outstanding = {"train-0": 0, "train-1": 1}
+    assert c.num_tasks_to_issue() == 0
+    c.pool["train-0"] = PooledGroup(make_rollout("train-0", [0.0, 1.0]), FakeDelivery(None), [-0.5, 0.5])
+    assert c.num_tasks_to_issue() == 0
+    del c.state.outstanding["train-1"]  # dropped: a replacement is due
+    assert c.num_tasks_to_issue() == 1
+
+
+def test_stale_error_and_flat_groups_are_dropped_with_a_reason():
+    c = make_coordinator()
+    c.state.next_step = 4
+    assert c.drop_reason(make_rollout("t", [0.0, 1.0], version=1)) == "stale"
+    assert c.drop_reason(make_rollout("t", [0.0, 1.0], version=2)) is None
+    assert c.drop_reason(make_rollout("t", [0.5, 0.5], version=3)) == "zero_advantage"
+    assert c.drop_reason(Rollout(task_id="t", step=1, env_id="x", error="boom")) == "error"
+    assert make_coordinator(filter_zero_advantage=False).drop_reason(make_rollout("t", [0.5, 0.5])) is None
+
+
+def test_full_pool_becomes_one_batch_and_acks_after_publishing():
+    c = make_coordinator()
+    deliveries = []
+
+    async def feed():
+        for i, rewards in enumerate([[0.0, 1.0], [0.3, 0.3], [0.2, 0.6]]):
+            task_id = f"train-{i}"
+            c.state.outstanding[task_id] = i
+            d = FakeDelivery(make_rollout(task_id, rewards))
+            deliveries.append(d)
+            await c.on_rollout(d)
+
+    asyncio.run(feed())
+    subject, batch, msg_id = next(p for p in c.bus.published if p[0] == c.bus.subjects.batch(1))
+    assert msg_id == "batch-1" and batch.step == 1 and batch.task_ids == ["train-0", "train-2"]
+    assert batch.metrics["dropped/zero_advantage"] == 1 and batch.metrics["reward/mean"] == 0.45
+    assert len(batch.micro_batches) == 2
+    assert all(d.acked for d in deliveries)
+    assert c.state.next_step == 2 and c.state.outstanding == {}
+    assert batches_wire.decoder.decode(batches_wire.encoder.encode(batch)).num_samples == 4
+
+
+def test_duplicate_rollout_of_a_batched_task_is_acked_and_ignored():
+    c = make_coordinator()
+    d = FakeDelivery(make_rollout("train-9", [0.0, 1.0]))
+    asyncio.run(c.on_rollout(d))
+    assert d.acked and not c.pool
+
+
+def test_token_budget_closes_a_batch_by_tokens():
+    c = make_coordinator(token_budget=10, batch_size=100)
+    c.pool["a"] = PooledGroup(make_rollout("a", [0, 1]), FakeDelivery(None), [0, 0])  # 10 tokens
+    c.pool["b"] = PooledGroup(make_rollout("b", [0, 1]), FakeDelivery(None), [0, 0])
+    assert [g.rollout.task_id for g in c.batch_ready()] == ["a"]
+
+
+def test_eval_rollouts_are_aggregated_into_eval_metrics():
+    c = make_coordinator(eval={"interval": 1, "num_examples": 2})
+    asyncio.run(c.publish_eval_tasks(3))
+    assert len([p for p in c.bus.published if p[0] == c.bus.subjects.tasks]) == 2
+    for i, reward in enumerate([0.2, 0.6]):
+        asyncio.run(c.on_rollout(FakeDelivery(make_rollout(f"eval-3-{i}", [reward]))))
+    assert c.eval_results[3]["eval/reward/mean"] == 0.4
+
+
+def test_entry_point_environment_is_found_by_id(monkeypatch):
+    ep = EntryPoint(name="my-env", value="rlbus_orchestrator.envs.reverse_text:ReverseTextEnv", group=registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == registry.ENTRY_POINT_GROUP else [])
+    env = load_environment("my-env", {"min_len": 3, "max_len": 3})
+    assert isinstance(env, ReverseTextEnv) and len(env.text("train", 0)) == 3
