@@ -179,10 +179,12 @@ class Bus:
         payload = encode(message)
         headers = dict(headers) if headers else {}
         headers[MSG_ID_HEADER] = msg_id = msg_id or uuid.uuid4().hex
+        if len(payload) > self.claim_check_bytes:
+            payload = self._claim(subject, payload)
+            headers[claimcheck.CLAIM_HEADER] = "1"
+        if not tracing.enabled():  # hot path: no span bookkeeping when nothing records spans
+            return await self._publish_with_retry(subject, payload, headers, msg_ttl)
         with tracing.producer_span(f"publish {subject}", subject=subject, headers=headers, msg_id=msg_id):
-            if len(payload) > self.claim_check_bytes:
-                payload = self._claim(subject, payload)
-                headers[claimcheck.CLAIM_HEADER] = "1"
             return await self._publish_with_retry(subject, payload, headers, msg_ttl)
 
     def _claim(self, subject: str, payload: bytes) -> bytes:
@@ -229,7 +231,7 @@ class Bus:
         batch: int | None = None,
         auto_ack: bool = True,
         nak_delay_s: float = 1.0,
-        fetch_timeout_s: float = 1.0,
+        fetch_timeout_s: float = 0.5,
         filter_subject: str | None = None,
     ) -> Consumer:
         """A pull-consumer runner on durable `durable` of `stream` (see `Consumer`).
@@ -290,8 +292,17 @@ class Bus:
     async def request(self, service: str, request: control.ControlRequest, *, timeout_s: float = 5.0) -> control.ControlReply:
         """Send a control request to `service` and wait for its reply."""
         headers = tracing.inject_headers({})
-        reply = await self.nc.request(self.subjects.control(service), encode(request), timeout=timeout_s, headers=headers)
-        return control.reply_decoder.decode(reply.data)
+        deadline = time.monotonic() + timeout_s
+        while True:  # a service that is starting may not listen yet: retry "no responders" until the timeout
+            try:
+                reply = await self.nc.request(
+                    self.subjects.control(service), encode(request), timeout=max(deadline - time.monotonic(), 0.01), headers=headers
+                )
+                return control.reply_decoder.decode(reply.data)
+            except nats.errors.NoRespondersError:
+                if time.monotonic() + 0.1 > deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def serve_control(
         self, service: str, handler: Callable[[control.ControlRequest], Awaitable[control.ControlReply]]

@@ -115,7 +115,7 @@ class Consumer(Generic[T]):
         batch: int | None = None,
         auto_ack: bool = True,
         nak_delay_s: float = 1.0,
-        fetch_timeout_s: float = 1.0,
+        fetch_timeout_s: float = 0.5,
         filter_subject: str | None = None,
     ):
         assert concurrency >= 1
@@ -133,7 +133,10 @@ class Consumer(Generic[T]):
         self.num_handled = 0
         self.num_dead = 0
         self._sub = None
-        self._running: set[asyncio.Task] = set()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._workers: list[asyncio.Task] = []
+        self._num_in_flight = 0  # fetched and not yet finished (queued or running)
+        self._slot_freed = asyncio.Event()
         self._unsettled: set[Delivery] = set()
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -151,25 +154,45 @@ class Consumer(Generic[T]):
         self._sub = await self.bus.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
 
     async def run(self) -> None:
-        """Fetch and dispatch until `stop()`."""
+        """Fetch and dispatch until `stop()`.
+
+        `concurrency` worker tasks take messages from a local queue; a worker whose handler never
+        suspends runs a whole fetched batch without a task switch per message (hot path).
+        """
+        if self._task is None:
+            self._task = asyncio.current_task()  # so stop() from elsewhere waits for this loop
         if self._sub is None:
             await self.subscribe()
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
+        self._workers = [asyncio.create_task(self._worker()) for _ in range(self.concurrency)]
         log.info("consumer_started", stream=self.stream, durable=self.durable, concurrency=self.concurrency)
+        # Fetch only when at least half a batch of handler slots is free (fewer, bigger fetches).
+        min_free = max(1, min(self.batch, self.concurrency) // 2)
         while not self._stopping:
-            free = self.concurrency - len(self._running)
-            if free <= 0:
-                await asyncio.wait(self._running, return_when=asyncio.FIRST_COMPLETED)
+            free = self.concurrency - self._num_in_flight
+            if free < min_free:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
                 continue
-            msgs = await self._fetch(min(self.batch, free))
-            for index, msg in enumerate(msgs):
+            for msg in await self._fetch(min(self.batch, free)):
                 if self._stopping:  # fetched during stop: hand back at once
-                    for late in msgs[index:]:
-                        await late.nak()
-                    break
-                task = asyncio.create_task(self._handle(msg))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
+                    await self._settle_quietly(msg.nak())
+                    continue
+                self._num_in_flight += 1
+                self._queue.put_nowait(msg)
+
+    async def _worker(self) -> None:
+        while True:
+            msg = await self._queue.get()
+            if msg is None:
+                return
+            try:
+                await self._handle(msg)
+            except Exception as error:  # _handle settles; this is a bug or a dead connection
+                log.exception("consumer_worker_error", stream=self.stream, error=repr(error))
+            finally:
+                self._num_in_flight -= 1
+                self._slot_freed.set()
 
     async def _fetch(self, count: int) -> list:
         assert self._sub is not None
@@ -209,7 +232,10 @@ class Consumer(Generic[T]):
         delivery = Delivery(data, msg, self)
         self._unsettled.add(delivery)
         try:
-            with tracing.consumer_span(f"process {msg.subject}", headers=headers, subject=msg.subject):
+            if tracing.enabled():
+                with tracing.consumer_span(f"process {msg.subject}", headers=headers, subject=msg.subject):
+                    await self.handler(delivery)
+            else:
                 await self.handler(delivery)
         except Exception as error:
             log.exception("handler_failed", stream=self.stream, msg_id=delivery.msg_id, error=repr(error))
@@ -246,14 +272,22 @@ class Consumer(Generic[T]):
                     log.debug("in_progress_failed", error=repr(error))
 
     async def stop(self) -> None:
-        """Stop fetching, let running handlers finish, and close the subscription."""
+        """Stop fetching, nak what was fetched but not started, let running handlers finish."""
         if self._stopping:
             return
         self._stopping = True
+        self._slot_freed.set()
         if self._task is not None:
             await self._task
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+        while not self._queue.empty():  # fetched, never started: redeliver elsewhere at once
+            msg = self._queue.get_nowait()
+            if msg is not None:
+                self._num_in_flight -= 1
+                await self._settle_quietly(msg.nak())
+        for _ in self._workers:
+            self._queue.put_nowait(None)
+        if self._workers:
+            await asyncio.gather(*self._workers, return_exceptions=True)
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         if self._sub is not None:

@@ -295,11 +295,12 @@ def _none_as_string(value: Any) -> Any:
     return value
 
 
-def config_to_toml(config: BaseModel) -> str:
-    """The full config as TOML that `@ file.toml` loads back to an equal config."""
+def config_to_toml(config: BaseModel, *, exclude_unset: bool = False) -> str:
+    """The config as TOML that `@ file.toml` loads back to an equal config (with
+    `exclude_unset`: only what was set explicitly, i.e. from files, flags or code)."""
     import tomli_w
 
-    return tomli_w.dumps(_none_as_string(config.model_dump(mode="json")))
+    return tomli_w.dumps(_none_as_string(config.model_dump(mode="json", exclude_unset=exclude_unset)))
 
 
 # --- the loader --------------------------------------------------------------------------------

@@ -155,8 +155,10 @@ class RLConfig(BaseConfig):
         """A copy whose run is named `name` (and bus subjects prefixed by it unless `bus.run_id`
         is set), pushed down again to every service."""
         config = self.model_copy(deep=True)
-        config.run.name = name
+        # Assign whole sub-configs so `run` and `bus` count as explicitly set (model_fields_set):
+        # the name is part of what the launcher writes to configs/rl.toml.
+        config.run = config.run.model_copy(update={"name": name})
         if config.bus.run_id is None:
-            config.bus.run_id = name
+            config.bus = config.bus.model_copy(update={"run_id": name})
         config.push_shared_values_down()
         return config

@@ -113,6 +113,8 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     resolved_rl = config.model_copy(deep=True)
     resolved_rl.dry_run = False
     resolved_rl.clean = False
+    if "clean" in resolved_rl.trainer.model_fields_set:
+        resolved_rl.trainer.clean = False
     config = config.model_copy(deep=True)
     processes: list[ServiceProcess] = []
     files: dict[str, str] = {}

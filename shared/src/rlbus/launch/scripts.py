@@ -28,13 +28,25 @@ def config_path(run_dir: Path, name: str) -> Path:
     return run_dir / CONFIGS_DIR / f"{name}.toml"
 
 
+LAUNCHER_CONFIGS = frozenset({"rl"})
+"""Written with only the explicitly set values (files, flags, run name): relaunching from them
+(`rl @ configs/rl.toml --resume --max-steps 200`) pushes shared values down again, which a fully
+expanded copy would pin. The service configs are written in full."""
+
+
 def write_configs(run_dir: Path, configs: dict[str, BaseModel]) -> list[Path]:
     """`<run_dir>/configs/<name>.toml` for each config; returns the paths."""
     paths = []
     for name, config in configs.items():
         path = config_path(run_dir, name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"# Resolved {type(config).__name__} of this run.\n" + config_to_toml(config))
+        if name in LAUNCHER_CONFIGS:
+            header = f"# {type(config).__name__} of this run: the values set by files, flags and the launcher.\n"
+            text = config_to_toml(config, exclude_unset=True)
+        else:
+            header = f"# Resolved {type(config).__name__} of this run (every field).\n"
+            text = config_to_toml(config)
+        path.write_text(header + text)
         paths.append(path)
     return paths
 

@@ -107,6 +107,11 @@ def shutdown_tracing() -> None:
         _provider.shutdown()
 
 
+def enabled() -> bool:
+    """Whether spans are recorded (a real provider is installed); the bus skips span work otherwise."""
+    return _provider is not None or not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
 def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
