@@ -70,10 +70,10 @@ def test_rl_dry_run_service_configs_match_the_resolved_rl_config(tmp_path):
     nats_port = json.loads((configs / "nats.conf").read_text())["port"]
 
     assert trainer["max_steps"] == 4 and rl["max_steps"] == 5
-    assert trainer["model"] == rl["trainer"]["model"] and trainer["optim"] == rl["trainer"]["optim"]
+    assert trainer["model"]["name"] == rl["model"]["name"] and trainer["optim"]["lr"] == rl["trainer"]["optim"]["lr"]
     assert load_toml(configs / "orchestrator.toml")["batch_size"] == rl["orchestrator"]["batch_size"] == 32
     assert trainer["bus"]["url"] == f"nats://127.0.0.1:{nats_port}"
-    assert rl["bus"]["url"] == "None"  # rl.toml keeps "embedded server", so `rl @ rl.toml --resume` starts one
+    assert "url" not in rl["bus"]  # rl.toml keeps "embedded server", so `rl @ rl.toml --resume` starts one
     assert trainer["run"]["name"] == "t2" and trainer["bus"]["run_id"] == "t2"
     assert load_toml(configs / "inference.toml")["run_dir"] == "outputs/t2"
     assert trainer["clean"] is False and trainer["dry_run"] is False and rl["dry_run"] is False
@@ -111,6 +111,8 @@ def test_rl_generates_a_fresh_readable_run_name_per_launch(tmp_path):
     assert first.returncode == second.returncode == 0
     assert len(names) == 2
     assert all(re.fullmatch(r"reverse-text--tiny-model--[0-9a-f]{6}", n) for n in names)
+    for name in names:  # the generated name is kept for relaunching from configs/rl.toml
+        assert load_toml(tmp_path / "outputs" / name / "configs" / "rl.toml")["run"]["name"] == name
 
 
 def test_rl_refuses_a_used_run_directory_unless_resume_or_clean(tmp_path):
@@ -161,3 +163,23 @@ def test_each_inference_replica_gets_its_own_config_ports_and_script(tmp_path):
     assert (run_dir / "scripts" / "inference-1.sh").exists()
     assert not (run_dir / "scripts" / "nats.sh").exists()  # external bus: no embedded server
     assert all(r["bus"]["url"] == "nats://bus:4222" for r in replicas)
+
+
+def test_relaunching_from_the_written_rl_config_repeats_the_run(tmp_path):
+    run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "again", cwd=tmp_path)
+    configs = tmp_path / "outputs" / "again" / "configs"
+    first = {name: load_toml(configs / f"{name}.toml") for name in ("trainer", "orchestrator", "inference")}
+
+    relaunch = run_command(
+        "rl", "@", str(configs / "rl.toml"), "--dry-run", "--resume", "--max-steps", "9", cwd=tmp_path
+    )
+
+    assert relaunch.returncode == 0, relaunch.stderr
+    second = {name: load_toml(configs / f"{name}.toml") for name in first}
+    for name in first:
+        for config in (first[name], second[name]):
+            config["bus"].pop("url")  # a fresh free port for the embedded server
+            config.pop("max_steps", None)
+            config.pop("resume", None)  # the relaunch resumes
+        assert first[name] == second[name], name
+    assert load_toml(configs / "trainer.toml")["max_steps"] == 9  # a new top-level value still pushes down
