@@ -121,8 +121,9 @@ class NatsServer:
             "port": self.port,
             "http_port": self.http_port,
             "max_payload": self.max_payload_mb * 1024 * 1024,
-            # Leave room for one maximum-size message in flight per client.
-            "max_pending": max(64, 2 * self.max_payload_mb) * 1024 * 1024,
+            # Outbound buffer per client before the server cuts it off as a slow consumer: a pull
+            # fetch of 64 messages of 1 MiB would already exceed the 64 MiB default.
+            "max_pending": max(256, 32 * self.max_payload_mb) * 1024 * 1024,
             # nats-server refuses a lame duck duration under 30 s.
             "lame_duck_duration": f"{max(self.lame_duck_s, 30.0)}s",
             "lame_duck_grace_period": "0s",
