@@ -220,3 +220,25 @@ async def test_right_token_connects(nats_server_with_token, tmp_path):
         assert ack.seq == 1
     finally:
         await bus.close()
+
+
+async def test_server_restarted_on_an_empty_store_gets_the_topology_back(nats_server, make_bus):
+    import shutil
+
+    bus = await make_bus()
+    nats_server.kill()
+    shutil.rmtree(nats_server.store_dir / "jetstream")
+    await asyncio.to_thread(nats_server.start)
+    ack = await asyncio.wait_for(bus.publish(bus.subjects.tasks, make_task(0), msg_id="0-0"), 20)
+    assert ack.stream == bus.subjects.tasks_stream
+    seen = []
+
+    async def handle(delivery):
+        seen.append(delivery.data.task_id)
+
+    s = bus.subjects
+    async with bus.consumer(s.tasks_stream, s.tasks_durable, tasks.decoder, handle):
+        await wait_for(lambda: seen, 10)
+    assert seen == ["0-0"]
+    await wait_for(lambda: not bus._background, 10)
+    assert (await bus.kv(s.weights_bucket).keys()) == []  # buckets are back too

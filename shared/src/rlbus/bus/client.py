@@ -48,7 +48,6 @@ RETRYABLE_PUBLISH_ERRORS = (
     nats.errors.TimeoutError,
     asyncio.TimeoutError,
     nats.errors.NoRespondersError,
-    nats.js.errors.NoStreamResponseError,
     nats.js.errors.ServiceUnavailableError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.OutboundBufferLimitError,
@@ -80,6 +79,7 @@ class Bus:
         self._leases: list[Lease] = []
         self._subscriptions: list = []
         self._ensure_lock = asyncio.Lock()
+        self._background: set[asyncio.Task] = set()
 
     @classmethod
     async def connect(
@@ -99,8 +99,15 @@ class Bus:
         run_id = run_id or config.run_id
         if not run_id:
             raise ValueError("no run id: pass run_id= or set --bus.run-id")
-        nc = await open_connection(config, name=name)
+        holder: list[Bus] = []
+
+        async def on_reconnected() -> None:
+            if holder and ensure:
+                holder[0].ensure_soon()
+
+        nc = await open_connection(config, name=name, on_reconnected=on_reconnected)
         bus = cls(nc, config, RunSubjects(run_id), Path(storage_dir) if storage_dir else None, name)
+        holder.append(bus)
         if ensure:
             await bus.ensure()
         return bus
@@ -116,6 +123,19 @@ class Bus:
                 await self.ensure_consumer(spec)
             for spec in self.subjects.buckets():
                 await self.ensure_bucket(spec)
+
+    def ensure_soon(self) -> None:
+        """Re-run `ensure()` in the background (after a reconnect), logging failures."""
+
+        async def ensure_logged() -> None:
+            try:
+                await self.ensure()
+                log.info("bus_topology_ensured", run_id=self.subjects.run_id)
+            except Exception as error:
+                log.warning("bus_ensure_failed", error=repr(error))
+
+        self._background.add(task := asyncio.create_task(ensure_logged()))
+        task.add_done_callback(self._background.discard)
 
     def stream_config(self, spec: StreamSpec) -> api.StreamConfig:
         retention = api.RetentionPolicy.WORK_QUEUE if spec.retention == "workqueue" else api.RetentionPolicy.LIMITS
@@ -203,6 +223,17 @@ class Bus:
         while True:
             try:
                 return await self.js.publish(subject, payload, headers=headers, msg_ttl=msg_ttl)
+            except nats.js.errors.NoStreamResponseError:
+                # No stream listens (yet/any more): e.g. a server restarted on an empty store.
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("publish_no_stream", subject=subject)
+                try:
+                    await self.ensure()
+                except Exception as error:  # the server may still be starting: next round
+                    log.warning("bus_ensure_failed", error=repr(error))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
             except RETRYABLE_PUBLISH_ERRORS as error:
                 if time.monotonic() + delay > deadline:
                     raise
@@ -329,9 +360,15 @@ class Bus:
         for lease in self._leases:
             await lease.release()
         await self.step_log.close()
-        if not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except Exception as error:  # a dead server must not block shutdown
-                log.warning("nats_drain_failed", error=str(error))
-                await self.nc.close()
+        for task in list(self._background):
+            task.cancel()
+        if self.nc.is_closed:
+            return
+        if not self.nc.is_connected:  # a dead server must not block shutdown
+            await self.nc.close()
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), 5.0)
+        except Exception as error:
+            log.warning("nats_drain_failed", error=repr(error))
+            await self.nc.close()

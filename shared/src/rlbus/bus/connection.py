@@ -3,6 +3,7 @@
 import asyncio
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 
 import nats
 import nats.errors
@@ -62,8 +63,13 @@ def is_auth_error(error: BaseException) -> bool:
     return "authorization" in text or "authentication" in text or "auth" in type(error).__name__.lower()
 
 
-async def open_connection(config: BusConfig, *, name: str) -> NATS:
-    """Connect, retrying refused connections for `bus.connect_retry_s`; bad credentials fail at once."""
+async def open_connection(
+    config: BusConfig, *, name: str, on_reconnected: Callable[[], Awaitable[None]] | None = None
+) -> NATS:
+    """Connect, retrying refused connections for `bus.connect_retry_s`; bad credentials fail at once.
+
+    `on_reconnected` runs after every reconnect (the Bus re-ensures its streams there: a server
+    restarted on an empty store would otherwise have none)."""
     options = connect_options(config, name=name)
     url = config.url
     auth_failed: list[BaseException] = []
@@ -76,8 +82,10 @@ async def open_connection(config: BusConfig, *, name: str) -> NATS:
     async def on_disconnected() -> None:
         log.warning("nats_disconnected", url=url)
 
-    async def on_reconnected() -> None:
+    async def on_reconnected_cb() -> None:
         log.info("nats_reconnected", url=url)
+        if on_reconnected is not None:
+            await on_reconnected()
 
     async def on_closed() -> None:
         log.info("nats_closed", url=url)
@@ -90,7 +98,7 @@ async def open_connection(config: BusConfig, *, name: str) -> NATS:
                 **options,
                 error_cb=on_error,
                 disconnected_cb=on_disconnected,
-                reconnected_cb=on_reconnected,
+                reconnected_cb=on_reconnected_cb,
                 closed_cb=on_closed,
             )
             enable_reconnect_forever(nc)
