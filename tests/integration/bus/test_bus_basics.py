@@ -159,3 +159,27 @@ async def test_events_can_be_read_by_an_adhoc_durable(bus):
     async with bus.consumer(s.events_stream, "monitor-file", events.decoder, handle, filter_subject=s.events_all):
         await asyncio.wait_for(got.wait(), 5)
     assert seen[0].metrics == {"loss": 1.0}
+
+
+async def test_step_log_read_returns_none_for_a_missing_step(bus):
+    assert await bus.step_log.read(4) is None
+    await bus.step_log.publish(make_batch(4))
+    assert (await bus.step_log.read(4)).step == 4
+
+
+async def test_subscribe_delivers_live_notifications_and_skips_garbage(bus, make_bus):
+    from rlbus.wire import weights
+
+    listener = await make_bus(name="coordinator")
+    seen = []
+    got = asyncio.Event()
+
+    async def on_applied(message, headers):
+        seen.append(message)
+        got.set()
+
+    await listener.subscribe(listener.subjects.weights_applied, weights.decoder, on_applied)
+    await bus.publish(bus.subjects.weights_applied, b"garbage")
+    await bus.publish(bus.subjects.weights_applied, weights.WeightsApplied(version=2, replica_id="r0"))
+    await asyncio.wait_for(got.wait(), 5)
+    assert seen == [weights.WeightsApplied(version=2, replica_id="r0", applied_at=seen[0].applied_at)]

@@ -31,7 +31,7 @@ from nats.js import api
 from rlbus.bus import claimcheck
 from rlbus.bus.connection import open_connection
 from rlbus.bus.consumer import Consumer, Delivery
-from rlbus.bus.errors import BusError
+from rlbus.bus.errors import BusError, ClaimCheckError
 from rlbus.bus.kv import KV, Lease
 from rlbus.bus.steplog import StepLog
 from rlbus.configs.bus import BusConfig
@@ -286,6 +286,38 @@ class Bus:
         self._consumers.append(consumer)
         return consumer
 
+    async def subscribe(
+        self,
+        subject: str,
+        decoder: msgspec.msgpack.Decoder,
+        handler: Callable[[Any, dict[str, str]], Awaitable[Any]],
+    ):
+        """Live (core NATS) subscription: `handler(message, headers)` for each message published to
+        `subject` from now on, stream-backed or not. Nothing is replayed or redelivered: use it for
+        notifications (e.g. `subjects.weights_applied`), and a durable `consumer` for work.
+        Undecodable messages are logged and skipped. Unsubscribed by `close()`."""
+
+        async def on_msg(msg) -> None:
+            headers = msg.headers or {}
+            try:
+                message = decoder.decode(self.decode_payload(msg.data, headers))
+            except (msgspec.DecodeError, ClaimCheckError) as error:
+                log.error("notification_undecodable", subject=msg.subject, error=str(error))
+                return
+            try:
+                if tracing.enabled():
+                    with tracing.consumer_span(f"notify {msg.subject}", headers=headers, subject=msg.subject):
+                        await handler(message, headers)
+                else:
+                    await handler(message, headers)
+            except Exception as error:
+                log.exception("notification_handler_failed", subject=msg.subject, error=repr(error))
+
+        sub = await self.nc.subscribe(subject, cb=on_msg)
+        await self.nc.flush()
+        self._subscriptions.append(sub)
+        return sub
+
     async def dead_letter(self, stream: str, subject: str, data: bytes, headers: dict | None, reason: str) -> None:
         """Copy an unprocessable message to `subjects.dead(stream)` with the reason."""
         dead_headers = {
@@ -362,6 +394,12 @@ class Bus:
         await self.step_log.close()
         for task in list(self._background):
             task.cancel()
+        for sub in self._subscriptions:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        self._subscriptions.clear()
         if self.nc.is_closed:
             return
         if not self.nc.is_connected:  # a dead server must not block shutdown

@@ -70,6 +70,13 @@ class StepLog:
             except asyncio.TimeoutError:
                 pass
 
+    async def read(self, step: int) -> batches.TrainBatch | None:
+        """Step `step`'s batch if stored, else None (no waiting)."""
+        raw = await self._raw(step)
+        if raw is None:
+            return None
+        return batches.decoder.decode(self.bus.decode_payload(raw.data or b"", dict(raw.headers or {})))
+
     async def exists(self, step: int) -> bool:
         return await self._raw(step) is not None
 
