@@ -24,10 +24,10 @@ from rlbus_orchestrator.service import serve
 ORCHESTRATOR = [sys.executable, "-c", "from rlbus_orchestrator.entrypoint import main; main()"]
 
 
-def make_config(server, vllm_url, model_dir, run_id, **overrides) -> OrchestratorConfig:
+def make_config(server, inference, run_id, *, registry=False, **overrides) -> OrchestratorConfig:
     fields = dict(
         run={"name": run_id}, bus=BusConfig(url=server.url, token=server.token, run_id=run_id, ack_wait_s=3.0),
-        model={"name": str(model_dir)}, inference_urls=[vllm_url], batch_size=8, group_size=4,
+        model={"name": inference.model_dir}, inference_urls=[] if registry else [inference.url], batch_size=8, group_size=4,
         async_level=100, max_steps=2, seq_len=256, num_train_ranks=2, max_concurrency=16,
         sampling={"max_tokens": 12, "temperature": 1.0}, filter_zero_advantage=False,
     )
@@ -80,8 +80,9 @@ def run_id():
     return f"orch_{uuid.uuid4().hex[:8]}"
 
 
-async def test_tasks_become_rollouts_and_step_batches_with_aligned_fields(nats_server_module, vllm_url, tiny_model_dir, run_id, tmp_path):
-    config = make_config(nats_server_module, vllm_url, tiny_model_dir, run_id, output_dir=str(tmp_path))
+async def test_tasks_become_rollouts_and_step_batches_with_aligned_fields(nats_server_module, inference, tmp_path):
+    run_id = inference.run_id  # the run the replica registered in: found through the registry
+    config = make_config(nats_server_module, inference, run_id, registry=True, output_dir=str(tmp_path))
     await asyncio.wait_for(serve(config), timeout=120)
     bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=tmp_path / run_id, name="test")
     try:
@@ -104,15 +105,15 @@ async def test_tasks_become_rollouts_and_step_batches_with_aligned_fields(nats_s
                         assert sum(mb.loss_mask) > 0
             assert num_tokens == batch.num_tokens
             assert 0.0 <= batch.metrics["reward/mean"] <= 1.0
-            assert batch.metrics[f"off_policy_lag/{step - 1}"] == 8  # static server: version 0
+            assert batch.metrics[f"off_policy_lag/{step - 1}"] == 8  # no trainer: version 0 throughout
         assert set((await read_batch(bus, 1)).task_ids).isdisjoint((await read_batch(bus, 2)).task_ids)
         assert await read_batch(bus, 3) is None
     finally:
         await bus.close()
 
 
-async def test_coordinator_killed_and_restarted_continues_without_duplicate_steps(nats_server_module, vllm_url, tiny_model_dir, run_id, tmp_path):
-    config = make_config(nats_server_module, vllm_url, tiny_model_dir, run_id, max_steps=6)
+async def test_coordinator_killed_and_restarted_continues_without_duplicate_steps(nats_server_module, inference, run_id, tmp_path):
+    config = make_config(nats_server_module, inference, run_id, max_steps=6)
     args = cli_args(config, tmp_path)
     worker = start(args + ["--role", "worker"], tmp_path / "worker.log")
     coordinator = start(args + ["--role", "coordinator"], tmp_path / "coordinator1.log")
@@ -135,11 +136,11 @@ async def test_coordinator_killed_and_restarted_continues_without_duplicate_step
         await bus.close()
 
 
-async def test_task_of_a_killed_worker_is_redelivered_and_completed(nats_server_module, vllm_url, tiny_model_dir, run_id, tmp_path):
+async def test_task_of_a_killed_worker_is_redelivered_and_completed(nats_server_module, inference, run_id, tmp_path):
     blackhole = socket.socket()  # accepts connections, never answers: the first worker hangs mid-task
     blackhole.bind(("127.0.0.1", 0))
     blackhole.listen(64)
-    config = make_config(nats_server_module, vllm_url, tiny_model_dir, run_id)
+    config = make_config(nats_server_module, inference, run_id)
     hung_args = cli_args(config.model_copy(update={"inference_urls": [f"http://127.0.0.1:{blackhole.getsockname()[1]}/v1"]}), tmp_path)
     bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=tmp_path / run_id, name="test")
     hung = start(hung_args + ["--role", "worker"], tmp_path / "hung.log")

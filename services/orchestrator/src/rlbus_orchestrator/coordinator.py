@@ -203,9 +203,9 @@ class Coordinator:
         )
 
     async def publish_tasks(self, cursors: list[int]) -> None:
-        for cursor in cursors:
-            task = self.make_task(cursor)
-            await self.bus.publish(self.bus.subjects.tasks, task, msg_id=task.task_id)
+        """Publish concurrently (one round trip, not one per task); ids make a retry a no-op."""
+        tasks = [self.make_task(cursor) for cursor in cursors]
+        await asyncio.gather(*(self.bus.publish(self.bus.subjects.tasks, t, msg_id=t.task_id) for t in tasks))
 
     def max_step(self) -> int:
         limit = max_allowed_step(self.applied_version, self.config.async_level)
@@ -422,10 +422,12 @@ class Coordinator:
         env, args = self.envs[0]
         num = min(ev.num_examples, env.num_examples("eval") or ev.num_examples)
         self.eval_pending[step] = []
-        for i in range(num):
-            task = Task(task_id=f"eval-{step}-{i}", step=step, env_id=env.env_id, env_args=args, example_id=i,
-                        problem=env.example("eval", i), sampling=self.sampling_args(greedy=ev.greedy), group_size=1)
-            await self.bus.publish(self.bus.subjects.tasks, task, msg_id=task.task_id)
+        tasks = [
+            Task(task_id=f"eval-{step}-{i}", step=step, env_id=env.env_id, env_args=args, example_id=i,
+                 problem=env.example("eval", i), sampling=self.sampling_args(greedy=ev.greedy), group_size=1)
+            for i in range(num)
+        ]
+        await asyncio.gather(*(self.bus.publish(self.bus.subjects.tasks, t, msg_id=t.task_id) for t in tasks))
 
     async def on_eval_rollout(self, delivery: Delivery[Rollout]) -> None:
         rollout = delivery.data
