@@ -7,7 +7,8 @@ Roles (`--role`):
   share one durable consumer of the tasks stream.
 
 Environments are resolved before connecting to the bus, so a missing environment package fails
-at once with the install command. SIGTERM/SIGINT stop the service cleanly (see `coordinator`).
+at once with the install command. SIGTERM/SIGINT and a `Drain`/`Stop` control request on
+`control.orchestrator` stop the service cleanly (see `coordinator` for the order).
 """
 
 import asyncio
@@ -25,6 +26,20 @@ def run_id_of(config: OrchestratorConfig) -> str:
     if not run_id:
         raise ValueError("the orchestrator needs a run id: pass --run.name NAME (or --bus.run-id ID)")
     return run_id
+
+
+def control_handler(stop: asyncio.Event):
+    """Drain and Stop end the service (every orchestrator process of the run hears them)."""
+    from rlbus.wire import control
+
+    async def handle(request):
+        if isinstance(request, control.Drain | control.Stop):
+            log.info("orchestrator_stop_requested", request=type(request).__name__, reason=request.reason)
+            stop.set()
+            return control.ControlReply(ok=True, service="orchestrator", state="draining")
+        return control.ControlReply(ok=False, service="orchestrator", message=f"{type(request).__name__} is not supported")
+
+    return handle
 
 
 def run(config: OrchestratorConfig) -> None:
@@ -58,6 +73,7 @@ async def serve(config: OrchestratorConfig, stop: asyncio.Event | None = None) -
     bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=run_dir, name=f"orchestrator-{config.role}")
     lifecycle = bus.subjects.lifecycle("orchestrator")
     try:
+        await bus.serve_control("orchestrator", control_handler(stop))
         await bus.publish(lifecycle, Lifecycle(service="orchestrator", state="started", instance_id=config.role))
         workers_stop = asyncio.Event()
         jobs = []
