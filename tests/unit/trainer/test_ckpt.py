@@ -1,6 +1,5 @@
 """Checkpoints: 6 steps straight == 3 steps, kill -9, resume, 3 more (same final weights)."""
 
-import os
 import time
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlbus_trainer.ckpt import COMPLETE, complete_steps, prune_checkpoints, resolve_resume_step
-from rlbus_trainer.testing import make_sft_config, read_metrics, run_sft_ranks, start_sft_ranks
+from rlbus_trainer.testing import kill_tree, make_sft_config, read_metrics, run_sft_ranks, start_sft_ranks
 
 
 def wait_for(predicate, timeout_s=180.0):
@@ -27,9 +26,8 @@ def test_kill_and_resume_reaches_same_weights_as_straight_run(tiny_model, tmp_pa
     proc = start_sft_ranks(tmp_path, make_sft_config(tiny_model, out, "killed", max_steps=6, ckpt=ckpt), 1)
     try:
         wait_for(lambda: 3 in complete_steps(out / "killed") or proc.poll() is not None)
-        os.killpg(proc.pid, 9)
     finally:
-        proc.wait()
+        kill_tree(proc)
     assert complete_steps(out / "killed") == [3], "the run finished before it could be killed"
     assert not (out / "killed" / "model").exists()
 

@@ -1,0 +1,220 @@
+"""Publishing new weights to inference, behind one small Protocol.
+
+    publisher = build_weight_publisher(config, bus=bus, run_dir=run_dir, world=world)
+    await publisher.publish(step, engine)      # every rank calls it (gathering is collective)
+
+- `FilesystemWeightPublisher`: rank 0 writes `<run_dir>/broadcasts/step_N/` (HF safetensors +
+  config + tokenizer, temp dir + fsync + rename; hf_dir.py), then puts a `WeightsPublished` with
+  each file's sha256 under the weights KV key `latest` and on the weights-published subject.
+  Broadcasts beyond the newest `keep_last` that no replica serves any more are pruned.
+- `NcclWeightPublisher`: rank 0 hosts a broadcast group with one inference replica (TCPStore at
+  host:port, announced as `location` in the weights KV key: the rendezvous goes over the bus),
+  then sends the version tensor by tensor with the protocol of rlbus_inference/broadcast.py
+  (int64 header size, JSON header, tensors in header order; size 0 closes the group). gloo on
+  CPU (testable here), vLLM's PyNccl on CUDA. Every collective runs under `timeout_s`; a failure
+  is published as `WeightsFailed(replica_id="trainer")` and the group is rebuilt next time,
+  never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+import torch
+
+from rlbus.wire import replicas, weights
+from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
+from rlbus_trainer.hf_dir import hf_tensors, sha256_file, write_hf_dir
+
+log = structlog.get_logger()
+
+
+class WeightPublisher(Protocol):
+    async def publish(self, step: int, engine) -> dict[str, float]:
+        """Publish the engine's weights as version `step` (collective); returns timing metrics."""
+
+    async def close(self) -> None: ...
+
+
+async def _announce(bus, message: weights.WeightsPublished) -> None:
+    """Put the version under the weights KV key (what agents watch) and on the events stream."""
+    payload = weights.encoder.encode(message)
+    await bus.kv(bus.subjects.weights_bucket).put(WEIGHTS_LATEST_KEY, payload)
+    await bus.publish(bus.subjects.weights_published, payload, msg_id=f"weights-{message.version}-{message.transport}")
+
+
+class FilesystemWeightPublisher:
+    """Safetensors directories under `<run_dir>/broadcasts/` (see module docstring)."""
+
+    def __init__(self, config, *, bus, run_dir: Path, world):
+        self.config, self.bus, self.world = config, bus, world
+        self.root = Path(run_dir) / "broadcasts"
+        self.keep_last = config.weight_broadcast.keep_last
+
+    async def publish(self, step: int, engine) -> dict[str, float]:
+        t0 = time.perf_counter()
+        state = await asyncio.to_thread(engine.full_state_dict)
+        if not self.world.is_main:
+            return {}
+        out = await asyncio.to_thread(write_hf_dir, state, self.config.model.name, self.root / f"step_{step}",
+                                      trust_remote_code=self.config.model.trust_remote_code)
+        files = [weights.WeightFile(name=f.name, size=f.stat().st_size, sha256=sha256_file(f))
+                 for f in sorted(out.iterdir()) if f.is_file()]
+        t1 = time.perf_counter()
+        await _announce(self.bus, weights.WeightsPublished(
+            version=step, transport="filesystem", location=str(out.resolve()), files=files,
+            dtype=self.config.model.dtype))
+        await self.prune(step)
+        log.info("weights_published", version=step, path=str(out), write_s=round(t1 - t0, 3))
+        return {"publish_write_s": t1 - t0, "publish_s": time.perf_counter() - t0}
+
+    async def versions_in_use(self) -> set[int]:
+        kv = self.bus.kv(self.bus.subjects.replicas_bucket)
+        used = set()
+        for key in await kv.keys():
+            entry = await kv.get(key, replicas.decoder)
+            if entry is not None and entry.value is not None:
+                used.add(entry.value.weights_version)
+        return used
+
+    async def prune(self, newest: int) -> list[int]:
+        """Delete broadcasts beyond the newest `keep_last`, except versions a replica still serves."""
+        steps = sorted(int(m.group(1)) for p in self.root.iterdir()
+                       if (m := re.fullmatch(r"step_(\d+)", p.name)) and int(m.group(1)) <= newest)
+        candidates = steps[: -self.keep_last]
+        if not candidates:
+            return []
+        in_use = await self.versions_in_use()
+        doomed = [s for s in candidates if s not in in_use]
+        for s in doomed:
+            shutil.rmtree(self.root / f"step_{s}", ignore_errors=True)
+        if doomed:
+            log.info("broadcasts_pruned", steps=doomed)
+        return doomed
+
+    async def close(self) -> None:
+        pass
+
+
+def _advertised_host() -> str:
+    """An address inference workers can reach: the host's IP (loopback when there is none)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class _GlooSender:
+    """Rank 0 of a private gloo group (own TCPStore), leaving the default group alone."""
+
+    def __init__(self, host: str, port: int, world_size: int, timeout_s: float):
+        timeout = timedelta(seconds=timeout_s)
+        self.store = torch.distributed.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                                                wait_for_workers=False)
+        self.group = torch.distributed.ProcessGroupGloo(self.store, 0, world_size, timeout)
+        self.device = torch.device("cpu")
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.group.broadcast([tensor], 0).wait()
+
+
+class _PyNcclSender:
+    """Rank 0 through vLLM's PyNcclCommunicator (CUDA), as the inference workers use it."""
+
+    def __init__(self, host: str, port: int, world_size: int, timeout_s: float):
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        pg = StatelessProcessGroup.create(host, port, 0, world_size, store_timeout=int(timeout_s))
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.comm = PyNcclCommunicator(pg, device=self.device)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+        torch.cuda.current_stream().synchronize()
+
+
+def send_state_dict(group, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+    """One version: int64 header size, JSON header [[name, dtype, shape], ...], then each tensor."""
+    entries = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state_dict.items()]
+    header = json.dumps({"version": version, "tensors": entries}).encode()
+    group.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=group.device))
+    group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))
+    for name, _, _ in entries:
+        group.broadcast(state_dict[name].detach().contiguous().to(group.device))
+
+
+class NcclWeightPublisher:
+    """Tensor-by-tensor broadcast to one inference replica (see module docstring)."""
+
+    def __init__(self, config, *, bus, run_dir: Path, world, host: str | None = None, group_size: int = 2):
+        self.config, self.bus, self.world = config, bus, world
+        self.timeout_s = config.weight_broadcast.timeout_s
+        self.host = host or _advertised_host()
+        self.group_size = group_size
+        self.group = None
+        self.location: str | None = None
+
+    def _open_group(self):
+        port = _free_port()
+        self.location = f"{self.host}:{port}"
+        sender = _PyNcclSender if torch.cuda.is_available() else _GlooSender
+        return sender, port
+
+    async def publish(self, step: int, engine) -> dict[str, float]:
+        t0 = time.perf_counter()
+        state = await asyncio.to_thread(engine.full_state_dict)
+        if not self.world.is_main:
+            return {}
+        tensors = hf_tensors(state, bool(getattr(engine.model.config, "tie_word_embeddings", False)))
+        try:
+            if self.group is None:
+                sender, port = self._open_group()
+                # Announce first: the replica learns the rendezvous address from the KV key.
+                await _announce(self.bus, weights.WeightsPublished(
+                    version=step, transport="nccl", location=self.location, dtype=self.config.model.dtype))
+                self.group = await asyncio.to_thread(sender, self.host, port, self.group_size, self.timeout_s)
+            else:
+                await _announce(self.bus, weights.WeightsPublished(
+                    version=step, transport="nccl", location=self.location, dtype=self.config.model.dtype))
+            await asyncio.to_thread(send_state_dict, self.group, step, tensors)
+        except Exception as error:  # a timeout or a vanished peer: report, rebuild next time
+            reason = f"{type(error).__name__}: {error}"[:1000]
+            log.warning("weights_broadcast_failed", version=step, reason=reason)
+            self.group = None
+            await self.bus.publish(self.bus.subjects.weights_failed, weights.encoder.encode(
+                weights.WeightsFailed(version=step, replica_id="trainer", reason=reason)))
+            return {"publish_s": time.perf_counter() - t0, "publish_failed": 1.0}
+        log.info("weights_broadcast", version=step, location=self.location, num_tensors=len(tensors))
+        return {"publish_s": time.perf_counter() - t0}
+
+    async def close(self) -> None:
+        if self.group is not None:
+            try:  # size 0 tells the receivers the group is closing
+                await asyncio.wait_for(asyncio.to_thread(
+                    self.group.broadcast, torch.zeros(1, dtype=torch.int64, device=self.group.device)), 5)
+            except Exception:
+                pass
+            self.group = None
+
+
+PUBLISHERS = {"filesystem": FilesystemWeightPublisher, "nccl": NcclWeightPublisher}
+
+
+def build_weight_publisher(config, *, bus, run_dir: Path, world) -> WeightPublisher:
+    return PUBLISHERS[config.weight_broadcast.type](config, bus=bus, run_dir=run_dir, world=world)
