@@ -130,7 +130,7 @@ class _GlooSender:
         self.device = torch.device("cpu")
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        self.group.broadcast([tensor], 0).wait()
+        self.group.broadcast(tensor, 0).wait()
 
 
 class _PyNcclSender:
