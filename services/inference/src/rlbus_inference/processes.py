@@ -100,6 +100,9 @@ def router_command(config: InferenceConfig, router_facing_port: int) -> list[str
         "--worker-urls", f"http://127.0.0.1:{router_facing_port}",
         "--policy", "round_robin",
         "--log-level", "warning",
+        # Its metrics server defaults to a fixed port (29000): a second replica on the same
+        # host would fail to bind it and exit, so each router gets a free one.
+        "--prometheus-port", str(free_port()),
     ]
 
 

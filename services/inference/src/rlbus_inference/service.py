@@ -17,6 +17,7 @@ either child ends the replica with an error; kill -9 of the replica leaves its l
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 from pathlib import Path
 
@@ -44,6 +45,11 @@ def logs_dir(config: InferenceConfig) -> Path | None:
     return path
 
 
+def log_suffix(config: InferenceConfig) -> str:
+    """Replicas share a run directory: name child logs by replica id (else by port)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", config.replica_id or str(config.server.port))
+
+
 async def serve(config: InferenceConfig) -> None:
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -58,13 +64,13 @@ async def serve(config: InferenceConfig) -> None:
         engine = processes.start(
             "engine", processes.engine_command(config),
             env=processes.engine_env(initial_version=0, router_facing_port=router_facing_port),
-            log_path=logs / "inference-engine.log" if logs else None,
+            log_path=logs / f"inference-engine-{log_suffix(config)}.log" if logs else None,
         )
         await asyncio.to_thread(processes.wait_healthy, "engine", engine,
                                 processes.engine_url(config) + "/health", ENGINE_START_TIMEOUT_S)
         router = processes.start(
             "router", processes.router_command(config, router_facing_port), env=None,
-            log_path=logs / "inference-router.log" if logs else None,
+            log_path=logs / f"inference-router-{log_suffix(config)}.log" if logs else None,
         )
         await asyncio.to_thread(processes.wait_healthy, "router", router,
                                 processes.router_url(config) + "/health", ROUTER_START_TIMEOUT_S)

@@ -1,0 +1,78 @@
+"""Unit tests of the inference service's pure parts: checksums, child commands, registry entries."""
+
+from pathlib import Path
+
+import pytest
+
+from rlbus.configs.inference import InferenceConfig
+from rlbus_inference import processes, replica
+from rlbus_inference.checksums import ChecksumMismatch, sha256_file, verify_weights_dir
+
+
+def make_weights_dir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    weights = tmp_path / "step_1"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"tensor bytes" * 100)
+    (weights / "config.json").write_text("{}")
+    return weights, {p.name: sha256_file(p) for p in weights.iterdir()}
+
+
+def make_config(**overrides) -> InferenceConfig:
+    return InferenceConfig(**overrides)
+
+
+def test_verify_weights_dir_accepts_matching_checksums(tmp_path):
+    weights, expected = make_weights_dir(tmp_path)
+    verify_weights_dir(weights, expected)
+
+
+def test_verify_weights_dir_refuses_a_changed_file(tmp_path):
+    weights, expected = make_weights_dir(tmp_path)
+    with open(weights / "model.safetensors", "r+b") as f:
+        f.write(b"X")
+    with pytest.raises(ChecksumMismatch, match="model.safetensors"):
+        verify_weights_dir(weights, expected)
+
+
+def test_verify_weights_dir_refuses_a_missing_file(tmp_path):
+    weights, expected = make_weights_dir(tmp_path)
+    (weights / "config.json").unlink()
+    with pytest.raises(ChecksumMismatch, match="missing"):
+        verify_weights_dir(weights, expected)
+
+
+def test_engine_command_passes_vllm_options_and_worker_extension():
+    config = make_config(backend_port=9100, vllm={"model": "/m", "max_model_len": 128,
+                                                    "enforce_eager": True, "max_num_seqs": 4})
+    command = processes.engine_command(config)
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert command[command.index("--port") + 1] == "9100"
+    assert command[command.index("--worker-extension-cls") + 1] == processes.WORKER_EXTENSION
+    assert command[command.index("--model") + 1] == "/m"
+    assert command[command.index("--max-num-seqs") + 1] == "4"
+    assert "--enforce-eager" in command
+
+
+def test_router_forwards_to_the_router_facing_listener_not_the_admin_port():
+    config = make_config(backend_port=9100, server={"port": 9000, "host": "127.0.0.1"})
+    command = processes.router_command(config, router_facing_port=9555)
+    assert command[command.index("--worker-urls") + 1] == "http://127.0.0.1:9555"
+    assert command[command.index("--port") + 1] == "9000"
+
+
+def test_vllm_plugins_allowlist_keeps_existing_names_and_adds_ours(monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "other_plugin")
+    assert processes.vllm_plugins_allowlist().split(",") == ["other_plugin", "rlbus"]
+
+
+def test_replica_id_is_a_valid_kv_key():
+    assert replica.replica_id(make_config(replica_id="host:8000 a")) == "host-8000-a"
+
+
+def test_replica_info_points_at_router_and_engine():
+    config = make_config(backend_port=9100, server={"port": 9000, "host": "10.0.0.5"},
+                         vllm={"model": "/m", "served_model_name": "policy"})
+    info = replica.make_replica_info(config, version=3, status="ready")
+    assert info.base_url == "http://10.0.0.5:9000/v1"
+    assert info.admin_url == "http://10.0.0.5:9100"
+    assert (info.model, info.weights_version) == ("policy", 3)
