@@ -238,3 +238,13 @@ def test_resume_is_a_bare_flag_or_takes_a_step(tmp_path):
     stepped = resolved_config("rl", "--resume.step", "40", cwd=tmp_path)
 
     assert stepped["resume"] == {"step": 40} and stepped["trainer"]["resume"] == {"step": 40}
+
+
+def test_root_file_after_a_plain_flag_is_still_a_root_file(tmp_path):
+    write(tmp_path / "a.toml", "max_steps = 11\nseq_len = 256\n")
+    write(tmp_path / "b.toml", "max_steps = 12\n")
+
+    config = resolved_config("rl", "--clean", "@", "a.toml", "--seq-len", "128", "@", "b.toml", cwd=tmp_path)
+
+    assert config["clean"] is True and config["seq_len"] == 128  # flags beat files wherever they stand
+    assert config["max_steps"] == 12  # files still merge left to right

@@ -241,6 +241,42 @@ def _use_fast_docstrings() -> None:
 # --- argument pre-processing -------------------------------------------------------------------
 
 
+def _model_paths(cls: type[BaseModel], prefix: str = "") -> set[str]:
+    """Flag paths (kebab-case, aliases included) whose field holds a sub-config, i.e. the paths
+    that `--path @ file.toml` may fill from a file."""
+    paths: set[str] = set()
+    for name, finfo in cls.model_fields.items():
+        variants = _model_variants(finfo.annotation)
+        for spelling in _field_names(name, finfo):
+            path = f"{prefix}.{spelling.replace('_', '-')}" if prefix else spelling.replace("_", "-")
+            if variants:
+                paths.add(path)
+            for variant in variants:
+                paths |= _model_paths(variant, path)
+    return paths
+
+
+def _hoist_root_files(args: list[str], model_paths: set[str]) -> list[str]:
+    """`rl --dry-run @ rl.toml`: an `@ file` after a flag that is not a sub-config is a root file
+    (pydantic_config would nest it under `dry-run`). Root files may move to the front: files
+    always rank below flags, and their order among themselves is kept."""
+    root: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if token == "@" and i + 1 < len(args):
+            previous = args[i - 1] if i > 0 else ""
+            flag = previous[2:].replace("_", "-") if previous.startswith("--") else None
+            if flag is None or flag not in model_paths:
+                root += args[i : i + 2]
+                i += 2
+                continue
+        rest.append(token)
+        i += 1
+    return root + rest
+
+
 def _snake_case_file_targets(args: list[str]) -> list[str]:
     """`--trainer.weight-broadcast @ f.toml` -> `--trainer.weight_broadcast @ f.toml`: the loader
     nests the file under the flag path verbatim, and config keys are snake_case."""
@@ -316,6 +352,7 @@ def parse_cli(
         _use_fast_docstrings()
     print_config = PRINT_CONFIG_FLAG in args
     args = [a for a in args if a != PRINT_CONFIG_FLAG]
+    args = _hoist_root_files(args, _model_paths(cls))
     args = _snake_case_file_targets(_expand_bool_union_toggles(args, _bool_union_paths(cls)))
     try:
         config = cli(cls, args=args, prog=prog, description=description or (cls.__doc__ or "").strip())
