@@ -7,7 +7,9 @@ By default inference is a fake OpenAI server in a subprocess that answers every 
 after `--latency-ms` with `--completion-tokens` tokens, so the numbers measure the orchestrator
 (bus, workers, coordinator, packing) rather than vLLM. A real nats-server runs in a temp dir.
 Printed per worker count: samples/s, steps/s, and per step the coordinator's own time vs time
-spent waiting for rollouts, side by side with the 1-worker run as ratios.
+spent waiting for rollouts, side by side with the 1-worker run as ratios. samples/s is steady
+state (batch size / mean step time, first step excluded). `--processes` runs the
+workers as separate `orchestrator --role worker` processes (wall time then includes their start).
 """
 
 import argparse
@@ -70,8 +72,25 @@ async def run_once(server, url: str, model: str, num_workers: int, args) -> dict
         sampling={"max_tokens": args.completion_tokens}, filter_zero_advantage=False, otel={"enabled": False},
         output_dir=args.tmp,
     )
+    procs = []
+    if args.processes:  # scale-out mode: N `orchestrator --role worker` processes + the coordinator here
+        config = config.model_copy(update={"role": "coordinator"})
+        worker_args = [
+            "--role", "worker", "--run.name", run_id, "--output-dir", args.tmp, "--bus.url", server.url,
+            "--model.name", model, "--inference-urls", url, "--group-size", str(args.group_size),
+            "--max-concurrency", str(args.concurrency), "--sampling.max-tokens", str(args.completion_tokens),
+            "--log.level", "warning",
+        ] + (["--bus.token", server.token] if server.token else [])
+        cmd = [sys.executable, "-c", "from rlbus_orchestrator.entrypoint import main; main()"]
+        procs = [subprocess.Popen(cmd + worker_args, stdout=subprocess.DEVNULL) for _ in range(num_workers)]
     started = time.perf_counter()
-    await serve(config)
+    try:
+        await serve(config)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait()
     wall = time.perf_counter() - started
     bus = await Bus.connect(bus_config, run_id=run_id, name="bench")
     metrics = []
@@ -82,7 +101,8 @@ async def run_once(server, url: str, model: str, num_workers: int, args) -> dict
     skip = metrics[1:] or metrics  # step 1 includes start-up
     return {
         "workers": num_workers, "wall_s": wall,
-        "samples_per_s": args.steps * args.batch_size / wall, "steps_per_s": args.steps / wall,
+        # steady state: steps after the first (which includes start-up of workers and connections)
+        "samples_per_s": args.batch_size / statistics.fmean(m["time/step_s"] for m in skip),
         "own_s": statistics.fmean(m["time/orchestrator_s"] for m in skip),
         "wait_s": statistics.fmean(m["time/wait_rollouts_s"] for m in skip),
         "step_s": statistics.fmean(m["time/step_s"] for m in skip),
@@ -114,7 +134,8 @@ async def main_async(args) -> None:
                 fake.terminate()
                 fake.wait()
     base = results[0]
-    print(f"\norchestrator benchmark: {args.steps} steps x {args.batch_size} samples (group {args.group_size}), "
+    mode = "worker processes" if args.processes else "in-process workers"
+    print(f"\norchestrator benchmark ({mode}): {args.steps} steps x {args.batch_size} samples (group {args.group_size}), "
           f"max_concurrency {args.concurrency}/worker, inference {'fake %sms' % args.latency_ms if fake else url}")
     print(f"{'workers':>7} {'samples/s':>10} {'x1w':>6} {'step s':>8} {'own s/step':>11} {'wait s/step':>12} {'own %':>6}")
     for r in results:
@@ -134,6 +155,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--processes", action="store_true", help="workers as separate `--role worker` processes")
     args = p.parse_args()
     if args.serve_fake:
         serve_fake(args.serve_fake, args.latency_ms, args.completion_tokens)
