@@ -77,6 +77,9 @@ def run(config) -> Path | None:
     for step in range(start + 1, num_steps + 1):
         t0 = time.perf_counter()
         samples = data.batch(step)[world.rank :: world.world_size]
+        if step == start + 1 and (longest := max(len(x.input_ids) for x in samples)) > config.seq_len:
+            log.warning("sft_samples_truncated", longest=longest, seq_len=config.seq_len,
+                        fix=f"raise seq_len to at least {longest}: truncated samples lose their answers")
         micro_batches = pack(samples, config.seq_len, pack=config.data.pack)
         result = engine.train_step(micro_batches, sft_loss)
         elapsed = time.perf_counter() - t0
