@@ -132,3 +132,14 @@ def test_entry_point_environment_is_found_by_id(monkeypatch):
     monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == registry.ENTRY_POINT_GROUP else [])
     env = load_environment("my-env", {"min_len": 3, "max_len": 3})
     assert isinstance(env, ReverseTextEnv) and len(env.text("train", 0)) == 3
+
+
+def test_pooled_group_that_became_stale_is_dropped_before_batching():
+    c = make_coordinator(max_off_policy_steps=0, batch_size=2)
+    old = FakeDelivery(make_rollout("train-0", [0.0, 1.0], version=0))
+    c.state.outstanding = {"train-0": 0}
+    c.pool["train-0"] = PooledGroup(old.data, old, [-0.5, 0.5])
+    c.state.next_step, c.applied_version = 3, 2
+    asyncio.run(c.build_batches())
+    assert not c.pool and old.acked and c.stats.dropped["stale"] == 1
+    assert not [p for p in c.bus.published if p[0].startswith(c.bus.subjects.prefix + ".batches")]

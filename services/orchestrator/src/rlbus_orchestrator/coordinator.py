@@ -348,8 +348,23 @@ class Coordinator:
                 return chosen
         return None
 
+    async def drop_stale_pooled(self) -> None:
+        """Groups that waited in the pool until they became too old for the step being built."""
+        step = self.state.next_step
+        for task_id, group in list(self.pool.items()):
+            if any(is_stale(step, s.policy_version, self.config.max_off_policy_steps) for s in group.rollout.samples):
+                del self.pool[task_id]
+                self.state.outstanding.pop(task_id, None)
+                self.stats.dropped["stale"] += 1
+                await self.save_state()
+                await group.delivery.ack()
+
     async def build_batches(self) -> None:
-        while not self.done.is_set() and self.state.next_step <= self.max_step() and (groups := self.batch_ready()):
+        while not self.done.is_set() and self.state.next_step <= self.max_step():
+            await self.drop_stale_pooled()
+            groups = self.batch_ready()
+            if not groups:
+                return
             await self.publish_batch(groups)
 
     async def publish_batch(self, groups: list[PooledGroup]) -> None:
