@@ -231,10 +231,17 @@ def main(argv: list[str] | None = None) -> None:
         max_payload_mb=args.max_payload_mb,
         token=args.token,
     )
-    server.start()
-    print(f"nats-server ready: {server.url} (monitoring {server.monitor_url}, store {server.store_dir})", flush=True)
+    # The server runs in its own session (a terminal's Ctrl-C reaches only us): forward SIGTERM
+    # and SIGINT as a graceful stop so it never outlives this command.
+    def raise_exit(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, raise_exit)
+    signal.signal(signal.SIGINT, raise_exit)
     try:
+        server.start()
+        print(f"nats-server ready: {server.url} (monitoring {server.monitor_url}, store {server.store_dir})", flush=True)
         assert server.process is not None
         server.process.wait()
-    except KeyboardInterrupt:
+    finally:
         server.stop()
