@@ -93,3 +93,10 @@ def test_setup_tracing_without_endpoint_or_run_dir_is_off(monkeypatch):
 def test_otlp_endpoint_gets_the_traces_path():
     assert tracing.otlp_traces_endpoint("http://c:4318") == "http://c:4318/v1/traces"
     assert tracing.otlp_traces_endpoint("http://c:4318/v1/traces") == "http://c:4318/v1/traces"
+
+
+def test_log_processor_adds_the_current_trace_id(spans):
+    assert tracing.add_trace_ids(None, "info", {"event": "x"}) == {"event": "x"}
+    with tracing.tracer().start_as_current_span("step") as span:
+        event = tracing.add_trace_ids(None, "info", {"event": "x"})
+    assert event["trace_id"] == format(span.get_span_context().trace_id, "032x")

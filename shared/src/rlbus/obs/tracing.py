@@ -163,3 +163,12 @@ def consumer_span(
         name, context=parent, kind=SpanKind.CONSUMER, links=links, attributes=attributes
     ) as span:
         yield span
+
+
+def add_trace_ids(logger, method_name: str, event_dict: dict) -> dict:
+    """structlog processor: add `trace_id` / `span_id` of the current span (when one is recording)."""
+    span_context = trace.get_current_span().get_span_context()
+    if span_context.is_valid:
+        event_dict.setdefault("trace_id", format(span_context.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(span_context.span_id, "016x"))
+    return event_dict
