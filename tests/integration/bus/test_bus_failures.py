@@ -242,3 +242,14 @@ async def test_server_restarted_on_an_empty_store_gets_the_topology_back(nats_se
     assert seen == ["0-0"]
     await wait_for(lambda: not bus._background, 10)
     assert (await bus.kv(s.weights_bucket).keys()) == []  # buckets are back too
+
+
+async def test_user_password_auth_right_and_wrong(tmp_path):
+    server = NatsServer(tmp_path / "nats-user", user="rl", password="pw").start()
+    try:
+        with pytest.raises(BusAuthError, match="bus.user"):
+            await Bus.connect(BusConfig(url=server.url, user="rl", password="nope"), run_id="auth")
+        bus = await Bus.connect(BusConfig(url=server.url, user="rl", password="pw"), run_id="auth")
+        await bus.close()
+    finally:
+        server.kill()
