@@ -151,6 +151,11 @@ class Consumer(Generic[T]):
     async def subscribe(self) -> None:
         """Ensure the durable exists and bind a pull subscription to it."""
         await self.bus.ensure_consumer(self._spec())
+        if self._sub is not None:  # re-binding after a recovery: drop the old inbox subscription
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
         self._sub = await self.bus.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
 
     async def run(self) -> None:
