@@ -73,18 +73,18 @@ async def test_task_of_a_killed_worker_is_redelivered_to_another_worker(make_bus
 
 
 async def test_long_handler_is_kept_alive_by_in_progress_heartbeats(make_bus):
-    bus = await make_bus(ack_wait_s=1)
+    bus = await make_bus(ack_wait_s=1.5)  # heartbeats every 0.5 s: slack for a loaded machine
     await bus.publish(bus.subjects.tasks, make_task(0), msg_id="0-0")
     deliveries = []
 
     async def slow(delivery):
         deliveries.append(delivery.num_delivered)
-        await asyncio.sleep(3.5)  # > 3x AckWait
+        await asyncio.sleep(4.0)  # > 2.5x AckWait
 
     s = bus.subjects
     async with bus.consumer(s.tasks_stream, s.tasks_durable, tasks.decoder, slow, concurrency=2):
         await wait_for(lambda: deliveries, 5)
-        await asyncio.sleep(4.0)
+        await asyncio.sleep(4.5)
     assert deliveries == [1]
 
 
