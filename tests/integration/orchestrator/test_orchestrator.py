@@ -168,3 +168,23 @@ async def test_task_of_a_killed_worker_is_redelivered_and_completed(nats_server_
             stop(good)
         blackhole.close()
         await bus.close()
+
+
+async def test_async_level_zero_waits_for_applied_weights_before_the_next_step(nats_server_module, inference, run_id, tmp_path):
+    from rlbus.wire import weights as weights_wire
+
+    config = make_config(nats_server_module, inference, run_id, async_level=0, output_dir=str(tmp_path))
+    bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=tmp_path / run_id, name="test")
+    service = asyncio.create_task(serve(config))
+    try:
+        await wait_for_batch(bus, 1, 120)
+        await asyncio.sleep(3)
+        assert await read_batch(bus, 2) is None, "step 2 must wait for weights version 1"
+        applied = weights_wire.WeightsApplied(version=1, replica_id="replica-a")
+        await bus.publish(bus.subjects.weights_applied, weights_wire.encoder.encode(applied))
+        batch = await wait_for_batch(bus, 2, 120)
+        assert batch.metrics["weights/applied_version"] == 1
+        await asyncio.wait_for(service, 60)
+    finally:
+        service.cancel()
+        await bus.close()
