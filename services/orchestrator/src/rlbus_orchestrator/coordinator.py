@@ -369,7 +369,8 @@ class Coordinator:
 
     async def publish_batch(self, groups: list[PooledGroup]) -> None:
         step = self.state.next_step
-        links = [link for g in groups if (link := tracing.link_from_headers(g.delivery.headers)) is not None]
+        carriers = [{"traceparent": g.rollout.metadata.get("traceparent") or ""} for g in groups]
+        links = [link for c in carriers if (link := tracing.link_from_headers(c)) is not None]
         with tracing.tracer().start_as_current_span("batch", links=links, attributes={"step": step}):
             batch = self.make_batch(step, groups)
             await self.bus.publish(self.bus.subjects.batch(step), batch, msg_id=self.bus.subjects.batch_msg_id(step))

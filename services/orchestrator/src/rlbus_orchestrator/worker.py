@@ -123,6 +123,9 @@ class RolloutWorker:
                 log.warning("task_deferred_no_replica", task_id=task.task_id, error=str(error))
                 await delivery.nak(NO_REPLICA_NAK_DELAY_S)
                 return
+            # The batch span links to this rollout span itself (the message headers name the
+            # publish span, a child of it).
+            rollout.metadata["traceparent"] = tracing.inject_headers({}).get("traceparent", "")
             await self.bus.publish(self.bus.subjects.rollouts, rollout, msg_id=task.task_id)
         await delivery.ack()
         self.num_rollouts += 1
