@@ -142,3 +142,12 @@ def test_importing_the_orchestrator_does_not_import_torch_or_vllm():
         "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_service_with_unknown_environment_exits_before_connecting():
+    from rlbus.configs.orchestrator import OrchestratorConfig
+    from rlbus_orchestrator.service import run
+
+    config = OrchestratorConfig(env=[{"id": "no-such-env"}], run={"name": "x"}, bus={"url": "nats://127.0.0.1:1"})
+    with pytest.raises(SystemExit, match="uv sync"):
+        run(config)

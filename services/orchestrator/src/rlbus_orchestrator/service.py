@@ -44,7 +44,12 @@ def control_handler(stop: asyncio.Event):
 
 def run(config: OrchestratorConfig) -> None:
     """Run the orchestrator until `max_steps` batches are published (role all/coordinator) or a signal."""
-    asyncio.run(serve(config))
+    from rlbus_orchestrator.envs import EnvironmentNotFoundError
+
+    try:
+        asyncio.run(serve(config))
+    except EnvironmentNotFoundError as error:
+        raise SystemExit(f"orchestrator: {error}") from None
 
 
 async def serve(config: OrchestratorConfig, stop: asyncio.Event | None = None) -> None:
