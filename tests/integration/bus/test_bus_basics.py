@@ -183,3 +183,12 @@ async def test_subscribe_delivers_live_notifications_and_skips_garbage(bus, make
     await bus.publish(bus.subjects.weights_applied, weights.WeightsApplied(version=2, replica_id="r0"))
     await asyncio.wait_for(got.wait(), 5)
     assert seen == [weights.WeightsApplied(version=2, replica_id="r0", applied_at=seen[0].applied_at)]
+
+
+async def test_publish_many_stores_each_id_once_in_order(bus):
+    items = [(bus.subjects.tasks, make_task(i), f"0-{i}") for i in range(50)]
+    acks = await bus.publish_many(items)
+    assert [ack.seq for ack in acks] == list(range(1, 51))
+    again = await bus.publish_many(items[:5])
+    assert all(ack.duplicate for ack in again)
+    assert (await bus.js.stream_info(bus.subjects.tasks_stream)).state.messages == 50

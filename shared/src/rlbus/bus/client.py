@@ -18,7 +18,7 @@ this object.
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -196,16 +196,55 @@ class Bus:
         `msg_id` should be deterministic (derived from what the message is) so a re-publish after a
         crash is deduplicated; without one a random id still makes internal retries safe.
         """
+        payload, headers = self._prepare(subject, message, msg_id, headers)
+        if not tracing.enabled():  # hot path: no span bookkeeping when nothing records spans
+            return await self._publish_with_retry(subject, payload, headers, msg_ttl)
+        with tracing.producer_span(
+            f"publish {subject}", subject=subject, headers=headers, msg_id=headers[MSG_ID_HEADER]
+        ):
+            return await self._publish_with_retry(subject, payload, headers, msg_ttl)
+
+    async def publish_many(
+        self, items: Iterable[tuple[str, msgspec.Struct | bytes, str | None]]
+    ) -> list[api.PubAck]:
+        """Pipelined publish of `(subject, message, msg_id)` items: send all, then collect the acks.
+
+        Several times the rate of one-by-one `publish` for small messages (no round trip per
+        message). An item whose ack does not come is re-published alone with the same id (so it is
+        never duplicated). Acks are returned in item order. All items share one producer span.
+        """
+        prepared = [(subject, *self._prepare(subject, message, msg_id, None)) for subject, message, msg_id in items]
+        if tracing.enabled():
+            with tracing.producer_span(f"publish_many {len(prepared)}", subject=prepared[0][0] if prepared else "", headers={}):
+                for _, _, headers in prepared:
+                    tracing.inject_headers(headers)
+        futures = []
+        for subject, payload, headers in prepared:
+            try:
+                futures.append(await self.js.publish_async(subject, payload, headers=headers))
+            except RETRYABLE_PUBLISH_ERRORS + (nats.js.errors.TooManyStalledMsgsError,):
+                futures.append(None)
+        acks = []
+        for (subject, payload, headers), future in zip(prepared, futures):
+            try:
+                if future is None:
+                    raise nats.errors.TimeoutError
+                acks.append(await asyncio.wait_for(future, self.config.publish_timeout_s))
+            except RETRYABLE_PUBLISH_ERRORS + (nats.js.errors.NoStreamResponseError,):
+                acks.append(await self._publish_with_retry(subject, payload, headers, None))
+        return acks
+
+    def _prepare(
+        self, subject: str, message: msgspec.Struct | bytes, msg_id: str | None, headers: dict[str, str] | None
+    ) -> tuple[bytes, dict[str, str]]:
+        """Encoded payload (claim-checked if too big) and headers with the message id."""
         payload = encode(message)
         headers = dict(headers) if headers else {}
-        headers[MSG_ID_HEADER] = msg_id = msg_id or uuid.uuid4().hex
+        headers[MSG_ID_HEADER] = msg_id or uuid.uuid4().hex
         if len(payload) > self.claim_check_bytes:
             payload = self._claim(subject, payload)
             headers[claimcheck.CLAIM_HEADER] = "1"
-        if not tracing.enabled():  # hot path: no span bookkeeping when nothing records spans
-            return await self._publish_with_retry(subject, payload, headers, msg_ttl)
-        with tracing.producer_span(f"publish {subject}", subject=subject, headers=headers, msg_id=msg_id):
-            return await self._publish_with_retry(subject, payload, headers, msg_ttl)
+        return payload, headers
 
     def _claim(self, subject: str, payload: bytes) -> bytes:
         if self.storage_dir is None:
