@@ -54,3 +54,12 @@ def test_server_config_sets_payload_store_and_auth(tmp_path):
     assert config["jetstream"] == {"store_dir": str(tmp_path / "jetstream"), "sync_interval": "always"}
     assert config["authorization"] == {"token": "t"}
     assert server.url == "nats://127.0.0.1:4999"
+
+
+def test_bus_config_rejects_inconsistent_fields():
+    with pytest.raises(ValueError, match="duplicate_window_s"):
+        BusConfig(stream_max_age_s=60)
+    with pytest.raises(ValueError, match="bus.password"):
+        BusConfig(user="u")
+    with pytest.raises(ValueError, match="tls_cert"):
+        BusConfig(tls_key="k.pem")

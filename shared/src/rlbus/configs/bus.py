@@ -1,6 +1,6 @@
 """NATS connection settings shared by every service."""
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlbus.configs.base import BaseConfig
 
@@ -82,3 +82,16 @@ class BusConfig(BaseConfig):
 
     fsync_always: bool = False
     """Embedded server: fsync every write (safe against power loss, ~3-8x slower publishes)."""
+
+    @model_validator(mode="after")
+    def _check_windows(self) -> "BusConfig":
+        if self.duplicate_window_s > self.stream_max_age_s:
+            raise ValueError(
+                f"bus.duplicate_window_s ({self.duplicate_window_s}) must not exceed bus.stream_max_age_s "
+                f"({self.stream_max_age_s}): JetStream rejects such streams"
+            )
+        if (self.user is None) != (self.password is None):
+            raise ValueError("set both bus.user and bus.password (or neither)")
+        if self.tls_key and not self.tls_cert:
+            raise ValueError("bus.tls_key needs bus.tls_cert")
+        return self
