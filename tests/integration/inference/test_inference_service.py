@@ -224,7 +224,27 @@ def test_lora_adapter_load_and_reload_changes_output(run):
 
 def test_broadcast_over_gloo_updates_weights(run):
     """The test plays trainer rank 0 of a 2-rank gloo group (the nccl transport's CPU twin)."""
-    from rlbus_inference.broadcast import GlooBroadcastGroup, send_state_dict
+    from rlbus_inference.broadcast import GlooBroadcastGroup
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA engine joins with NCCL: see the gpu variant below")
+    check_broadcast_updates_weights(
+        run, lambda port: GlooBroadcastGroup("127.0.0.1", port, 0, 2, timeout_s=60))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="NCCL needs the trainer rank and the vLLM worker on different GPUs")
+def test_broadcast_over_nccl_updates_weights(run):
+    from rlbus_inference.broadcast import NcclBroadcastGroup
+
+    check_broadcast_updates_weights(run, lambda port: NcclBroadcastGroup(
+        "127.0.0.1", port, 0, 2, 60, device=torch.device("cuda", torch.cuda.device_count() - 1)))
+
+
+def check_broadcast_updates_weights(run, make_sender_group) -> None:
+    """Join the replica to a group whose rank 0 is this test, send a version, check it serves it."""
+    from rlbus_inference.broadcast import send_state_dict
 
     engine = run["replica"].engine_url
     weights_dir = run["run_dir"] / "broadcasts" / "step_1"
@@ -234,11 +254,7 @@ def test_broadcast_over_gloo_updates_weights(run):
             state_dict[name] = state_dict[name] * -1
     port = free_port()
     holder = {}
-
-    def trainer():
-        holder["group"] = GlooBroadcastGroup("127.0.0.1", port, 0, 2, timeout_s=60)
-
-    thread = threading.Thread(target=trainer)
+    thread = threading.Thread(target=lambda: holder.update(group=make_sender_group(port)))
     thread.start()
     joined = httpx.post(engine + "/init_broadcaster", json={
         "host": "127.0.0.1", "port": port, "rank_offset": 1, "world_size": 2, "timeout_s": 60},
