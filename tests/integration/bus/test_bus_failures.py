@@ -3,6 +3,7 @@ expired leases, wrong credentials."""
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -223,7 +224,7 @@ async def test_right_token_connects(nats_server_with_token, tmp_path):
 
 
 async def test_server_restarted_on_an_empty_store_gets_the_topology_back(nats_server, make_bus):
-    import shutil
+
 
     bus = await make_bus()
     nats_server.kill()
@@ -250,6 +251,34 @@ async def test_user_password_auth_right_and_wrong(tmp_path):
         with pytest.raises(BusAuthError, match="bus.user"):
             await Bus.connect(BusConfig(url=server.url, user="rl", password="nope"), run_id="auth")
         bus = await Bus.connect(BusConfig(url=server.url, user="rl", password="pw"), run_id="auth")
+        await bus.close()
+    finally:
+        server.kill()
+
+
+def make_tls_files(directory) -> dict[str, str]:
+    """A CA and a server certificate for 127.0.0.1, made with the openssl command."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {name: str(directory / f"{name}.pem") for name in ("ca", "ca_key", "cert", "key")}
+    csr, ext = directory / "server.csr", directory / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=rlbus-test-ca",
+        "-keyout", paths["ca_key"], "-out", paths["ca"])
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", paths["key"], "-out", str(csr))
+    run("x509", "-req", "-in", str(csr), "-CA", paths["ca"], "-CAkey", paths["ca_key"], "-CAcreateserial",
+        "-days", "1", "-extfile", str(ext), "-out", paths["cert"])
+    return paths
+
+
+async def test_tls_connection_verifies_the_server_with_the_ca(tmp_path):
+    if not shutil.which("openssl"):
+        pytest.skip("openssl command not available")
+    files = make_tls_files(tmp_path / "tls")
+    server = NatsServer(tmp_path / "nats-tls", tls_cert=files["cert"], tls_key=files["key"]).start()
+    try:
+        bus = await Bus.connect(BusConfig(url=server.url, tls_ca=files["ca"]), run_id="tls")
+        assert (await bus.publish(bus.subjects.tasks, make_task(0), msg_id="0-0")).seq == 1
         await bus.close()
     finally:
         server.kill()

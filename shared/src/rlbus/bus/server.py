@@ -74,6 +74,9 @@ class NatsServer:
         log_file: str | Path | None = None,
         lame_duck_s: float = 30.0,
         sync_always: bool = False,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        tls_ca: str | Path | None = None,
     ):
         assert not (token and user), "token and user/password auth are exclusive"
         self.store_dir = Path(store_dir)
@@ -87,6 +90,7 @@ class NatsServer:
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.lame_duck_s = lame_duck_s
         self.sync_always = sync_always
+        self.tls_cert, self.tls_key, self.tls_ca = tls_cert, tls_key, tls_ca
         self.process: subprocess.Popen | None = None
 
     @classmethod
@@ -104,7 +108,7 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls_cert else 'nats'}://{self.host}:{self.port}"
 
     @property
     def monitor_url(self) -> str:
@@ -131,6 +135,11 @@ class NatsServer:
         }
         if self.sync_always:  # fsync every write (FACTS.md: ~3-8x slower publishes)
             config["jetstream"]["sync_interval"] = "always"
+        if self.tls_cert:
+            tls = {"cert_file": str(self.tls_cert), "key_file": str(self.tls_key)}
+            if self.tls_ca:  # clients must present a certificate signed by this CA (mutual TLS)
+                tls |= {"ca_file": str(self.tls_ca), "verify": True}
+            config["tls"] = tls
         if self.token:
             config["authorization"] = {"token": self.token}
         elif self.user:
