@@ -276,8 +276,9 @@ class Consumer(Generic[T]):
                 except Exception as error:
                     log.debug("in_progress_failed", error=repr(error))
 
-    async def stop(self) -> None:
-        """Stop fetching, nak what was fetched but not started, let running handlers finish."""
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop fetching, nak what was fetched but not started, let running handlers finish
+        (cancelled after `timeout_s`; their messages are redelivered after AckWait)."""
         if self._stopping:
             return
         self._stopping = True
@@ -292,7 +293,12 @@ class Consumer(Generic[T]):
         for _ in self._workers:
             self._queue.put_nowait(None)
         if self._workers:
-            await asyncio.gather(*self._workers, return_exceptions=True)
+            done, pending = await asyncio.wait(self._workers, timeout=timeout_s)
+            for worker in pending:
+                worker.cancel()
+            if pending:
+                log.warning("consumer_handlers_cancelled", stream=self.stream, num_cancelled=len(pending))
+                await asyncio.gather(*pending, return_exceptions=True)
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         if self._sub is not None:
