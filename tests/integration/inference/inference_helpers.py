@@ -118,6 +118,11 @@ class Replica:
         except ProcessLookupError:
             pass
 
+    def child_pids(self) -> list[int]:
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)],
+                             capture_output=True, text=True).stdout
+        return [int(pid) for pid in out.split()]
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.kill(signal.SIGTERM)

@@ -106,22 +106,32 @@ def router_command(config: InferenceConfig, router_facing_port: int) -> list[str
     ]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: own session (so stop() reaches its whole group) and SIGKILL
-    when the replica process dies, even by kill -9 (Linux PR_SET_PDEATHSIG)."""
-    os.setsid()
-    if sys.platform == "linux":
-        import ctypes
+def _die_with_parent(parent_death_signal: int):
+    """A preexec_fn: own session (so stop() reaches the child's whole group) and
+    `parent_death_signal` when the replica process dies, even by kill -9 (Linux PR_SET_PDEATHSIG).
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    The engine gets SIGTERM, not SIGKILL: vLLM then shuts its EngineCore process down itself
+    (a SIGKILLed API server leaves EngineCore orphaned; it is in the same process group but
+    nobody is left to signal the group).
+    """
+
+    def preexec() -> None:
+        os.setsid()
+        if sys.platform == "linux":
+            import ctypes
+
+            PR_SET_PDEATHSIG = 1
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, parent_death_signal)
+
+    return preexec
 
 
-def start(name: str, command: list[str], *, env: dict[str, str] | None, log_path: Path | None):
+def start(name: str, command: list[str], *, env: dict[str, str] | None, log_path: Path | None,
+          parent_death_signal: int = signal.SIGKILL):
     """Start a child (see `_die_with_parent`); its output goes to log_path (or ours)."""
     out = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=_die_with_parent(parent_death_signal))
     log.info("child_started", child=name, pid=proc.pid, log=str(log_path) if log_path else None)
     return proc
 

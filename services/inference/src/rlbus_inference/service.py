@@ -65,6 +65,7 @@ async def serve(config: InferenceConfig) -> None:
             "engine", processes.engine_command(config),
             env=processes.engine_env(initial_version=0, router_facing_port=router_facing_port),
             log_path=logs / f"inference-engine-{log_suffix(config)}.log" if logs else None,
+            parent_death_signal=signal.SIGTERM,
         )
         await asyncio.to_thread(processes.wait_healthy, "engine", engine,
                                 processes.engine_url(config) + "/health", ENGINE_START_TIMEOUT_S)
