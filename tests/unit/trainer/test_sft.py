@@ -56,3 +56,24 @@ def test_sft_jsonl_run_loss_falls_and_writes_loadable_model(tiny_model, tmp_path
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert AutoTokenizer.from_pretrained(out).chat_template
+
+
+def test_sft_reads_parquet_messages(tiny_model, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [[{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}] for t in ("abc", "hello")]
+    pq.write_table(pa.table({"messages": rows}), tmp_path / "train.parquet")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    data = SFTData(str(tmp_path / "train.parquet"), tokenizer, loss_roles=["assistant"], batch_size=2, seed=0)
+    assert data.num_examples == 2
+    texts = sorted(tokenizer.decode(s.input_ids) for s in data.batch(1))
+    assert texts[0].endswith("<|im_start|>assistant\ncba<|im_end|>\n")
+
+
+def test_sft_data_path_errors_name_the_field(tiny_model, tmp_path):
+    import pytest
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    with pytest.raises(ValueError, match="data.path"):
+        SFTData(str(tmp_path / "missing.jsonl"), tokenizer, loss_roles=["assistant"], batch_size=2, seed=0)
