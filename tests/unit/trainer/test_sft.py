@@ -77,3 +77,18 @@ def test_sft_data_path_errors_name_the_field(tiny_model, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     with pytest.raises(ValueError, match="data.path"):
         SFTData(str(tmp_path / "missing.jsonl"), tokenizer, loss_roles=["assistant"], batch_size=2, seed=0)
+
+
+def test_full_offload_sft_checkpoints_and_resumes(tiny_model, tmp_path):
+    from rlbus_trainer.ckpt import complete_steps
+    from rlbus_trainer.sft import run
+
+    base = make_sft_config(tiny_model, tmp_path / "out", "offload", max_steps=2, ckpt={"interval": 1},
+                           model={"name": str(tiny_model), "optim_cpu_offload": False, "full_offload": True},
+                           save_final_model=False)
+    run(SFTConfig.model_validate(base))
+    assert complete_steps(tmp_path / "out" / "offload") == [1, 2]
+    run(SFTConfig.model_validate({**base, "max_steps": 3, "resume": {}}))
+    metrics = read_metrics(tmp_path / "out" / "offload")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[2]["loss"] < metrics[0]["loss"]
