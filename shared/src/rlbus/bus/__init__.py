@@ -1,7 +1,8 @@
 """The NATS JetStream layer: the only code in rlbus that touches nats-py.
 
-- `Bus` (client.py): connect, ensure topology, publish (msg id, trace headers, claim check,
-  retries), consumers, step log, KV, leases, control request/reply.
+- `Bus` (client.py): connect, ensure topology, publish / publish_many (msg id, trace headers,
+  claim check, retries), consumers, live subscriptions, step log, KV, leases, control
+  request/reply.
 - `Consumer` / `Delivery` (consumer.py): pull-consume runner with ack/nak/term/in_progress.
 - `StepLog` (steplog.py): train batches keyed by step.
 - `KV` / `Lease` (kv.py): bucket wrappers and TTL leases with heartbeats.
