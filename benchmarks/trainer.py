@@ -43,7 +43,7 @@ def run_mode(mode: str, model_dir: str, steps: int, seq_len: int) -> dict:
     from rlbus_trainer.testing import make_train_batch
 
     config = TrainerConfig(model={"name": model_dir, **MODES[mode]}, optim={"type": "adamw", "lr": 1e-4},
-                           loss={"mask_low": 1.0, "mask_high": 1.0}, seq_len=seq_len, rows_per_forward=8)
+                           loss={"mask_low": 1.0, "mask_high": 1.0}, seq_len=seq_len, tokens_per_forward=2048)
     engine = build_engine(config, setup_distributed())
     loss_fn = build_loss_fn(config.loss)
     num_sequences = max(1, seq_len // 12)

@@ -16,10 +16,10 @@ def one_token_padding() -> MicroBatch:
                       inference_logprobs=[0.0], temperatures=[1.0], seq_lens=[1])
 
 
-def first_step(tiny_model, rows_per_forward, micro_batches):
+def first_step(tiny_model, tokens_per_forward, micro_batches):
     # SGD with lr 1: weight changes equal the gradients (Adam's first step would amplify float noise).
     config = TrainerConfig(model={"name": str(tiny_model)}, optim={"type": "sgd", "lr": 1.0, "max_norm": None},
-                           rows_per_forward=rows_per_forward,
+                           tokens_per_forward=tokens_per_forward,
                            loss={"mask_low": 1.0, "mask_high": 1.0})
     engine = build_engine(config, setup_distributed())
     result = engine.train_step(micro_batches, build_loss_fn(config.loss))
@@ -29,8 +29,8 @@ def first_step(tiny_model, rows_per_forward, micro_batches):
 def test_rows_stacked_per_forward_match_one_row_per_forward(tiny_model):
     rows = make_train_batch(1, num_ranks=3, num_sequences=4).micro_batches
     micro_batches = [mbs[0] for mbs in rows] + [one_token_padding()]
-    one, w_one = first_step(tiny_model, 1, micro_batches)
-    stacked, w_stacked = first_step(tiny_model, 8, micro_batches)
+    one, w_one = first_step(tiny_model, 1, micro_batches)  # every row alone
+    stacked, w_stacked = first_step(tiny_model, 4096, micro_batches)  # all in one pass
     assert stacked.loss == pytest.approx(one.loss, rel=1e-5, abs=1e-7)
     assert stacked.metrics["entropy"] == pytest.approx(one.metrics["entropy"], rel=1e-5)
     assert stacked.num_loss_tokens == one.num_loss_tokens == sum(sum(mb.loss_mask) for mb in micro_batches)

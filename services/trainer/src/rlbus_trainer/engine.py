@@ -6,8 +6,8 @@
     engine.full_state_dict()       the whole model on rank 0 (weight publishing, final SFT model)
 
 Micro-batches are `rlbus.wire.batches.MicroBatch` (packed: several sequences per row, a block-causal
-attention mask keeps them apart). Up to `rows_per_forward` rows are stacked (padded) into one
-forward pass, which matters for tiny models where per-call overhead dominates. Every rank runs
+attention mask keeps them apart). Consecutive rows are stacked (padded) into one forward pass
+while rows x longest row <= `tokens_per_forward`, which matters for tiny models where per-call overhead dominates. Every rank runs
 the same number of forward/backward passes (FSDP2 collectives must match), so a rank with fewer
 rows runs empty-loss padding passes.
 Loss terms are normalised by the step's global loss-token count; FSDP2 averages gradients over
@@ -203,9 +203,19 @@ class Engine:
         return loss_fn(inputs, num_global_loss)
 
     def _groups(self, micro_batches: list[MicroBatch]) -> list[list[MicroBatch]]:
-        """Rows stacked per forward pass, padded with empty groups to the max count over ranks."""
-        k = self.config.rows_per_forward
-        groups = [micro_batches[i : i + k] for i in range(0, len(micro_batches), k)]
+        """Rows stacked per forward pass (rows x longest row <= tokens_per_forward), padded with
+        empty groups to the max count over ranks."""
+        budget = self.config.tokens_per_forward
+        groups: list[list[MicroBatch]] = []
+        width = 0
+        for mb in micro_batches:
+            new_width = max(width, len(mb.input_ids))
+            if groups and groups[-1] and new_width * (len(groups[-1]) + 1) <= budget:
+                groups[-1].append(mb)
+                width = new_width
+            else:
+                groups.append([mb])
+                width = len(mb.input_ids)
         count = torch.tensor([len(groups)], dtype=torch.float64)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return groups + [[make_padding_micro_batch()]] * (int(count) - len(groups))

@@ -110,7 +110,6 @@ def make_sft_config(model_dir, output_dir, name, **overrides) -> dict:
         "optim": {"type": "adamw", "lr": 2e-3, "weight_decay": 0.0},
         "max_steps": 4,
         "seq_len": 256,
-        "rows_per_forward": 16,
         "output_dir": str(output_dir),
         "run": {"name": name},
         "data": {"batch_size": 16},

@@ -201,9 +201,10 @@ class TrainerConfig(BaseConfig):
     seq_len: int = Field(2048, ge=8)
     """Tokens per packed micro-batch row."""
 
-    rows_per_forward: int = Field(1, ge=1)
-    """Packed rows stacked (padded to the longest) into one forward/backward pass. Raise it for
-    small models, where per-call overhead dominates (e.g. 32 rows of seq_len 256 for the tiny model)."""
+    tokens_per_forward: int = Field(4096, ge=1)
+    """Budget of one forward/backward pass: consecutive packed rows are stacked (padded to the
+    longest) while rows x longest row <= this; a longer row goes alone. Many short rows then cost
+    one call instead of many (what matters for small models); lower it if activations run out of memory."""
 
     seed: int = 0
     """Seed for torch and data order."""
