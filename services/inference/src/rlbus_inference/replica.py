@@ -141,6 +141,14 @@ class WeightAgent:
         return self.latest is not None and self.latest.version > target.version
 
     async def apply(self, target: weights.WeightsPublished) -> float:
+        """Make the engine load `target` (inside a `weights_apply` span naming the version)."""
+        from rlbus.obs import tracing
+
+        attributes = {"weights.version": target.version, "replica_id": self.replica_id}
+        with tracing.tracer().start_as_current_span("weights_apply", attributes=attributes):
+            return await self._apply(target)
+
+    async def _apply(self, target: weights.WeightsPublished) -> float:
         """Make the engine load `target`; returns seconds taken."""
         start = time.perf_counter()
         if target.lora_name is not None:

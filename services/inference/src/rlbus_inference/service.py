@@ -78,7 +78,12 @@ async def serve(config: InferenceConfig) -> None:
         log.info("inference_ready", url=processes.router_url(config),
                  engine_url=processes.engine_url(config), model=config.vllm.model)
         if config.bus.url:
+            from rlbus.obs import tracing
             from rlbus_inference.replica import run_replica_tasks
+
+            # weights_apply spans (one per applied version) -> <run_dir>/traces/inference.jsonl
+            tracing.setup_tracing("inference", run_dir=config.run_dir, endpoint=config.otel.endpoint,
+                                  enabled=config.otel.enabled, run_id=config.bus.run_id)
 
             background = asyncio.create_task(run_replica_tasks(config, stop_requested))
         await wait_for_stop(stop_requested, [engine, router], background)
@@ -90,6 +95,9 @@ async def serve(config: InferenceConfig) -> None:
             await asyncio.to_thread(processes.stop, "router", router)
         if engine is not None:
             await asyncio.to_thread(processes.stop, "engine", engine)
+        from rlbus.obs import tracing
+
+        tracing.shutdown_tracing()
         log.info("inference_stopped")
 
 

@@ -190,7 +190,8 @@ async def run_async(config) -> int:
             if world.is_main:
                 ckpt.prune_checkpoints(run_dir, config.ckpt.keep_last, current_step=step)
             extra["ckpt_s"] = time.perf_counter() - c0
-        with tracing.tracer().start_as_current_span("weights_publish") if tracing.enabled() else nullcontext():
+        with (tracing.tracer().start_as_current_span("weights_publish", attributes={"weights.version": step})
+              if tracing.enabled() else nullcontext()):
             extra.update(await publisher.publish(step, engine))
         if world.is_main:
             metrics = step_metrics(result, batch, wait_s, time.perf_counter() - t0, extra)

@@ -6,6 +6,7 @@
 - the argv of every process, in launch order:
 
     nats          embedded nats-server (only without bus.url), store in <run_dir>/nats
+    monitor       python -m rlbus.monitors @ configs/rl.toml --bus.url <url>  (metrics.jsonl)
     inference     python -m rlbus_inference.entrypoint @ configs/inference.toml   (per replica)
     orchestrator  python -m rlbus_orchestrator.entrypoint @ configs/orchestrator.toml
     trainer       python -m torch.distributed.run --standalone --nproc-per-node N
@@ -80,6 +81,16 @@ def embedded_nats(config: RLConfig, run_dir: Path) -> tuple[str, ServiceProcess,
     return server.url, process, server.config_text()
 
 
+def monitor_argv(config: RLConfig, run_dir: Path) -> list[str]:
+    """The monitor reads the launcher's rl.toml, which keeps only explicit values (no embedded
+    server URL), so the resolved bus URL and credentials go on its command line."""
+    argv = [sys.executable, "-m", "rlbus.monitors", "@", str(config_path(run_dir, "rl").absolute())]
+    argv += ["--bus.url", str(config.bus.url)]
+    if config.bus.token is not None:
+        argv += ["--bus.token", config.bus.token]
+    return argv
+
+
 def inference_replicas(config: RLConfig) -> dict[str, InferenceConfig]:
     """One inference config per replica; replica i serves on port + i and backend_port + i."""
     count = config.deployment.num_infer_replicas
@@ -129,6 +140,11 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     launch.configs["rl"] = resolved_rl
     services = service_configs(config)
     launch.configs.update(services)
+    processes.append(
+        ServiceProcess(
+            name="monitor", argv=monitor_argv(config, run_dir), log_path=log_file_path(run_dir, "monitor"), cwd=Path.cwd()
+        )
+    )
     for name, service in services.items():
         path = config_path(run_dir, name).absolute()
         if name == "trainer":
@@ -140,7 +156,8 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
         processes.append(
             ServiceProcess(name=name, argv=argv, log_path=log_file_path(run_dir, name), cwd=Path.cwd())
         )
-    # inference first, then orchestrator, then trainer (DESIGN.md); nats before all of them.
-    order = {"nats": 0, "orchestrator": 2, "trainer": 3}
+    # inference first, then orchestrator, then trainer (DESIGN.md); nats and the monitor (a
+    # durable consumer, so it misses nothing) before all of them; stopping goes in reverse.
+    order = {"nats": 0, "monitor": 0.5, "orchestrator": 2, "trainer": 3}
     launch.processes = sorted(processes, key=lambda p: order.get(p.name, 1))
     return launch

@@ -10,14 +10,18 @@
 The launcher never imports a service package; it starts them by module name.
 """
 
+import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import structlog
 
 from rlbus.configs import RLConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
 from rlbus.launch.plan import Launch, build_rl_launch
+from rlbus.launch.progress import Progress
 from rlbus.launch.scripts import describe_written, write_launch
 from rlbus.launch.supervisor import Supervisor
 from rlbus.obs.logging import setup_logging
@@ -27,6 +31,8 @@ log = structlog.get_logger()
 
 FINISHING_SERVICES = frozenset({"trainer", "orchestrator"})
 """Services that exit 0 when max_steps is reached; the run is over when the trainer has."""
+
+LATEST_LINK = "latest"
 
 
 def name_run(config: RLConfig) -> tuple[RLConfig, bool]:
@@ -73,35 +79,163 @@ def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
     return launch
 
 
+class Terminated(Exception):
+    """SIGTERM reached the launcher (raised from the signal handler, like KeyboardInterrupt)."""
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+DRAINED_SERVICES = ("orchestrator", "trainer")
+"""Services that answer a control `Drain` (finish the step in hand, then exit), in drain order."""
+
+
+def drain_over_bus(launch: Launch, services: list[str], timeout_s: float = 5.0) -> dict[str, str]:
+    """Ask each service to drain (control request over the bus); returns service -> outcome.
+
+    Best effort: a service that is gone or does not answer gets the signals of `stop_all` anyway.
+    """
+    import asyncio
+
+    from rlbus.bus import Bus
+    from rlbus.wire import control
+
+    bus_config = launch.configs["trainer"].bus  # the resolved one (embedded server URL)
+    run_id = bus_config.run_id or launch.config.run.name
+
+    async def drain_all() -> dict[str, str]:
+        outcomes: dict[str, str] = {}
+        try:
+            bus = await asyncio.wait_for(
+                Bus.connect(bus_config, run_id=run_id, name="rl-launcher", ensure=False), timeout_s
+            )
+        except Exception as error:  # noqa: BLE001 - the bus may be the thing that died
+            return {name: f"no bus ({type(error).__name__})" for name in services}
+        try:
+            for name in services:
+                try:
+                    reply = await bus.request(name, control.Drain(reason="launcher"), timeout_s=timeout_s)
+                    outcomes[name] = reply.state or ("ok" if reply.ok else reply.message or "refused")
+                except Exception as error:  # noqa: BLE001
+                    outcomes[name] = f"no answer ({type(error).__name__})"
+        finally:
+            await bus.close()
+        return outcomes
+
+    return asyncio.run(drain_all())
+
+
+def drain_and_wait(launch: Launch, supervisor: Supervisor, skip: str | None = None, wait_s: float = 30.0) -> None:
+    """Drain the running orchestrator/trainer over the bus and give them `wait_s` to exit by
+    themselves (the trainer finishes its step); `stop_all` then signals whatever is left."""
+    running = [
+        s.name for s in supervisor.services if s.name in DRAINED_SERVICES and s.name != skip and s.poll() is None
+    ]
+    if not running or not any(s.name == "nats" and s.poll() is None for s in supervisor.services) and launch.config.bus.url is None:
+        return
+    outcomes = drain_over_bus(launch, running)
+    log.info("drain_requested", **outcomes)
+    deadline = time.monotonic() + wait_s
+    waiting = [s for s in supervisor.services if s.name in running]
+    while time.monotonic() < deadline and any(s.poll() is None for s in waiting):
+        time.sleep(0.2)
+
+
+def wait_for_last_row(progress: Progress, max_steps: int | None, timeout_s: float = 20.0) -> None:
+    """After the trainer finished: give the monitor time to write the last step's row."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        progress.update()
+        if max_steps is None or max_steps in progress.printed:
+            return
+        time.sleep(0.25)
+
+
 def supervise(launch: Launch, poll_s: float = 0.5) -> int:
-    """Start every process in order; stop all when one fails (its exit code) or the trainer
-    finishes (0). Ctrl-C stops all (130)."""
+    """Start every process in order and show progress; returns the launcher's exit code:
+    0 when the trainer finished, the failed service's code (1 if it was 0) when one died,
+    130 on Ctrl-C, 143 on SIGTERM. Every path drains, then stops all and checks no PID survives."""
     supervisor = Supervisor()
+    names = [p.name for p in launch.processes]
+    metrics = launch.run_dir / "metrics.jsonl"
+    progress = Progress(metrics, tty=sys.stdout.isatty(), services=names)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    code = 1
     try:
         for process in launch.processes:
             supervisor.start(process)
         while True:
+            progress.update()
             failure = supervisor.first_failure(expected_to_exit=FINISHING_SERVICES)
             if failure is not None:
                 service, code = failure
-                log.error("service_failed", service=service.name, exit_code=code, log=str(service.log_path))
-                sys.stderr.write(f"\n--- last lines of {service.log_path} ---\n{service.tail()}\n")
-                return code or 1
+                code = code or 1
+                report_failure(service, code)
+                drain_and_wait(launch, supervisor, skip=service.name)
+                return code
             trainer = next((p for p in supervisor.services if p.name == "trainer"), None)
             if trainer is not None and trainer.poll() == 0:
+                wait_for_last_row(progress, launch.config.max_steps)
                 log.info("run_finished", run_dir=str(launch.run_dir))
-                return 0
+                code = 0
+                return code
             time.sleep(poll_s)
     except KeyboardInterrupt:
-        log.warning("interrupted")
-        return 130
+        code = EXIT_INTERRUPTED
+        log.warning("interrupted", signal="SIGINT", hint="draining, then stopping every service")
+        drain_and_wait(launch, supervisor)
+        return code
+    except Terminated:
+        code = EXIT_TERMINATED
+        log.warning("interrupted", signal="SIGTERM", hint="draining, then stopping every service")
+        drain_and_wait(launch, supervisor)
+        return code
     finally:
-        supervisor.stop_all()
+        # A second Ctrl-C/SIGTERM while stopping must not leave orphans: ignore them until done.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            supervisor.stop_all()
+            progress.close()
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, previous)
+        log.info("launcher_exit", exit_code=code, run_dir=str(launch.run_dir))
+
+
+def report_failure(service, code: int) -> None:
+    """Say which service died and show the end of its log."""
+    log.error("service_failed", service=service.name, exit_code=code, log=str(service.log_path))
+    sys.stderr.write(
+        f"\n{service.name} exited with code {code}; the other services are being stopped.\n"
+        f"--- last lines of {service.log_path} ---\n{service.tail()}\n--- end of {service.name} log ---\n"
+    )
+    sys.stderr.flush()
+
+
+def point_latest(run_dir: Path) -> None:
+    """`<output_dir>/latest` -> this run's directory (relative symlink), so that
+    `outputs/latest/logs/trainer.log` always shows the newest launch. Never replaces a real file."""
+    link = run_dir.parent / LATEST_LINK
+    if link.exists() and not link.is_symlink():
+        log.warning("latest_link_skipped", path=str(link), reason="a real file or directory has that name")
+        return
+    tmp = run_dir.parent / f".{LATEST_LINK}.{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_dir.name)
+        os.replace(tmp, link)
+    except OSError as error:
+        log.warning("latest_link_failed", path=str(link), error=str(error))
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(RLConfig, argv, prog="rl")
     launch = plan_rl(config, command="rl " + " ".join(sys.argv[1:] if argv is None else argv))
+    point_latest(launch.run_dir)
     if config.dry_run:
         print(describe_written(launch.run_dir, launch.config_files, launch.script_files))
         return

@@ -50,6 +50,7 @@ class StepJoiner:
         row = self._row(event.version, token)
         if isinstance(event, WeightsApplied):
             row.values["weights/num_applied"] = row.values.get("weights/num_applied", 0) + 1
+            row.values[f"weights/applied/{event.replica_id}"] = 1.0  # which replicas (launcher progress)
             row.values["weights/apply_s"] = max(row.values.get("weights/apply_s", 0.0), event.duration_s)
         else:
             row.values["weights/num_failed"] = row.values.get("weights/num_failed", 0) + 1

@@ -1,0 +1,156 @@
+"""Live progress of an RL run on the launcher's terminal, read from `<run_dir>/metrics.jsonl`.
+
+The monitor process writes one JSON row per step (trainer and orchestrator metrics joined); a
+weights ack that arrives after its step's row was written comes as an extra row with the same
+step. `MetricsTail` reads the new complete lines on each poll and merges rows by step;
+`step_line` renders one step as the parseable console line
+
+    Step 3 | Reward 0.4213 | Loss 0.0123 | Tok/s 512 | Weights v2 (vm-8000: v2) | Lag 0.50
+
+(`-` for a value not known yet). On a terminal the launcher shows the lines above a rich Live
+status panel; otherwise it prints the plain lines only, once per step, when the step's row has
+both the trainer's and the orchestrator's metrics (or when the run ends).
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+APPLIED_PREFIX = "weights/applied/"
+"""Per-replica key the monitor writes for each WeightsApplied: `weights/applied/<replica_id>`."""
+
+
+@dataclass
+class MetricsTail:
+    """Reads the lines appended to a metrics.jsonl since the last call, merged by step."""
+
+    path: Path
+    offset: int = 0
+    steps: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def poll(self) -> list[int]:
+        """Steps whose row changed since the last poll, in order."""
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        self.offset += end
+        changed = set()
+        for line in data[:end].splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            step = int(row.get("step", -1))
+            self.steps.setdefault(step, {}).update(row)
+            changed.add(step)
+        return sorted(changed)
+
+
+def is_complete(row: dict[str, Any]) -> bool:
+    """Whether a row has both the trainer's (`loss`) and the orchestrator's (`reward/mean`) part."""
+    return "loss" in row and "reward/mean" in row
+
+
+def trainer_tokens_per_s(row: dict[str, Any]) -> float | None:
+    """Both services report `tokens_per_s`; the monitor prefixes the one that arrived second."""
+    if "trainer/tokens_per_s" in row:
+        return row["trainer/tokens_per_s"]
+    if "orchestrator/tokens_per_s" in row or "loss" in row:
+        return row.get("tokens_per_s")
+    return None
+
+
+def mean_lag(row: dict[str, Any]) -> float | None:
+    """Mean off-policy lag of the step's samples (the orchestrator counts them per lag)."""
+    counts = {int(k.rsplit("/", 1)[1]): v for k, v in row.items() if k.startswith("off_policy_lag/")}
+    total = sum(counts.values())
+    return sum(lag * n for lag, n in counts.items()) / total if total else None
+
+
+def replica_versions(steps: dict[int, dict[str, Any]]) -> dict[str, int]:
+    """Newest weights version each replica acked (the step of the row holding its ack)."""
+    versions: dict[str, int] = {}
+    for step, row in steps.items():
+        for key in row:
+            if key.startswith(APPLIED_PREFIX):
+                replica = key[len(APPLIED_PREFIX):]
+                versions[replica] = max(versions.get(replica, -1), step)
+    return versions
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def step_line(step: int, row: dict[str, Any], replicas: dict[str, int]) -> str:
+    """`Step N | Reward x.xxxx | Loss x.xxxx | Tok/s n | Weights v<k> (<replica>: v<k>, ...) | Lag l`."""
+    newest = max(replicas.values(), default=None)
+    per_replica = ", ".join(f"{name}: v{version}" for name, version in sorted(replicas.items()))
+    weights = "-" if newest is None else f"v{newest} ({per_replica})"
+    return " | ".join([
+        f"Step {step}",
+        f"Reward {_fmt(row.get('reward/mean'), '.4f')}",
+        f"Loss {_fmt(row.get('loss'), '.4f')}",
+        f"Tok/s {_fmt(trainer_tokens_per_s(row), '.0f')}",
+        f"Weights {weights}",
+        f"Lag {_fmt(mean_lag(row), '.2f')}",
+    ])  # fmt: skip
+
+
+class Progress:
+    """Prints each step once; on a terminal also keeps a rich Live panel with the newest step."""
+
+    def __init__(self, metrics_path: Path, tty: bool, services: list[str] | None = None):
+        self.tail = MetricsTail(metrics_path)
+        self.printed: set[int] = set()
+        self.tty = tty
+        self.services = services or []
+        self._live = None
+        self._console = None
+        if tty:
+            from rich.console import Console
+            from rich.live import Live
+
+            self._console = Console()
+            self._live = Live(self._panel(None), console=self._console, refresh_per_second=2, transient=True)
+            self._live.start()
+
+    def _panel(self, latest: str | None):
+        from rich.panel import Panel
+
+        body = latest or "waiting for the first step (services are starting; logs in <run_dir>/logs/)"
+        return Panel(body, title="rl: " + ", ".join(self.services), expand=False)
+
+    def emit(self, line: str) -> None:
+        if self._console is not None:
+            self._console.print(line, highlight=False)
+        else:
+            print(line, flush=True)
+
+    def update(self, final: bool = False) -> None:
+        """Read new rows; print steps that are complete (all remaining ones when `final`)."""
+        self.tail.poll()
+        replicas = replica_versions(self.tail.steps)
+        latest = None
+        for step in sorted(self.tail.steps):
+            row = self.tail.steps[step]
+            if step in self.printed or step < 0 or not (is_complete(row) or final):
+                continue
+            line = step_line(step, row, replicas)
+            self.emit(line)
+            self.printed.add(step)
+            latest = line
+        if self._live is not None and latest is not None:
+            self._live.update(self._panel(latest))
+
+    def close(self) -> None:
+        self.update(final=True)
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
