@@ -55,7 +55,7 @@ def test_rl_dry_run_writes_every_resolved_config_and_one_script_per_process(tmp_
     configs = {p.name for p in (run_dir / "configs").iterdir()}
     assert configs == {"rl.toml", "inference.toml", "orchestrator.toml", "trainer.toml", "nats.conf"}
     scripts = sorted((run_dir / "scripts").iterdir())
-    assert [p.name for p in scripts] == ["inference.sh", "launch.sh", "nats.sh", "orchestrator.sh", "trainer.sh"]
+    assert [p.name for p in scripts] == ["inference.sh", "launch.sh", "monitor.sh", "nats.sh", "orchestrator.sh", "trainer.sh"]
     assert all(os.access(p, os.X_OK) for p in scripts)
     launch_all = (run_dir / "scripts" / "launch.sh").read_text()
     order = [launch_all.index(f'"$here/{name}.sh"') for name in ("nats", "inference", "orchestrator", "trainer")]

@@ -235,10 +235,10 @@ def point_latest(run_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(RLConfig, argv, prog="rl")
     launch = plan_rl(config, command="rl " + " ".join(sys.argv[1:] if argv is None else argv))
-    point_latest(launch.run_dir)
     if config.dry_run:
         print(describe_written(launch.run_dir, launch.config_files, launch.script_files))
         return
+    point_latest(launch.run_dir)  # only runs that start move it (a dry run starts nothing)
     sys.exit(supervise(launch))
 
 
