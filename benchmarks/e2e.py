@@ -1,0 +1,113 @@
+"""Async vs sync RL end to end: the same `rl` run with `orchestrator.async_level = 0` and `= 1`.
+
+    uv run python benchmarks/e2e.py                                  # configs/debug/rl.toml, 8 steps
+    uv run python benchmarks/e2e.py --model /path/to/model --max-steps 10 -- --orchestrator.batch-size 64
+
+Each mode is one real launch (nats-server, vLLM-CPU, orchestrator, torchrun trainer, monitor) in a
+temp output dir. From its metrics.jsonl, over the steady-state steps (the first `--warmup` skipped):
+
+    step_s      the orchestrator's time between two batches (`time/step_s`), median
+    generate_s  time the orchestrator waited for rollouts in the sync run (`time/wait_rollouts_s`):
+                generation alone, since async_level 0 overlaps nothing
+    train_s     the trainer's `step_s` (forward/backward, optimizer, checkpoint, weight publish)
+
+and prints side by side: sync step / async step (target >= 1.6 when generate and train are close)
+and async step / max(generate, train) (target <= 1.15: async hides the shorter of the two).
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run_rl(config: Path, output_dir: Path, name: str, args: list[str]) -> tuple[int, float]:
+    """One `rl` launch; returns (exit code, wall seconds)."""
+    argv = [str(BIN / "rl"), "@", str(config), "--output-dir", str(output_dir), "--run.name", name, *args]
+    start = time.perf_counter()
+    with open(output_dir / f"{name}.console.txt", "wb") as out:
+        code = subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
+    return code, time.perf_counter() - start
+
+
+def rows_by_step(run_dir: Path) -> dict[int, dict]:
+    rows: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows.setdefault(row["step"], {}).update(row)
+    return rows
+
+
+def trainer_value(row: dict, key: str) -> float | None:
+    """A trainer metric (prefixed `trainer/` when the orchestrator reported the same name first)."""
+    return row.get(f"trainer/{key}", row.get(key) if "loss" in row else None)
+
+
+def median_of(rows: dict[int, dict], warmup: int, get) -> float:
+    values = [get(rows[s]) for s in sorted(rows) if s > warmup]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def measure(run_dir: Path, warmup: int) -> dict[str, float]:
+    rows = rows_by_step(run_dir)
+    return {
+        "steps": float(len([r for r in rows.values() if "loss" in r])),
+        "step_s": median_of(rows, warmup, lambda r: r.get("time/step_s")),
+        "wait_rollouts_s": median_of(rows, warmup, lambda r: r.get("time/wait_rollouts_s")),
+        "wait_weights_s": median_of(rows, warmup, lambda r: r.get("time/wait_weights_s")),
+        "train_s": median_of(rows, warmup, lambda r: trainer_value(r, "step_s")),
+        "reward_last": rows[max(rows)].get("reward/mean", float("nan")) if rows else float("nan"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "debug" / "rl.toml")
+    parser.add_argument("--model", help="model.name override (default: the config's)")
+    parser.add_argument("--max-steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
+    parser.add_argument("extra", nargs="*", help="more rl flags, after --")
+    opts = parser.parse_args()
+
+    common = ["--max-steps", str(opts.max_steps), *(["--model.name", opts.model] if opts.model else []), *opts.extra]
+    output_dir = Path(tempfile.mkdtemp(prefix="rlbus-bench-e2e-"))
+    results: dict[int, dict[str, float]] = {}
+    for level in (0, 1):
+        name = f"async{level}"
+        code, wall = run_rl(opts.config, output_dir, name, [*common, "--orchestrator.async-level", str(level)])
+        if code != 0:
+            sys.exit(f"rl with async_level {level} exited {code}; see {output_dir / (name + '.console.txt')}")
+        results[level] = {**measure(output_dir / name, opts.warmup), "wall_s": wall}
+
+    sync, fast = results[0], results[1]
+    generate_s, train_s = sync["wait_rollouts_s"], fast["train_s"]
+    bound = max(generate_s, train_s)
+    print(f"config {opts.config.relative_to(REPO) if opts.config.is_relative_to(REPO) else opts.config}, "
+          f"{opts.max_steps} steps, medians over steps > {opts.warmup}")
+    print(f"{'':24}{'async_level=0':>16}{'async_level=1':>16}")
+    for key in ("step_s", "wait_rollouts_s", "wait_weights_s", "train_s", "wall_s", "reward_last"):
+        print(f"{key:24}{sync[key]:16.3f}{fast[key]:16.3f}")
+    print(f"generate_s (sync wait_rollouts) = {generate_s:.3f}   train_s = {train_s:.3f}   max = {bound:.3f}")
+    print(f"speedup sync/async step time:         {sync['step_s'] / fast['step_s']:.2f}x   (target >= 1.6)")
+    print(f"async step / max(generate, train):    {fast['step_s'] / bound:.2f}x   (target <= 1.15)")
+    print(f"sync step / (generate + train):       {sync['step_s'] / (generate_s + train_s):.2f}x")
+    if opts.keep:
+        print(f"runs kept in {output_dir}")
+    else:
+        import shutil
+
+        shutil.rmtree(output_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
