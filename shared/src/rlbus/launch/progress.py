@@ -108,7 +108,10 @@ class Progress:
 
     def __init__(self, metrics_path: Path, tty: bool, services: list[str] | None = None):
         self.tail = MetricsTail(metrics_path)
-        self.printed: set[int] = set()
+        # A resumed run appends to its metrics.jsonl: steps already complete there were shown
+        # by the launch that trained them.
+        self.tail.poll()
+        self.printed: set[int] = {step for step, row in self.tail.steps.items() if is_complete(row)}
         self.tty = tty
         self.services = services or []
         self._live = None
@@ -129,7 +132,7 @@ class Progress:
 
     def emit(self, line: str) -> None:
         if self._console is not None:
-            self._console.print(line, highlight=False)
+            self._console.print(line, highlight=False, soft_wrap=True)
         else:
             print(line, flush=True)
 
