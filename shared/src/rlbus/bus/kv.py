@@ -159,6 +159,9 @@ class Lease:
         self.revision: int | None = None
         self.lost = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._renew_lock = asyncio.Lock()
+        """`update` and the heartbeat both write with the expected revision: one at a time, or
+        the second one fails with 'wrong last sequence' and a live lease looks lost."""
 
     @property
     def held(self) -> bool:
@@ -186,14 +189,15 @@ class Lease:
         await self._renew()
 
     async def _renew(self) -> None:
-        assert self.revision is not None
-        ack = await self.bus.js.publish(
-            f"$KV.{self.bucket}.{self.key}",
-            self.value,
-            headers={EXPECTED_LAST_SUBJECT_SEQ: str(self.revision)},
-            msg_ttl=self.ttl_s,
-        )
-        self.revision = ack.seq
+        async with self._renew_lock:
+            assert self.revision is not None
+            ack = await self.bus.js.publish(
+                f"$KV.{self.bucket}.{self.key}",
+                self.value,
+                headers={EXPECTED_LAST_SUBJECT_SEQ: str(self.revision)},
+                msg_ttl=self.ttl_s,
+            )
+            self.revision = ack.seq
 
     async def _heartbeat(self) -> None:
         while True:
