@@ -1,0 +1,53 @@
+"""The launcher's progress lines from metrics.jsonl rows."""
+
+import json
+
+from rlbus.launch.progress import MetricsTail, Progress, replica_versions, step_line
+
+
+def make_row(step: int, **values) -> dict:
+    return {"step": step, **values}
+
+
+def test_step_line_has_the_documented_fields():
+    row = make_row(3, **{"reward/mean": 0.42125, "loss": 0.01234, "tokens_per_s": 511.6,
+                         "orchestrator/tokens_per_s": 90.0, "off_policy_lag/0": 8.0, "off_policy_lag/1": 24.0})
+    line = step_line(3, row, {"vm-8000": 2, "vm-8001": 1})
+    assert line == "Step 3 | Reward 0.4213 | Loss 0.0123 | Tok/s 512 | Weights v2 (vm-8000: v2, vm-8001: v1) | Lag 0.75"
+
+
+def test_step_line_uses_the_trainer_tokens_per_s_whichever_service_came_first():
+    row = make_row(1, **{"reward/mean": 0.5, "loss": 0.1, "tokens_per_s": 90.0, "trainer/tokens_per_s": 700.0})
+    assert "Tok/s 700" in step_line(1, row, {})
+
+
+def test_unknown_values_print_as_a_dash():
+    assert step_line(1, make_row(1), {}) == "Step 1 | Reward - | Loss - | Tok/s - | Weights - | Lag -"
+
+
+def test_tail_reads_only_complete_lines_and_merges_rows_by_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.poll() == []
+    path.write_text(json.dumps(make_row(1, loss=0.1)) + "\n" + '{"step": 2, "lo')
+    assert tail.poll() == [1]
+    with open(path, "a") as f:
+        f.write('ss": 0.2}\n' + json.dumps(make_row(1, **{"weights/applied/r0": 1.0})) + "\n")
+    assert tail.poll() == [1, 2]
+    assert tail.steps[1] == {"step": 1, "loss": 0.1, "weights/applied/r0": 1.0}
+    assert replica_versions(tail.steps) == {"r0": 1}
+
+
+def test_progress_prints_each_complete_step_once_and_skips_steps_of_an_earlier_launch(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(make_row(1, loss=0.1, **{"reward/mean": 0.3})) + "\n")
+    progress = Progress(path, tty=False)
+    with open(path, "a") as f:
+        f.write(json.dumps(make_row(2, loss=0.2)) + "\n")
+    progress.update()
+    assert capsys.readouterr().out == ""  # step 2 has no orchestrator part yet
+    with open(path, "a") as f:
+        f.write(json.dumps(make_row(2, **{"reward/mean": 0.4})) + "\n")
+    progress.update()
+    progress.update()
+    assert capsys.readouterr().out.splitlines() == ["Step 2 | Reward 0.4000 | Loss 0.2000 | Tok/s - | Weights - | Lag -"]
