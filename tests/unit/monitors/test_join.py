@@ -56,3 +56,16 @@ def test_flush_releases_incomplete_rows():
     joiner.add_metrics(make_metrics("orchestrator", 5, r=1.0))
     assert [row["step"] for row, _ in joiner.flush()] == [5]
     assert joiner.pending == {}
+
+
+def test_acks_arriving_after_their_row_go_into_the_next_row_not_a_second_row():
+    joiner = StepJoiner()
+    written = []
+    written += joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))
+    written += joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))  # row 1 written
+    written += joiner.add_weights(WeightsApplied(version=1, replica_id="r0", duration_s=0.1))  # late ack
+    written += joiner.add_metrics(make_metrics("orchestrator", 2, r=1.0))
+    written += joiner.add_metrics(make_metrics("trainer", 2, loss=1.0))
+    steps = [row["step"] for row, _ in written]
+    assert steps == [1, 2]
+    assert written[1][0]["weights/applied/r0"] == 1 and written[1][0]["weights/num_applied"] == 1

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 APPLIED_PREFIX = "weights/applied/"
-"""Per-replica key the monitor writes for each WeightsApplied: `weights/applied/<replica_id>`."""
+"""Per-replica key the monitor writes for each WeightsApplied: `weights/applied/<replica_id>` = version."""
 
 
 @dataclass
@@ -80,7 +80,7 @@ def replica_versions(steps: dict[int, dict[str, Any]]) -> dict[str, int]:
         for key in row:
             if key.startswith(APPLIED_PREFIX):
                 replica = key[len(APPLIED_PREFIX):]
-                versions[replica] = max(versions.get(replica, -1), step)
+                versions[replica] = max(versions.get(replica, -1), int(row[key]))
     return versions
 
 

@@ -46,15 +46,24 @@ class StepJoiner:
         return self.ready()
 
     def add_weights(self, event: WeightsApplied | WeightsFailed, token: Any = None) -> list[tuple[dict, list]]:
-        """Weights acks go into the row of the step that published that version."""
-        row = self._row(event.version, token)
+        """A weights ack goes into the row of the step that published its version, or, when that
+        row is already written (acks usually arrive after the trainer's metrics), into the next
+        row, so no step is written twice. `weights/applied/<replica>` holds the version applied."""
+        step = event.version if event.version > self.last_written else self._next_step()
+        row = self._row(step, token)
         if isinstance(event, WeightsApplied):
             row.values["weights/num_applied"] = row.values.get("weights/num_applied", 0) + 1
-            row.values[f"weights/applied/{event.replica_id}"] = 1.0  # which replicas (launcher progress)
+            key = f"weights/applied/{event.replica_id}"
+            row.values[key] = max(row.values.get(key, -1), event.version)
             row.values["weights/apply_s"] = max(row.values.get("weights/apply_s", 0.0), event.duration_s)
         else:
             row.values["weights/num_failed"] = row.values.get("weights/num_failed", 0) + 1
         return self.ready()
+
+    def _next_step(self) -> int:
+        """The first step not written yet that already has data, else the one after the last written."""
+        later = [step for step in self.pending if step > self.last_written]
+        return min(later, default=self.last_written + 1)
 
     def ready(self) -> list[tuple[dict, list]]:
         """Rows that can be written now, in step order: (row, tokens)."""
