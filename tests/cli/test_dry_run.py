@@ -150,7 +150,8 @@ def test_sft_dry_run_names_the_run_after_dataset_and_model_and_writes_a_torchrun
 def test_each_inference_replica_gets_its_own_config_ports_and_script(tmp_path):
     result = run_command(
         "rl", "--dry-run", "--run.name", "two", "--deployment.num-infer-replicas", "2",
-        "--bus.url", "nats://bus:4222", cwd=tmp_path,
+        "--bus.url", "nats://bus:4222", "--inference.server.port", "8000", "--inference.backend-port", "8100",
+        cwd=tmp_path,
     )  # fmt: skip
 
     run_dir = tmp_path / "outputs" / "two"
@@ -179,7 +180,20 @@ def test_relaunching_from_the_written_rl_config_repeats_the_run(tmp_path):
     for name in first:
         for config in (first[name], second[name]):
             config["bus"].pop("url")  # a fresh free port for the embedded server
+            if name == "inference":  # and for inference ports the user did not set
+                config["server"].pop("port")
+                config.pop("backend_port")
             config.pop("max_steps", None)
             config.pop("resume", None)  # the relaunch resumes
         assert first[name] == second[name], name
     assert load_toml(configs / "trainer.toml")["max_steps"] == 9  # a new top-level value still pushes down
+
+
+def test_inference_ports_left_unset_are_free_ports_not_the_defaults(tmp_path):
+    result = run_command("rl", "--dry-run", "--run.name", "ports", "--deployment.num-infer-replicas", "2", cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    configs = tmp_path / "outputs" / "ports" / "configs"
+    replicas = [load_toml(configs / f"inference-{i}.toml") for i in (0, 1)]
+    ports = [p for r in replicas for p in (r["server"]["port"], r["backend_port"])]
+    assert len(set(ports)) == 4 and not {8000, 8001, 8100, 8101} & set(ports)

@@ -91,16 +91,31 @@ def monitor_argv(config: RLConfig, run_dir: Path) -> list[str]:
     return argv
 
 
+def pick_free_inference_ports(replica: InferenceConfig, user: InferenceConfig) -> None:
+    """Ports the user did not set are picked free now (and written into the config), so two runs
+    on one machine never fight over 8000/8100; ports set by file or flag are kept."""
+    from rlbus.bus.server import free_port
+
+    if "port" not in user.server.model_fields_set:
+        replica.server.port = free_port()
+    if "backend_port" not in user.model_fields_set:
+        replica.backend_port = free_port()
+
+
 def inference_replicas(config: RLConfig) -> dict[str, InferenceConfig]:
-    """One inference config per replica; replica i serves on port + i and backend_port + i."""
+    """One inference config per replica; replica i serves on port + i and backend_port + i
+    (each a free port when the user set none)."""
     count = config.deployment.num_infer_replicas
     if count == 1:
-        return {"inference": config.inference.model_copy(deep=True)}
+        replica = config.inference.model_copy(deep=True)
+        pick_free_inference_ports(replica, config.inference)
+        return {"inference": replica}
     replicas = {}
     for i in range(count):
         replica = config.inference.model_copy(deep=True)
         replica.server.port = config.inference.server.port + i
         replica.backend_port = config.inference.backend_port + i
+        pick_free_inference_ports(replica, config.inference)
         replica.replica_id = replica.replica_id or str(i)
         replicas[f"inference-{i}"] = replica
     return replicas
