@@ -15,7 +15,9 @@ def test_sigterm_then_resume_continues_the_step_numbers_without_gap_or_repeat(tm
     args = ("--model.name", str(starting_model.path), "--max-steps", str(MAX_STEPS), "--ckpt.interval", "1")
     first = RlLaunch(tmp_path, "resume", *args)
     try:
-        wait_for(lambda: len(steps_with(first.run_dir, "loss")) >= 2, 480, "two trained steps")
+        wait_for(lambda: len(steps_with(first.run_dir, "loss")) >= 2 or first.popen.poll() is not None,
+                 480, "two trained steps")
+        assert first.popen.poll() is None, f"rl exited early:\n{first.output()[-3000:]}"
         first.popen.send_signal(signal.SIGTERM)
         assert first.wait(120) == 143, first.output()[-3000:]
         assert alive_groups(first.run_dir) == []
