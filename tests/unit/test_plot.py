@@ -39,3 +39,10 @@ def test_plot_command_fails_when_no_known_metric(tmp_path, rows):
     result = subprocess.run([sys.executable, "-m", "rlbus.plot", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode != 0
     assert "no known metric" in result.stderr
+
+
+def test_mean_lag_is_derived_from_the_orchestrator_histogram(tmp_path):
+    make_metrics(tmp_path, [{"step": 1, "off_policy_lag/0": 96, "off_policy_lag/1": 32}])
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert row["lag/mean"] == 0.25
+    assert [p.name for p in plot_run(tmp_path)] == ["lag.png"]

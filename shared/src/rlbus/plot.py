@@ -22,6 +22,10 @@ CHARTS: dict[str, tuple[str, list[str]]] = {
 }
 
 
+LAG_HISTOGRAM_PREFIX = "off_policy_lag/"
+"""The orchestrator reports lag as a histogram: `off_policy_lag/<lag>` = number of samples."""
+
+
 def read_metrics(path: Path) -> list[dict]:
     """Rows of metrics.jsonl sorted by step; the last row wins for a repeated step."""
     by_step: dict[int, dict] = {}
@@ -31,7 +35,20 @@ def read_metrics(path: Path) -> list[dict]:
         row = json.loads(line)
         if "step" in row:
             by_step.setdefault(int(row["step"]), {}).update(row)
-    return [by_step[step] for step in sorted(by_step)]
+    return [with_mean_lag(by_step[step]) for step in sorted(by_step)]
+
+
+def with_mean_lag(row: dict) -> dict:
+    """Adds `lag/mean` from the lag histogram when the row has one."""
+    counts = {
+        int(key[len(LAG_HISTOGRAM_PREFIX):]): value
+        for key, value in row.items()
+        if key.startswith(LAG_HISTOGRAM_PREFIX) and key[len(LAG_HISTOGRAM_PREFIX):].isdigit()
+    }
+    total = sum(counts.values())
+    if total and "lag/mean" not in row:
+        row["lag/mean"] = sum(lag * n for lag, n in counts.items()) / total
+    return row
 
 
 def series(rows: list[dict], candidates: list[str]) -> tuple[str, list[int], list[float]] | None:
