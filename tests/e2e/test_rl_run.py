@@ -56,7 +56,7 @@ def test_reward_of_the_last_steps_exceeds_the_first(finished_run, starting_model
     if not starting_model.trained:
         pytest.skip("no SFT'd starting model (configs/debug/rl.toml model.name missing): nothing to raise")
     rows = run_rows(finished_run.run_dir)
-    rewards = [rows[step]["reward/mean"] for step in sorted(rows)]
+    rewards = [rows[step]["reward/mean"] for step in sorted(rows) if "reward/mean" in rows[step]]
     first = sum(rewards[:REWARD_WINDOW]) / REWARD_WINDOW
     last = sum(rewards[-REWARD_WINDOW:]) / REWARD_WINDOW
     assert last > first + REWARD_MARGIN, f"rewards per step: {rewards}"
@@ -66,7 +66,8 @@ def test_trained_weights_reached_the_inference_replica(finished_run):
     rows = run_rows(finished_run.run_dir)
     applied = sorted(step for step, row in rows.items() if row.get("weights/num_applied", 0) >= 1)
     assert applied, "no weights.applied event reached metrics.jsonl"
-    assert all(any(k.startswith("weights/applied/") for k in rows[step]) for step in applied)
+    versions = {v for row in rows.values() for k, v in row.items() if k.startswith("weights/applied/")}
+    assert max(versions) >= max_steps_of(finished_run.run_dir) - 1, versions  # trained versions, not just v1
     # The orchestrator saw the replica serve a trained version before the run ended.
     assert max(row.get("weights/applied_version", 0) for row in rows.values()) >= 1
 

@@ -32,10 +32,10 @@ def test_tail_reads_only_complete_lines_and_merges_rows_by_step(tmp_path):
     path.write_text(json.dumps(make_row(1, loss=0.1)) + "\n" + '{"step": 2, "lo')
     assert tail.poll() == [1]
     with open(path, "a") as f:
-        f.write('ss": 0.2}\n' + json.dumps(make_row(1, **{"weights/applied/r0": 1.0})) + "\n")
+        f.write('ss": 0.2}\n' + json.dumps(make_row(1, **{"weights/applied/r0": 3})) + "\n")
     assert tail.poll() == [1, 2]
-    assert tail.steps[1] == {"step": 1, "loss": 0.1, "weights/applied/r0": 1.0}
-    assert replica_versions(tail.steps) == {"r0": 1}
+    assert tail.steps[1] == {"step": 1, "loss": 0.1, "weights/applied/r0": 3}
+    assert replica_versions(tail.steps) == {"r0": 3}
 
 
 def test_progress_prints_each_complete_step_once_and_skips_steps_of_an_earlier_launch(tmp_path, capsys):
@@ -51,3 +51,12 @@ def test_progress_prints_each_complete_step_once_and_skips_steps_of_an_earlier_l
     progress.update()
     progress.update()
     assert capsys.readouterr().out.splitlines() == ["Step 2 | Reward 0.4000 | Loss 0.2000 | Tok/s - | Weights - | Lag -"]
+
+
+def test_a_final_row_with_only_weights_acks_is_not_printed_as_a_step(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    progress = Progress(path, tty=False)
+    rows = [make_row(5, loss=0.1), make_row(6, **{"weights/applied/r0": 5})]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    progress.close()
+    assert capsys.readouterr().out.splitlines() == ["Step 5 | Reward - | Loss 0.1000 | Tok/s - | Weights v5 (r0: v5) | Lag -"]

@@ -9,7 +9,8 @@ step. `MetricsTail` reads the new complete lines on each poll and merges rows by
 
 (`-` for a value not known yet). On a terminal the launcher shows the lines above a rich Live
 status panel; otherwise it prints the plain lines only, once per step, when the step's row has
-both the trainer's and the orchestrator's metrics (or when the run ends).
+both the trainer's and the orchestrator's metrics (or, when the run ends, any step a service
+reported; a row holding only weights acks is never a step line of its own).
 """
 
 import json
@@ -74,14 +75,20 @@ def mean_lag(row: dict[str, Any]) -> float | None:
 
 
 def replica_versions(steps: dict[int, dict[str, Any]]) -> dict[str, int]:
-    """Newest weights version each replica acked (the step of the row holding its ack)."""
+    """Newest weights version each replica acked (`weights/applied/<replica>` holds the version;
+    the monitor puts a late ack into the next row, so the row's step is not the version)."""
     versions: dict[str, int] = {}
-    for step, row in steps.items():
-        for key in row:
+    for row in steps.values():
+        for key, value in row.items():
             if key.startswith(APPLIED_PREFIX):
                 replica = key[len(APPLIED_PREFIX):]
-                versions[replica] = max(versions.get(replica, -1), int(row[key]))
+                versions[replica] = max(versions.get(replica, -1), int(value))
     return versions
+
+
+def has_step_metrics(row: dict[str, Any]) -> bool:
+    """Whether a service reported this step (not just a weights ack carried into a later row)."""
+    return "loss" in row or "reward/mean" in row
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -143,7 +150,7 @@ class Progress:
         latest = None
         for step in sorted(self.tail.steps):
             row = self.tail.steps[step]
-            if step in self.printed or step < 0 or not (is_complete(row) or final):
+            if step in self.printed or step < 0 or not (is_complete(row) or (final and has_step_metrics(row))):
                 continue
             line = step_line(step, row, replicas)
             self.emit(line)
