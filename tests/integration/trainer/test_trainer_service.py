@@ -36,6 +36,10 @@ async def read_step_metrics(bus) -> list[events.StepMetrics]:
     return out
 
 
+async def metrics_reached(bus, step: int) -> bool:
+    return any(m.step >= step for m in await read_step_metrics(bus))
+
+
 async def wait_until(predicate, timeout_s=240.0):
     deadline = time.monotonic() + timeout_s
     while not await predicate():
@@ -58,6 +62,8 @@ async def test_trainer_trains_checkpoints_publishes_and_resumes_after_kill(make_
     try:
         await wait_until(lambda: asyncio.sleep(0, 2 in complete_steps(run_dir)))
         await wait_until(lambda: asyncio.sleep(0, (run_dir / "broadcasts" / "step_3").exists()))
+        # step metrics go out after the weights publish: wait for them before the kill
+        await wait_until(lambda: metrics_reached(bus, 3))
         assert descendants(proc.pid), "no rank processes under torchrun"
     finally:
         kill_tree(proc)  # kill -9 while it waits for step 4, which is not published yet
