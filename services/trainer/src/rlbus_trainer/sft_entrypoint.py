@@ -20,12 +20,19 @@ import structlog
 
 from rlbus.configs import SFTConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
-from rlbus.launch.entry import EXIT_SERVICE_MISSING, ensure_run_name, load_service_run, process_rank, under_torchrun
+from rlbus.launch.entry import (
+    EXIT_SERVICE_MISSING,
+    ensure_run_name,
+    load_service_run,
+    prepare_run_dir_or_exit,
+    process_rank,
+    under_torchrun,
+)
 from rlbus.launch.plan import torchrun_argv
 from rlbus.launch.scripts import config_path, describe_written, write_launch
 from rlbus.launch.supervisor import ServiceProcess
 from rlbus.obs.logging import log_file_path, setup_logging
-from rlbus.runs import RunDirError, prepare_run_dir, sft_run_name
+from rlbus.runs import sft_run_name
 
 log = structlog.get_logger()
 
@@ -52,19 +59,7 @@ def plan_sft(config: SFTConfig, command: str) -> tuple[ServiceProcess, list[Path
     name_given = config.run.name is not None
     config = config.model_copy(deep=True)
     config.run.name = config.run.name or sft_run_name(config.data.path, config.model.name)
-    try:
-        run = prepare_run_dir(
-            config.output_dir,
-            config.run.name,
-            config.run.dir,
-            resume=config.resume is not None,
-            resume_step=config.resume.step if config.resume else None,
-            clean=config.clean,
-            name_was_given=name_given,
-            ckpt_enabled=config.ckpt is not None,
-        )
-    except RunDirError as error:
-        exit_with_config_error(str(error), title="Run directory")
+    run = prepare_run_dir_or_exit(config, name_given=name_given)
     setup_logging("sft-launch", run_dir=run.run_dir, run_id=config.run.name, level=config.log.level)
     resolved = config.model_copy(deep=True)
     resolved.clean = False  # already applied; the ranks must never wipe the run directory

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rlbus.configs.base import exit_with_config_error
-from rlbus.runs import resolve_run_dir, short_id, slug
+from rlbus.runs import RunDirError, RunPlan, prepare_run_dir, resolve_run_dir, short_id, slug
 
 EXIT_SERVICE_MISSING = 3
 
@@ -57,3 +57,21 @@ def ensure_run_name(config: Any, service: str) -> Path:
     if config.run.name is None:
         config.run.name = standalone_run_name(service, config.model.name)
     return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+
+
+def prepare_run_dir_or_exit(config: Any, *, name_given: bool) -> RunPlan:
+    """Apply the run-directory rules (rlbus.runs) to a named launcher config (`rl`, `sft`); a
+    violation is printed in a box and exits, like any other config error."""
+    try:
+        return prepare_run_dir(
+            config.output_dir,
+            config.run.name,
+            config.run.dir,
+            resume=config.resume is not None,
+            resume_step=config.resume.step if config.resume else None,
+            clean=config.clean,
+            name_was_given=name_given,
+            ckpt_enabled=config.ckpt is not None,
+        )
+    except RunDirError as error:
+        exit_with_config_error(str(error), title="Run directory")

@@ -20,12 +20,13 @@ import structlog
 
 from rlbus.configs import RLConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
+from rlbus.launch.entry import prepare_run_dir_or_exit
 from rlbus.launch.plan import Launch, build_rl_launch
 from rlbus.launch.progress import Progress
 from rlbus.launch.scripts import describe_written, write_launch
 from rlbus.launch.supervisor import Supervisor
 from rlbus.obs.logging import setup_logging
-from rlbus.runs import RunDirError, prepare_run_dir, rl_run_name
+from rlbus.runs import rl_run_name
 
 log = structlog.get_logger()
 
@@ -50,19 +51,7 @@ def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
             f"deployment.type {config.deployment.type!r} is not supported by this launcher yet: "
             "use --deployment.type local, or --dry-run and submit the scripts yourself"
         )
-    try:
-        run = prepare_run_dir(
-            config.output_dir,
-            config.run.name,
-            config.run.dir,
-            resume=config.resume is not None,
-            resume_step=config.resume.step if config.resume else None,
-            clean=config.clean,
-            name_was_given=name_given,
-            ckpt_enabled=config.ckpt is not None,
-        )
-    except RunDirError as error:
-        exit_with_config_error(str(error), title="Run directory")
+    run = prepare_run_dir_or_exit(config, name_given=name_given)
     setup_logging(
         "rl",
         run_dir=run.run_dir,
