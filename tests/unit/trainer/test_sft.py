@@ -35,6 +35,28 @@ def test_sft_data_is_deterministic_per_step(tiny_model):
     assert a.batch(3) == b.batch(3) and a.batch(3) != a.batch(4)
 
 
+def test_copy_fraction_mixes_copied_answers_into_the_same_texts():
+    from rlbus_trainer.sft_data import reverse_text_conversation
+    import random
+
+    def answers(copy_fraction):
+        convs = [reverse_text_conversation(random.Random(i), copy_fraction=copy_fraction) for i in range(400)]
+        return [(c[1]["content"], c[2]["content"]) for c in convs]
+
+    clean, mixed = answers(0.0), answers(0.4)
+    assert all(a == t[::-1] for t, a in clean)
+    assert [t for t, _ in clean] == [t for t, _ in mixed]  # same texts: only the answers change
+    copied = sum(a == t and t != t[::-1] for t, a in mixed)
+    assert 0.3 * 400 < copied < 0.5 * 400
+
+
+def test_copy_fraction_is_refused_for_files():
+    import pytest
+
+    with pytest.raises(ValueError, match="copy_fraction"):
+        SFTConfig.model_validate({"data": {"path": "train.jsonl", "copy_fraction": 0.4}})
+
+
 def test_sft_jsonl_run_loss_falls_and_writes_loadable_model(tiny_model, tmp_path):
     from rlbus_trainer.sft import run
 

@@ -58,7 +58,7 @@ def run(config) -> Path | None:
     structlog.contextvars.bind_contextvars(service="sft", rank=world.rank)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
     data = SFTData(config.data.path, tokenizer, loss_roles=config.data.loss_roles,
-                   batch_size=config.data.batch_size, seed=config.seed)
+                   batch_size=config.data.batch_size, seed=config.seed, copy_fraction=config.data.copy_fraction)
     val = None
     if config.data.val_path:
         val = SFTData(config.data.val_path, tokenizer, loss_roles=config.data.loss_roles,

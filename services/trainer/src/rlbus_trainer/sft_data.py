@@ -2,7 +2,8 @@
 
 Sources (`sft.data.path`):
 - `reverse-text`: generated on the fly, 5-10 lowercase characters, the user asks to reverse the
-  text and the assistant answers it reversed. The prompt is the one of the orchestrator's
+  text and the assistant answers it reversed (or, for a `copy_fraction` share of the examples,
+  copies it: mixed-quality demonstrations that leave RL something to fix). The prompt is the one of the orchestrator's
   `reverse-text` environment (a service never imports another, so the constant is repeated here:
   keep both in sync), so an SFT'd model starts RL on exactly the prompts it learned.
 - `*.jsonl`: one `{"messages": [{"role": ..., "content": ...}, ...]}` per line.
@@ -32,12 +33,17 @@ class Tokenized:
     loss_mask: list[int]
 
 
-def reverse_text_conversation(rng: random.Random, min_len: int = 5, max_len: int = 10) -> list[dict]:
+def reverse_text_conversation(
+    rng: random.Random, min_len: int = 5, max_len: int = 10, copy_fraction: float = 0.0
+) -> list[dict]:
+    """One reverse-text conversation; with probability `copy_fraction` the answer is the text
+    itself (a lazy demonstration) instead of its reversal."""
     text = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(min_len, max_len)))
+    answer = text if rng.random() < copy_fraction else text[::-1]
     return [
         {"role": "system", "content": REVERSE_TEXT_SYSTEM_PROMPT},
         {"role": "user", "content": text},
-        {"role": "assistant", "content": text[::-1]},
+        {"role": "assistant", "content": answer},
     ]
 
 
@@ -93,9 +99,13 @@ def _read_conversations(path: str) -> list[list[dict]]:
 class SFTData:
     """Global batches of tokenized conversations, deterministic per (seed, step)."""
 
-    def __init__(self, path: str, tokenizer, *, loss_roles: list[str], batch_size: int, seed: int, split: str = "train"):
+    def __init__(
+        self, path: str, tokenizer, *, loss_roles: list[str], batch_size: int, seed: int, split: str = "train",
+        copy_fraction: float = 0.0,
+    ):
         self.path, self.tokenizer, self.loss_roles = path, tokenizer, loss_roles
         self.batch_size, self.seed, self.split = batch_size, seed, split
+        self.copy_fraction = copy_fraction
         self.conversations = None if path == "reverse-text" else _read_conversations(path)
         if self.conversations is not None and not self.conversations:
             raise ValueError(f"data.path {path!r} holds no conversations")
@@ -106,7 +116,8 @@ class SFTData:
 
     def conversation(self, index: int) -> list[dict]:
         if self.conversations is None:
-            return reverse_text_conversation(random.Random(f"sft-reverse-text/{self.seed}/{self.split}/{index}"))
+            rng = random.Random(f"sft-reverse-text/{self.seed}/{self.split}/{index}")
+            return reverse_text_conversation(rng, copy_fraction=self.copy_fraction)
         epoch, pos = divmod(index, len(self.conversations))
         order = list(range(len(self.conversations)))
         random.Random(f"sft/{self.seed}/{epoch}").shuffle(order)

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlbus.configs.base import BaseConfig
 from rlbus.configs.trainer import TrainerConfig
@@ -28,6 +28,20 @@ class SFTDataConfig(BaseConfig):
 
     val_interval: int = Field(50, ge=1)
     """Validation every N steps."""
+
+    copy_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """Built-in `reverse-text` only: the share of demonstrations that copy the text instead of
+    reversing it (mixed-quality data). The reverse-text example uses 0.4, so that its SFT model
+    knows the reversal (greedy) but samples it noisily, which is what RL then fixes."""
+
+    @model_validator(mode="after")
+    def _copy_fraction_needs_built_in_data(self):
+        if self.copy_fraction and self.path != "reverse-text":
+            raise ValueError(
+                f"data.copy_fraction={self.copy_fraction} only applies to the built-in 'reverse-text' data, "
+                f"not data.path={self.path!r}: drop --data.copy-fraction or use --data.path reverse-text"
+            )
+        return self
 
 
 class SFTConfig(TrainerConfig):
