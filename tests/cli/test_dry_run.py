@@ -25,7 +25,10 @@ def exec_argv(script: Path) -> list[str]:
 
 
 def service_argv(argv: list[str]) -> list[str]:
-    """`python -m torch.distributed.run ... -m module @ cfg` -> `python -m module @ cfg` (one rank)."""
+    """`[taskset -c N] python -m torch.distributed.run ... -m module @ cfg` -> `python -m module @ cfg`
+    (one rank, unpinned)."""
+    if Path(argv[0]).name == "taskset":
+        argv = argv[3:]
     if "torch.distributed.run" not in argv:
         return argv
     module_at = len(argv) - 1 - argv[::-1].index("-m")
@@ -44,6 +47,32 @@ def wait_for_port(port: int, timeout_s: float = 10.0) -> None:
                 return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listens on {port}")
+
+
+def test_cpu_binding_gives_inference_and_trainer_disjoint_cores(tmp_path):
+    """2+ usable cores and no GPU: vLLM's compute threads and the trainer get disjoint halves;
+    `--deployment.cpu-binding off` leaves both unpinned."""
+    if len(os.sched_getaffinity(0)) < 2 or Path("/dev/nvidiactl").exists():
+        import pytest
+
+        pytest.skip("needs a GPU-less host with at least 2 usable cores")
+    result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "b1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    scripts = tmp_path / "outputs" / "b1" / "scripts"
+    bind = re.search(r"export VLLM_CPU_OMP_THREADS_BIND=([\d,]+)", (scripts / "inference.sh").read_text())
+    argv = exec_argv(scripts / "trainer.sh")
+    assert bind and Path(argv[0]).name == "taskset" and argv[1] == "-c"
+    inference_cores, trainer_cores = set(bind.group(1).split(",")), set(argv[2].split(","))
+    assert inference_cores and trainer_cores and not inference_cores & trainer_cores
+    assert inference_cores | trainer_cores == {str(c) for c in os.sched_getaffinity(0)}
+    assert "export OMP_NUM_THREADS=" in (scripts / "trainer.sh").read_text()
+
+    result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "b2", "--deployment.cpu-binding", "off",
+                         cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    scripts = tmp_path / "outputs" / "b2" / "scripts"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in (scripts / "inference.sh").read_text()
+    assert Path(exec_argv(scripts / "trainer.sh")[0]).name != "taskset"
 
 
 def test_rl_dry_run_writes_every_resolved_config_and_one_script_per_process(tmp_path):

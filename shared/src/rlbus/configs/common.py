@@ -130,6 +130,11 @@ class DeploymentConfig(BaseConfig):
     num_infer_replicas: int = Field(1, ge=1)
     """Inference server processes started by the launcher."""
 
+    cpu_binding: Literal["auto", "off"] = "auto"
+    """`auto`: on a host without GPUs, give inference (vLLM-CPU's compute threads) and the trainer
+    disjoint halves of the cores the launcher may use, so that generation and training overlap
+    instead of fighting over the same cores (docs/launcher.md). `off`: leave placement to the OS."""
+
 
 __all__ = [
     "CkptConfig",

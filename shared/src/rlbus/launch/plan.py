@@ -24,6 +24,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from rlbus.configs import InferenceConfig, RLConfig
+from rlbus.launch.cpus import bind_inference_env, bind_trainer, host_has_gpus, plan_cpus, usable_cores
 from rlbus.launch.supervisor import ServiceProcess
 from rlbus.launch.scripts import config_path
 from rlbus.obs.logging import log_file_path
@@ -160,16 +161,26 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
             name="monitor", argv=monitor_argv(config, run_dir), log_path=log_file_path(run_dir, "monitor"), cwd=Path.cwd()
         )
     )
+    cpus = None
+    if config.deployment.cpu_binding == "auto" and not host_has_gpus():
+        cpus = plan_cpus(usable_cores(), config.deployment.num_infer_replicas, config.deployment.num_train_gpus)
+    replica_index = 0
     for name, service in services.items():
         path = config_path(run_dir, name).absolute()
+        env: dict[str, str] = {}
         if name == "trainer":
             argv = torchrun_argv(config.deployment.num_train_gpus, "rlbus_trainer.entrypoint", path)
+            if cpus is not None:
+                argv, env = bind_trainer(argv, cpus)
         elif name == "orchestrator":
             argv = python_module_argv("rlbus_orchestrator.entrypoint", path)
         else:
             argv = python_module_argv("rlbus_inference.entrypoint", path)
+            if cpus is not None:
+                env = bind_inference_env(cpus.inference[replica_index])
+            replica_index += 1
         processes.append(
-            ServiceProcess(name=name, argv=argv, log_path=log_file_path(run_dir, name), cwd=Path.cwd())
+            ServiceProcess(name=name, argv=argv, log_path=log_file_path(run_dir, name), env=env, cwd=Path.cwd())
         )
     # inference first, then orchestrator, then trainer (DESIGN.md); nats and the monitor (a
     # durable consumer, so it misses nothing) before all of them; stopping goes in reverse.
