@@ -14,6 +14,9 @@ def test_shared_values_reach_every_service():
     assert config.trainer.model.name == config.orchestrator.model.name == config.inference.vllm.model == "m"
     assert config.trainer.seq_len == config.orchestrator.seq_len == config.inference.vllm.max_model_len == 256
     assert config.trainer.max_steps == config.orchestrator.max_steps == 7
+    assert config.trainer.model.dtype == config.inference.vllm.dtype == "float32"
+    assert make_rl("--model.dtype", "bfloat16").inference.vllm.dtype == "bfloat16"
+    assert make_rl("--model.dtype", "bfloat16", "--inference.vllm.dtype", "auto").inference.vllm.dtype == "auto"
     assert config.trainer.bus.url == config.orchestrator.bus.url == config.inference.bus.url == "nats://h:4222"
 
 

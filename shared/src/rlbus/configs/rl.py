@@ -140,6 +140,9 @@ class RLConfig(BaseConfig):
             push_down(self.trainer, field, getattr(self, field))
         push_down(self.orchestrator, "num_train_ranks", self.deployment.num_train_gpus)
         push_down(self.inference.vllm, "model", self.model.name)
+        # The engine samples in the trainer's dtype: vLLM's "auto" downcasts a float32 checkpoint
+        # to bfloat16 on CPU, and the sampled tokens' logprobs would then disagree with the trainer's.
+        push_down(self.inference.vllm, "dtype", self.model.dtype)
         push_down(self.inference.vllm, "max_model_len", self.seq_len)
         for field in ("bus", "weight_broadcast", "log", "otel", "output_dir"):
             push_down(self.inference, field, getattr(self, field).model_copy(deep=True)
