@@ -11,11 +11,13 @@ from e2e_support import RlLaunch, alive_groups, run_rows, steps_with
 
 pytestmark = pytest.mark.slow
 
-REWARD_WINDOW = 2
+REWARD_WINDOW = 4
 """Steps averaged at each end of the run for the reward comparison."""
 REWARD_MARGIN = 0.05
 """Mean reward of the last REWARD_WINDOW steps must exceed that of the first ones by this much.
-Tuned together with configs/debug/rl.toml (5 steps from the shipped SFT'd tiny model)."""
+Tuned together with configs/debug/rl.toml (10 steps of 16 x 8 samples at lr 1e-3 from the shipped
+SFT model): two debug runs measured 0.65-0.66 over steps 1-4 and 0.77-0.78 over steps 7-10, and one
+step's mean reward varies by about +-0.03 at this batch size."""
 
 STEP_LINE = re.compile(
     r"^Step (\d+) \| Reward (-?\d+\.\d{4}|-) \| Loss (-?\d+\.\d{4}|-) \| Tok/s (\d+|-) \| "
@@ -52,12 +54,6 @@ def test_every_step_is_trained_once_in_order(finished_run):
     assert steps_with(finished_run.run_dir, "reward/mean") == list(range(1, max_steps + 1))
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap (issue 7): RL from the shipped tiny model barely raises the reward; measured "
-    "+0.02 over 100 steps of the full example, and a plain single-process GRPO loop gains as little "
-    "(examples/reverse-text/README.md). Kept so a fix shows up as XPASS.",
-)
 def test_reward_of_the_last_steps_exceeds_the_first(finished_run, starting_model):
     if not starting_model.trained:
         pytest.skip("no SFT'd starting model (configs/debug/rl.toml model.name missing): nothing to raise")
