@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates examples/reverse-text/model/, the SFT'd starting model of rl.toml:
-# a tiny Qwen3 built offline with seed 0, then `sft @ sft.toml` (seed 0, 360 steps, ~2-3 min on
-# 2 CPU cores). Both steps are deterministic on CPU, so the result matches the shipped files.
+# a tiny Qwen3 built offline with seed 0, then `sft @ sft.toml` (seed 0, 700 steps, ~4 min on
+# 2 CPU cores). Both steps are seeded; on another CPU type or thread count the float sums can
+# differ in the last bits, so the weights can differ slightly from the shipped files.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out=${OUTPUT_DIR:-outputs}
