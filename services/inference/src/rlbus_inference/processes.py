@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -151,10 +152,20 @@ def start(name: str, command: list[str], *, env: dict[str, str] | None, log_path
     return proc
 
 
-def wait_healthy(name: str, proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    """Poll `url` until it answers 200; raise if the child exits or time runs out."""
+class StopDuringStartup(Exception):
+    """A stop was requested while a child was still starting."""
+
+
+def wait_healthy(
+    name: str, proc: subprocess.Popen, url: str, timeout_s: float, stop: threading.Event | None = None
+) -> None:
+    """Poll `url` until it answers 200; raise if the child exits, time runs out, or `stop` is set
+    (SIGTERM during vLLM's minute-long start-up must not wait for it to finish)."""
+    stop = stop or threading.Event()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stop.is_set():
+            raise StopDuringStartup(f"stop requested while {name} was starting")
         if proc.poll() is not None:
             raise ChildExited(f"{name} exited with code {proc.returncode} before becoming healthy")
         try:
@@ -163,7 +174,7 @@ def wait_healthy(name: str, proc: subprocess.Popen, url: str, timeout_s: float) 
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        stop.wait(0.5)
     raise TimeoutError(f"{name} not healthy at {url} after {timeout_s:.0f} s")
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import threading
 from pathlib import Path
 
 import structlog
@@ -52,9 +53,15 @@ def log_suffix(config: InferenceConfig) -> str:
 
 async def serve(config: InferenceConfig) -> None:
     stop_requested = asyncio.Event()
+    stop_startup = threading.Event()  # the same request, seen by the start-up waits in threads
+
+    def request_stop() -> None:
+        stop_requested.set()
+        stop_startup.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_requested.set)
+        loop.add_signal_handler(sig, request_stop)
 
     logs = logs_dir(config)
     engine = router = None
@@ -68,13 +75,13 @@ async def serve(config: InferenceConfig) -> None:
             parent_death_signal=signal.SIGTERM,
         )
         await asyncio.to_thread(processes.wait_healthy, "engine", engine,
-                                processes.engine_url(config) + "/health", ENGINE_START_TIMEOUT_S)
+                                processes.engine_url(config) + "/health", ENGINE_START_TIMEOUT_S, stop_startup)
         router = processes.start(
             "router", processes.router_command(config, router_facing_port), env=None,
             log_path=logs / f"inference-router-{log_suffix(config)}.log" if logs else None,
         )
         await asyncio.to_thread(processes.wait_healthy, "router", router,
-                                processes.router_url(config) + "/health", ROUTER_START_TIMEOUT_S)
+                                processes.router_url(config) + "/health", ROUTER_START_TIMEOUT_S, stop_startup)
         log.info("inference_ready", url=processes.router_url(config),
                  engine_url=processes.engine_url(config), model=config.vllm.model)
         if config.bus.url:
@@ -87,6 +94,8 @@ async def serve(config: InferenceConfig) -> None:
 
             background = asyncio.create_task(run_replica_tasks(config, stop_requested))
         await wait_for_stop(stop_requested, [engine, router], background)
+    except processes.StopDuringStartup as stopped:
+        log.info("inference_stop_during_startup", reason=str(stopped))
     finally:
         stop_requested.set()
         if background is not None:
