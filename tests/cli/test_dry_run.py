@@ -98,9 +98,11 @@ def test_rl_dry_run_service_configs_match_the_resolved_rl_config(tmp_path):
     rl, trainer = load_toml(configs / "rl.toml"), load_toml(configs / "trainer.toml")
     nats_port = json.loads((configs / "nats.conf").read_text())["port"]
 
-    assert trainer["max_steps"] == 4 and rl["max_steps"] == 5
+    debug = load_toml(Path(DEBUG_RL))
+    assert trainer["max_steps"] == 4 and rl["max_steps"] == debug["max_steps"] != 4
     assert trainer["model"]["name"] == rl["model"]["name"] and trainer["optim"]["lr"] == rl["trainer"]["optim"]["lr"]
-    assert load_toml(configs / "orchestrator.toml")["batch_size"] == rl["orchestrator"]["batch_size"] == 32
+    assert load_toml(configs / "orchestrator.toml")["batch_size"] == rl["orchestrator"]["batch_size"] \
+        == debug["orchestrator"]["batch_size"]
     assert trainer["bus"]["url"] == f"nats://127.0.0.1:{nats_port}"
     assert "url" not in rl["bus"]  # rl.toml keeps "embedded server", so `rl @ rl.toml --resume` starts one
     assert trainer["run"]["name"] == "t2" and trainer["bus"]["run_id"] == "t2"
