@@ -3,9 +3,10 @@
 Sources (`sft.data.path`):
 - `reverse-text`: generated on the fly, 5-10 lowercase characters, the user asks to reverse the
   text and the assistant answers it reversed (or, for a `copy_fraction` share of the examples,
-  copies it: mixed-quality demonstrations that leave RL something to fix). The prompt is the one of the orchestrator's
-  `reverse-text` environment (a service never imports another, so the constant is repeated here:
-  keep both in sync), so an SFT'd model starts RL on exactly the prompts it learned.
+  copies it: mixed-quality demonstrations that leave RL something to fix). The prompt is the one
+  of the orchestrator's `reverse-text` environment (a service never imports another, so the
+  constant is repeated here: keep both in sync), so an SFT'd model starts RL on exactly the
+  prompts it learned.
 - `*.jsonl`: one `{"messages": [{"role": ..., "content": ...}, ...]}` per line.
 - `*.parquet`: a `messages` column (needs `pyarrow`).
 - a directory written by `datasets.Dataset.save_to_disk` (needs `datasets`).
