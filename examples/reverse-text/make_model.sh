@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates examples/reverse-text/model/, the SFT'd starting model of rl.toml:
 # a tiny Qwen3 built offline with seed 0, then `sft @ sft.toml` (seed 0, 700 steps, ~4 min on
-# 2 CPU cores). Both steps are seeded; on another CPU type or thread count the float sums can
-# differ in the last bits, so the weights can differ slightly from the shipped files.
+# 2 CPU cores). Both steps are seeded: on our 2-core VM this reproduced the shipped files bit for
+# bit (2026-12-02). Another CPU type or thread count can change float sums in the last bits.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out=${OUTPUT_DIR:-outputs}
