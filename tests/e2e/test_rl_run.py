@@ -16,7 +16,7 @@ REWARD_WINDOW = 4
 REWARD_MARGIN = 0.05
 """Mean reward of the last REWARD_WINDOW steps must exceed that of the first ones by this much.
 Tuned together with configs/debug/rl.toml (10 steps of 16 x 8 samples at lr 1e-3 from the shipped
-SFT model): two debug runs measured 0.65-0.66 over steps 1-4 and 0.77-0.78 over steps 7-10, and one
+SFT model): two debug runs measured 0.65-0.66 over steps 1-4 and 0.77 over steps 7-10, and one
 step's mean reward varies by about +-0.03 at this batch size."""
 
 STEP_LINE = re.compile(
