@@ -51,7 +51,7 @@ def wait_for_port(port: int, timeout_s: float = 10.0) -> None:
 
 def test_cpu_binding_gives_inference_and_trainer_disjoint_cores(tmp_path):
     """2+ usable cores and no GPU: vLLM's compute threads and the trainer get disjoint halves;
-    `--deployment.cpu-binding off` leaves both unpinned."""
+    `strict` pins the whole inference process too; `--deployment.cpu-binding off` pins nothing."""
     if len(os.sched_getaffinity(0)) < 2 or Path("/dev/nvidiactl").exists():
         import pytest
 
@@ -66,6 +66,14 @@ def test_cpu_binding_gives_inference_and_trainer_disjoint_cores(tmp_path):
     assert inference_cores and trainer_cores and not inference_cores & trainer_cores
     assert inference_cores | trainer_cores == {str(c) for c in os.sched_getaffinity(0)}
     assert "export OMP_NUM_THREADS=" in (scripts / "trainer.sh").read_text()
+
+    assert Path(exec_argv(scripts / "inference.sh")[0]).name != "taskset"  # auto: only vLLM's compute threads
+
+    result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "b3", "--deployment.cpu-binding", "strict",
+                         cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    argv = exec_argv(tmp_path / "outputs" / "b3" / "scripts" / "inference.sh")
+    assert Path(argv[0]).name == "taskset" and set(argv[2].split(",")) == inference_cores
 
     result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "b2", "--deployment.cpu-binding", "off",
                          cwd=tmp_path)

@@ -6,7 +6,9 @@ down, even in async mode where they are meant to overlap. The launcher instead s
 it may use (its own affinity mask) in two: the first half for inference (each replica an equal
 share, through vLLM's `VLLM_CPU_OMP_THREADS_BIND`), the second half for the trainer (`taskset`
 plus `OMP_NUM_THREADS` per rank). nats-server, the orchestrator and the monitor are left to the
-OS: they mostly wait on I/O.
+OS: they mostly wait on I/O. `strict` also runs each inference replica's whole process tree (API
+server, engine-core loop, router) under `taskset` on its cores, so that none of it lands on the
+trainer's cores.
 """
 
 import os
@@ -55,10 +57,12 @@ def bind_inference_env(cores: list[int]) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores)}
 
 
+def under_taskset(argv: list[str], cores: list[int]) -> list[str]:
+    """`argv` run under `taskset -c <cores>` (unchanged when taskset is not installed)."""
+    taskset = shutil.which("taskset")
+    return argv if taskset is None else [taskset, "-c", cpu_list(cores), *argv]
+
+
 def bind_trainer(argv: list[str], plan: CpuPlan) -> tuple[list[str], dict[str, str]]:
     """(argv under `taskset -c <cores>` when taskset exists, environment) of the trainer."""
-    env = {"OMP_NUM_THREADS": str(plan.threads_per_rank)}
-    taskset = shutil.which("taskset")
-    if taskset is None:
-        return argv, env
-    return [taskset, "-c", cpu_list(plan.trainer), *argv], env
+    return under_taskset(argv, plan.trainer), {"OMP_NUM_THREADS": str(plan.threads_per_rank)}

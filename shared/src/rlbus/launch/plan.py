@@ -24,7 +24,9 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from rlbus.configs import InferenceConfig, RLConfig
-from rlbus.launch.cpus import bind_inference_env, bind_trainer, host_has_gpus, plan_cpus, usable_cores
+from rlbus.launch.cpus import (
+    bind_inference_env, bind_trainer, host_has_gpus, plan_cpus, under_taskset, usable_cores,
+)
 from rlbus.launch.supervisor import ServiceProcess
 from rlbus.launch.scripts import config_path
 from rlbus.obs.logging import log_file_path
@@ -162,7 +164,7 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
         )
     )
     cpus = None
-    if config.deployment.cpu_binding == "auto" and not host_has_gpus():
+    if config.deployment.cpu_binding != "off" and not host_has_gpus():
         cpus = plan_cpus(usable_cores(), config.deployment.num_infer_replicas, config.deployment.num_train_gpus)
     replica_index = 0
     for name, service in services.items():
@@ -178,6 +180,8 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
             argv = python_module_argv("rlbus_inference.entrypoint", path)
             if cpus is not None:
                 env = bind_inference_env(cpus.inference[replica_index])
+                if config.deployment.cpu_binding == "strict":
+                    argv = under_taskset(argv, cpus.inference[replica_index])
             replica_index += 1
         processes.append(
             ServiceProcess(name=name, argv=argv, log_path=log_file_path(run_dir, name), env=env, cwd=Path.cwd())
