@@ -51,7 +51,7 @@ def wait_for_port(port: int, timeout_s: float = 10.0) -> None:
 
 def test_cpu_binding_gives_inference_and_trainer_disjoint_cores(tmp_path):
     """2+ usable cores and no GPU: vLLM's compute threads and the trainer get disjoint halves;
-    `strict` pins the whole inference process too; `--deployment.cpu-binding off` pins nothing."""
+    `threads` pins only vLLM's compute threads, not its processes; `off` pins nothing."""
     if len(os.sched_getaffinity(0)) < 2 or Path("/dev/nvidiactl").exists():
         import pytest
 
@@ -67,13 +67,15 @@ def test_cpu_binding_gives_inference_and_trainer_disjoint_cores(tmp_path):
     assert inference_cores | trainer_cores == {str(c) for c in os.sched_getaffinity(0)}
     assert "export OMP_NUM_THREADS=" in (scripts / "trainer.sh").read_text()
 
-    assert Path(exec_argv(scripts / "inference.sh")[0]).name != "taskset"  # auto: only vLLM's compute threads
+    argv = exec_argv(scripts / "inference.sh")  # auto: the whole inference process tree, too
+    assert Path(argv[0]).name == "taskset" and set(argv[2].split(",")) == inference_cores
 
-    result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "b3", "--deployment.cpu-binding", "strict",
+    result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "b3", "--deployment.cpu-binding", "threads",
                          cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    argv = exec_argv(tmp_path / "outputs" / "b3" / "scripts" / "inference.sh")
-    assert Path(argv[0]).name == "taskset" and set(argv[2].split(",")) == inference_cores
+    scripts = tmp_path / "outputs" / "b3" / "scripts"
+    assert "VLLM_CPU_OMP_THREADS_BIND" in (scripts / "inference.sh").read_text()
+    assert Path(exec_argv(scripts / "inference.sh")[0]).name != "taskset"
 
     result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "b2", "--deployment.cpu-binding", "off",
                          cwd=tmp_path)

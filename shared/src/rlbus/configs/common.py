@@ -130,12 +130,11 @@ class DeploymentConfig(BaseConfig):
     num_infer_replicas: int = Field(1, ge=1)
     """Inference server processes started by the launcher."""
 
-    cpu_binding: Literal["auto", "strict", "off"] = "auto"
-    """`auto`: on a host without GPUs, give inference (vLLM-CPU's compute threads) and the trainer
-    disjoint halves of the cores the launcher may use, so that generation and training overlap
-    instead of fighting over the same cores (docs/launcher.md). `strict`: also keep every other
-    inference process (API server, engine loop, router) on the inference cores. `off`: leave
-    placement to the OS."""
+    cpu_binding: Literal["auto", "threads", "off"] = "auto"
+    """`auto`: on a host without GPUs, give each inference replica (its whole process tree) and the
+    trainer disjoint halves of the cores the launcher may use, so that generation and training
+    overlap instead of fighting over the same cores (docs/launcher.md). `threads`: pin only vLLM's
+    compute threads and the trainer. `off`: leave placement to the OS."""
 
 
 __all__ = [

@@ -4,11 +4,11 @@ On a CPU-only machine vLLM-CPU binds its compute threads to cores of its own cho
 starts one thread per core, so generation and training run on the same cores and slow each other
 down, even in async mode where they are meant to overlap. The launcher instead splits the cores
 it may use (its own affinity mask) in two: the first half for inference (each replica an equal
-share, through vLLM's `VLLM_CPU_OMP_THREADS_BIND`), the second half for the trainer (`taskset`
-plus `OMP_NUM_THREADS` per rank). nats-server, the orchestrator and the monitor are left to the
-OS: they mostly wait on I/O. `strict` also runs each inference replica's whole process tree (API
-server, engine-core loop, router) under `taskset` on its cores, so that none of it lands on the
-trainer's cores.
+share: its whole process tree under `taskset`, and vLLM's compute threads bound there through
+`VLLM_CPU_OMP_THREADS_BIND`), the second half for the trainer (`taskset` plus `OMP_NUM_THREADS`
+per rank). nats-server, the orchestrator and the monitor are left to the OS: they mostly wait on
+I/O. `threads` leaves vLLM's API server, engine-core loop and router unpinned (only the compute
+threads are bound), which measured slower (docs/benchmarks.md).
 """
 
 import os

@@ -180,7 +180,7 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
             argv = python_module_argv("rlbus_inference.entrypoint", path)
             if cpus is not None:
                 env = bind_inference_env(cpus.inference[replica_index])
-                if config.deployment.cpu_binding == "strict":
+                if config.deployment.cpu_binding == "auto":
                     argv = under_taskset(argv, cpus.inference[replica_index])
             replica_index += 1
         processes.append(
