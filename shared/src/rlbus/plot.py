@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from rlbus.launch.progress import mean_lag
+
 # chart file stem -> (title, candidate metric keys in order of preference)
 CHARTS: dict[str, tuple[str, list[str]]] = {
     "reward": ("Mean sampled reward", ["reward/mean", "reward_mean", "reward"]),
@@ -20,10 +22,6 @@ CHARTS: dict[str, tuple[str, list[str]]] = {
         ["trainer/tokens_per_s", "tokens_per_s", "generate/tokens_per_s", "orchestrator/tokens_per_s"],
     ),
 }
-
-
-LAG_HISTOGRAM_PREFIX = "off_policy_lag/"
-"""The orchestrator reports lag as a histogram: `off_policy_lag/<lag>` = number of samples."""
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -40,14 +38,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 def with_mean_lag(row: dict) -> dict:
     """Adds `lag/mean` from the lag histogram when the row has one."""
-    counts = {
-        int(key[len(LAG_HISTOGRAM_PREFIX):]): value
-        for key, value in row.items()
-        if key.startswith(LAG_HISTOGRAM_PREFIX) and key[len(LAG_HISTOGRAM_PREFIX):].isdigit()
-    }
-    total = sum(counts.values())
-    if total and "lag/mean" not in row:
-        row["lag/mean"] = sum(lag * n for lag, n in counts.items()) / total
+    if "lag/mean" not in row and (lag := mean_lag(row)) is not None:
+        row["lag/mean"] = lag
     return row
 
 

@@ -67,9 +67,17 @@ def trainer_tokens_per_s(row: dict[str, Any]) -> float | None:
     return None
 
 
+LAG_HISTOGRAM_PREFIX = "off_policy_lag/"
+"""The orchestrator reports lag as a histogram: `off_policy_lag/<lag>` = number of samples."""
+
+
 def mean_lag(row: dict[str, Any]) -> float | None:
-    """Mean off-policy lag of the step's samples (the orchestrator counts them per lag)."""
-    counts = {int(k.rsplit("/", 1)[1]): v for k, v in row.items() if k.startswith("off_policy_lag/")}
+    """Mean off-policy lag of the step's samples (None without a lag histogram)."""
+    counts = {
+        int(key[len(LAG_HISTOGRAM_PREFIX):]): value
+        for key, value in row.items()
+        if key.startswith(LAG_HISTOGRAM_PREFIX) and key[len(LAG_HISTOGRAM_PREFIX):].isdigit()
+    }
     total = sum(counts.values())
     return sum(lag * n for lag, n in counts.items()) / total if total else None
 

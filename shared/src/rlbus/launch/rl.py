@@ -123,7 +123,10 @@ def drain_and_wait(launch: Launch, supervisor: Supervisor, skip: str | None = No
     running = [
         s.name for s in supervisor.services if s.name in DRAINED_SERVICES and s.name != skip and s.poll() is None
     ]
-    if not running or not any(s.name == "nats" and s.poll() is None for s in supervisor.services) and launch.config.bus.url is None:
+    embedded_nats_gone = launch.config.bus.url is None and not any(
+        s.name == "nats" and s.poll() is None for s in supervisor.services
+    )
+    if not running or embedded_nats_gone:
         return
     outcomes = drain_over_bus(launch, running)
     log.info("drain_requested", **outcomes)
