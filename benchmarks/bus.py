@@ -35,7 +35,7 @@ async def bare_round(url: str, size: int, count: int) -> tuple[float, float, flo
     await js.add_stream(name=stream, subjects=[subject], retention=api.RetentionPolicy.WORK_QUEUE)
     payload = msgspec.msgpack.encode(b"x" * size)
     start = time.perf_counter()
-    for index in range(count):
+    for _ in range(count):
         await js.publish(subject, payload)
     no_id_s = time.perf_counter() - start
     await js.purge_stream(stream)
@@ -49,7 +49,7 @@ async def bare_round(url: str, size: int, count: int) -> tuple[float, float, flo
     while received < count:
         try:
             msgs = await sub.fetch(64, timeout=1)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):
             continue
         for msg in msgs:
             DECODER.decode(msg.data)
@@ -62,7 +62,9 @@ async def bare_round(url: str, size: int, count: int) -> tuple[float, float, flo
 
 
 async def bus_round(url: str, size: int, count: int, storage: str) -> tuple[float, float, float]:
-    bus = await Bus.connect(BusConfig(url=url), run_id=f"bench_{uuid.uuid4().hex[:6]}", storage_dir=storage)
+    bus = await Bus.connect(
+        BusConfig(url=url), run_id=f"bench_{uuid.uuid4().hex[:6]}", storage_dir=storage
+    )
     s = bus.subjects
     payload = msgspec.msgpack.encode(b"x" * size)
     start = time.perf_counter()
@@ -92,7 +94,9 @@ async def bus_round(url: str, size: int, count: int, storage: str) -> tuple[floa
     return publish_s, consume_s, many_s
 
 
-def rate_line(label: str, size: int, count: int, bare_s: float, bus_s: float, no_id_s: float | None) -> str:
+def rate_line(
+    label: str, size: int, count: int, bare_s: float, bus_s: float, no_id_s: float | None
+) -> str:
     bare_rate, bus_rate = count / bare_s, count / bus_s
     no_id = f"{count / no_id_s:>13.0f}" if no_id_s else " " * 13
     return (
@@ -104,7 +108,9 @@ def rate_line(label: str, size: int, count: int, bare_s: float, bus_s: float, no
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="existing nats-server (default: start an embedded one)")
-    parser.add_argument("--sizes", default=",".join(map(str, COUNTS)), help="payload sizes in bytes")
+    parser.add_argument(
+        "--sizes", default=",".join(map(str, COUNTS)), help="payload sizes in bytes"
+    )
     parser.add_argument("--repeat", type=int, default=3, help="rounds per side (best is kept)")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
@@ -112,8 +118,12 @@ async def main() -> None:
     server = None if args.url else NatsServer(f"{storage}/nats").start()
     url = args.url or server.url
     try:
-        print("| phase   |      size | count | bare, no id/s | bare msg/s | bare MB/s | bus msg/s | bus MB/s | ratio |")
-        print("| ------- | --------- | ----- | ------------- | ---------- | --------- | --------- | -------- | ----- |")
+        print(
+            "| phase   |      size | count | bare, no id/s | bare msg/s | bare MB/s | bus msg/s | bus MB/s | ratio |"
+        )
+        print(
+            "| ------- | --------- | ----- | ------------- | ---------- | --------- | --------- | -------- | ----- |"
+        )
         for size in map(int, args.sizes.split(",")):
             count = COUNTS.get(size, 1000)
             bare, ours = [], []

@@ -37,7 +37,16 @@ BIN = Path(sys.executable).parent
 
 def run_rl(config: Path, output_dir: Path, name: str, args: list[str]) -> tuple[int, float]:
     """One `rl` launch; returns (exit code, wall seconds)."""
-    argv = [str(BIN / "rl"), "@", str(config), "--output-dir", str(output_dir), "--run.name", name, *args]
+    argv = [
+        str(BIN / "rl"),
+        "@",
+        str(config),
+        "--output-dir",
+        str(output_dir),
+        "--run.name",
+        name,
+        *args,
+    ]
     start = time.perf_counter()
     with open(output_dir / f"{name}.console.txt", "wb") as out:
         code = subprocess.run(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode
@@ -82,14 +91,21 @@ def span_times(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
             batch_end[step] = ts(span["end_time"])
         elif span["name"] == "rollout":
             rollouts.setdefault(step, []).append((ts(span["start_time"]), ts(span["end_time"])))
-    generate = {step: max(e for _, e in spans) - min(s for s, _ in spans) for step, spans in rollouts.items()}
+    generate = {
+        step: max(e for _, e in spans) - min(s for s, _ in spans)
+        for step, spans in rollouts.items()
+    }
     return batch_end, generate
 
 
 def measure(run_dir: Path, warmup: int) -> dict[str, float]:
     rows = rows_by_step(run_dir)
     batch_end, generate = span_times(run_dir)
-    periods = [batch_end[s] - batch_end[s - 1] for s in sorted(batch_end) if s > warmup and s - 1 in batch_end]
+    periods = [
+        batch_end[s] - batch_end[s - 1]
+        for s in sorted(batch_end)
+        if s > warmup and s - 1 in batch_end
+    ]
     gen = [generate[s] for s in sorted(generate) if s > warmup]
     return {
         "steps": float(len([r for r in rows.values() if "loss" in r])),
@@ -103,15 +119,23 @@ def measure(run_dir: Path, warmup: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "debug" / "rl.toml")
     parser.add_argument("--model", help="model.name override (default: the config's)")
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
-    parser.add_argument("--reuse", type=Path, help="re-measure the kept runs in this directory (no launch)")
-    parser.add_argument("--hidden-size", type=int, help="build and use an untrained tiny model this wide")
-    parser.add_argument("--repeat", type=int, default=1, help="run the sync/async pair this many times")
+    parser.add_argument(
+        "--reuse", type=Path, help="re-measure the kept runs in this directory (no launch)"
+    )
+    parser.add_argument(
+        "--hidden-size", type=int, help="build and use an untrained tiny model this wide"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the sync/async pair this many times"
+    )
     parser.add_argument("extra", nargs="*", help="more rl flags, after --")
     opts = parser.parse_args()
 
@@ -120,9 +144,26 @@ def main() -> None:
     if opts.hidden_size and not opts.reuse:
         model = str(output_dir / "model")
         width = opts.hidden_size
-        subprocess.run([str(BIN / "rlbus-tiny-model"), model, "--hidden-size", str(width), "--head-dim",
-                        str(width // 4), "--intermediate-size", str(3 * width)], check=True, capture_output=True)
-    common = ["--max-steps", str(opts.max_steps), *(["--model.name", model] if model else []), *opts.extra]
+        subprocess.run(
+            [
+                str(BIN / "rlbus-tiny-model"),
+                model,
+                "--hidden-size",
+                str(width),
+                "--head-dim",
+                str(width // 4),
+                "--intermediate-size",
+                str(3 * width),
+            ],
+            check=True,
+            capture_output=True,
+        )
+    common = [
+        "--max-steps",
+        str(opts.max_steps),
+        *(["--model.name", model] if model else []),
+        *opts.extra,
+    ]
     ratios = []
     for pair in range(opts.repeat):
         results: dict[int, dict[str, float]] = {}
@@ -131,16 +172,22 @@ def main() -> None:
             if opts.reuse:
                 results[level] = {**measure(output_dir / name, opts.warmup), "wall_s": float("nan")}
                 continue
-            code, wall = run_rl(opts.config, output_dir, name, [*common, "--orchestrator.async-level", str(level)])
+            code, wall = run_rl(
+                opts.config, output_dir, name, [*common, "--orchestrator.async-level", str(level)]
+            )
             if code != 0:
-                sys.exit(f"rl with async_level {level} exited {code}; see {output_dir / (name + '.console.txt')}")
+                sys.exit(
+                    f"rl with async_level {level} exited {code}; see {output_dir / (name + '.console.txt')}"
+                )
             results[level] = {**measure(output_dir / name, opts.warmup), "wall_s": wall}
         ratios.append(report(opts, results))
     if opts.repeat > 1:
-        speedups, bounds = zip(*ratios)
-        print(f"over {opts.repeat} pairs: sync/async {', '.join(f'{x:.2f}' for x in speedups)} -> median "
-              f"{statistics.median(speedups):.2f}x; async/max {', '.join(f'{x:.2f}' for x in bounds)} -> "
-              f"median {statistics.median(bounds):.2f}x")
+        speedups, bounds = zip(*ratios, strict=True)
+        print(
+            f"over {opts.repeat} pairs: sync/async {', '.join(f'{x:.2f}' for x in speedups)} -> median "
+            f"{statistics.median(speedups):.2f}x; async/max {', '.join(f'{x:.2f}' for x in bounds)} -> "
+            f"median {statistics.median(bounds):.2f}x"
+        )
     if opts.keep or opts.reuse:
         print(f"runs kept in {output_dir}")
     else:
@@ -154,13 +201,27 @@ def report(opts, results: dict[int, dict[str, float]]) -> tuple[float, float]:
     sync, fast = results[0], results[1]
     generate_s, train_s = sync["generate_s"], statistics.median([sync["train_s"], fast["train_s"]])
     bound = max(generate_s, train_s)
-    print(f"config {opts.config.relative_to(REPO) if opts.config.is_relative_to(REPO) else opts.config}, "
-          f"{opts.max_steps} steps, medians over steps > {opts.warmup}")
+    print(
+        f"config {opts.config.relative_to(REPO) if opts.config.is_relative_to(REPO) else opts.config}, "
+        f"{opts.max_steps} steps, medians over steps > {opts.warmup}"
+    )
     print(f"{'':24}{'async_level=0':>16}{'async_level=1':>16}")
-    for key in ("step_s", "generate_s", "train_s", "wait_rollouts_s", "wait_weights_s", "wall_s", "reward_last"):
+    for key in (
+        "step_s",
+        "generate_s",
+        "train_s",
+        "wait_rollouts_s",
+        "wait_weights_s",
+        "wall_s",
+        "reward_last",
+    ):
         print(f"{key:24}{sync[key]:16.3f}{fast[key]:16.3f}")
-    print(f"generate_s (sync run) = {generate_s:.3f}   train_s (mean of both) = {train_s:.3f}   max = {bound:.3f}")
-    print(f"speedup sync/async step time:         {sync['step_s'] / fast['step_s']:.2f}x   (target >= 1.6)")
+    print(
+        f"generate_s (sync run) = {generate_s:.3f}   train_s (mean of both) = {train_s:.3f}   max = {bound:.3f}"
+    )
+    print(
+        f"speedup sync/async step time:         {sync['step_s'] / fast['step_s']:.2f}x   (target >= 1.6)"
+    )
     print(f"async step / max(generate, train):    {fast['step_s'] / bound:.2f}x   (target <= 1.15)")
     print(f"sync step / (generate + train):       {sync['step_s'] / (generate_s + train_s):.2f}x")
     return sync["step_s"] / fast["step_s"], fast["step_s"] / bound

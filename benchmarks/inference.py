@@ -26,13 +26,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 
 
 async def tokens_per_second(url: str, model: str, num_requests: int, max_tokens: int) -> float:
-    body = {"model": model, "messages": [{"role": "user", "content": "Reverse: benchmark"}],
-            "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 1.0,
-            "logprobs": True, "return_token_ids": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Reverse: benchmark"}],
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "temperature": 1.0,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
     async with httpx.AsyncClient(timeout=300) as client:
         start = time.perf_counter()
-        responses = await asyncio.gather(*[client.post(url + "/v1/chat/completions", json=body)
-                                           for _ in range(num_requests)])
+        responses = await asyncio.gather(
+            *[client.post(url + "/v1/chat/completions", json=body) for _ in range(num_requests)]
+        )
         elapsed = time.perf_counter() - start
     tokens = sum(r.json()["usage"]["completion_tokens"] for r in responses)
     return tokens / elapsed
@@ -43,9 +50,15 @@ def time_update(engine_url: str, weights_dir: Path, version: int) -> float:
 
     published = make_published(version, weights_dir)
     start = time.perf_counter()
-    response = httpx.post(engine_url + "/update_weights", timeout=300, json={
-        "version": version, "path": str(weights_dir),
-        "sha256": {f.name: f.sha256 for f in published.files}})
+    response = httpx.post(
+        engine_url + "/update_weights",
+        timeout=300,
+        json={
+            "version": version,
+            "path": str(weights_dir),
+            "sha256": {f.name: f.sha256 for f in published.files},
+        },
+    )
     assert response.status_code == 200, response.text
     return time.perf_counter() - start
 
@@ -77,17 +90,25 @@ def main() -> None:
         asyncio.run(tokens_per_second(replica.engine_url, name, 4, 8))  # warm-up (logprobs path)
         direct, routed = [], []
         for _ in range(args.repeats):
-            direct.append(asyncio.run(tokens_per_second(replica.engine_url, name, args.requests,
-                                                        args.max_tokens)))
-            routed.append(asyncio.run(tokens_per_second(replica.router_url, name, args.requests,
-                                                        args.max_tokens)))
+            direct.append(
+                asyncio.run(
+                    tokens_per_second(replica.engine_url, name, args.requests, args.max_tokens)
+                )
+            )
+            routed.append(
+                asyncio.run(
+                    tokens_per_second(replica.router_url, name, args.requests, args.max_tokens)
+                )
+            )
         d, r = statistics.median(direct), statistics.median(routed)
         print(f"{args.requests} concurrent x {args.max_tokens} tokens, median of {args.repeats}")
         print(f"  direct engine  {d:9.0f} tok/s")
         print(f"  via router     {r:9.0f} tok/s   router/direct = {r / d:.2f}")
 
-        updates = [time_update(replica.engine_url, model, version) for version in
-                   range(1, args.repeats + 2)]
+        updates = [
+            time_update(replica.engine_url, model, version)
+            for version in range(1, args.repeats + 2)
+        ]
         plain = [time_plain_load(model) for _ in range(args.repeats + 1)]
         u, p = statistics.median(updates), statistics.median(plain)
         size_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e6

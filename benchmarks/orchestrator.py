@@ -43,13 +43,30 @@ def serve_fake(port: int, latency_ms: float, completion_tokens: int) -> None:
         body = await request.json()
         await asyncio.sleep(latency_ms / 1000)
         n = min(completion_tokens, body.get("max_tokens", completion_tokens))
-        text = "".join(chr(97 + (hash((json.dumps(body["messages"]), i, time.time_ns())) % 26)) for i in range(n))
+        text = "".join(
+            chr(97 + (hash((json.dumps(body["messages"]), i, time.time_ns())) % 26))
+            for i in range(n)
+        )
         return {
-            "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
             "prompt_token_ids": list(range(40)),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop",
-                         "token_ids": [97 + (ord(c) - 97) for c in text],
-                         "logprobs": {"content": [{"token": c, "logprob": -1.0, "bytes": None, "top_logprobs": []} for c in text]}}],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                    "token_ids": [97 + (ord(c) - 97) for c in text],
+                    "logprobs": {
+                        "content": [
+                            {"token": c, "logprob": -1.0, "bytes": None, "top_logprobs": []}
+                            for c in text
+                        ]
+                    },
+                }
+            ],
             "usage": {"prompt_tokens": 40, "completion_tokens": n, "total_tokens": 40 + n},
         }
 
@@ -66,23 +83,54 @@ async def run_once(server, url: str, model: str, num_workers: int, args) -> dict
     run_id = f"bench_{uuid.uuid4().hex[:6]}"
     bus_config = BusConfig(url=server.url, token=server.token, run_id=run_id)
     config = OrchestratorConfig(
-        run={"name": run_id}, bus=bus_config, model={"name": model}, inference_urls=[url],
-        batch_size=args.batch_size, group_size=args.group_size, max_steps=args.steps, async_level=args.steps,
-        num_workers=num_workers, max_concurrency=args.concurrency, seq_len=512,
-        sampling={"max_tokens": args.completion_tokens}, filter_zero_advantage=False, otel={"enabled": False},
+        run={"name": run_id},
+        bus=bus_config,
+        model={"name": model},
+        inference_urls=[url],
+        batch_size=args.batch_size,
+        group_size=args.group_size,
+        max_steps=args.steps,
+        async_level=args.steps,
+        num_workers=num_workers,
+        max_concurrency=args.concurrency,
+        seq_len=512,
+        sampling={"max_tokens": args.completion_tokens},
+        filter_zero_advantage=False,
+        otel={"enabled": False},
         output_dir=args.tmp,
     )
     procs = []
-    if args.processes:  # scale-out mode: N `orchestrator --role worker` processes + the coordinator here
+    if (
+        args.processes
+    ):  # scale-out mode: N `orchestrator --role worker` processes + the coordinator here
         config = config.model_copy(update={"role": "coordinator"})
         worker_args = [
-            "--role", "worker", "--run.name", run_id, "--output-dir", args.tmp, "--bus.url", server.url,
-            "--model.name", model, "--inference-urls", url, "--group-size", str(args.group_size),
-            "--max-concurrency", str(args.concurrency), "--sampling.max-tokens", str(args.completion_tokens),
-            "--log.level", "warning",
+            "--role",
+            "worker",
+            "--run.name",
+            run_id,
+            "--output-dir",
+            args.tmp,
+            "--bus.url",
+            server.url,
+            "--model.name",
+            model,
+            "--inference-urls",
+            url,
+            "--group-size",
+            str(args.group_size),
+            "--max-concurrency",
+            str(args.concurrency),
+            "--sampling.max-tokens",
+            str(args.completion_tokens),
+            "--log.level",
+            "warning",
         ] + (["--bus.token", server.token] if server.token else [])
         cmd = [sys.executable, "-c", "from rlbus_orchestrator.entrypoint import main; main()"]
-        procs = [subprocess.Popen(cmd + worker_args, stdout=subprocess.DEVNULL) for _ in range(num_workers)]
+        procs = [
+            subprocess.Popen(cmd + worker_args, stdout=subprocess.DEVNULL)
+            for _ in range(num_workers)
+        ]
     started = time.perf_counter()
     try:
         await serve(config)
@@ -96,11 +144,14 @@ async def run_once(server, url: str, model: str, num_workers: int, args) -> dict
     metrics = []
     for step in range(1, args.steps + 1):
         msg = await bus.js.get_last_msg(bus.subjects.batches_stream, bus.subjects.batch(step))
-        metrics.append(batches_wire.decoder.decode(bus.decode_payload(msg.data, msg.headers)).metrics)
+        metrics.append(
+            batches_wire.decoder.decode(bus.decode_payload(msg.data, msg.headers)).metrics
+        )
     await bus.close()
     skip = metrics[1:] or metrics  # step 1 includes start-up
     return {
-        "workers": num_workers, "wall_s": wall,
+        "workers": num_workers,
+        "wall_s": wall,
         # steady state: steps after the first (which includes start-up of workers and connections)
         "samples_per_s": args.batch_size / statistics.fmean(m["time/step_s"] for m in skip),
         "own_s": statistics.fmean(m["time/orchestrator_s"] for m in skip),
@@ -119,8 +170,18 @@ async def main_async(args) -> None:
     url, model = args.inference_url, args.model
     if url is None:
         port = free_port()
-        fake = subprocess.Popen([sys.executable, __file__, "--serve-fake", str(port), "--latency-ms", str(args.latency_ms),
-                                 "--completion-tokens", str(args.completion_tokens)])
+        fake = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--serve-fake",
+                str(port),
+                "--latency-ms",
+                str(args.latency_ms),
+                "--completion-tokens",
+                str(args.completion_tokens),
+            ]
+        )
         url, model = f"http://127.0.0.1:{port}/v1", "fake"
         await asyncio.sleep(3)
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,16 +196,24 @@ async def main_async(args) -> None:
                 fake.wait()
     base = results[0]
     mode = "worker processes" if args.processes else "in-process workers"
-    print(f"\norchestrator benchmark ({mode}): {args.steps} steps x {args.batch_size} samples (group {args.group_size}), "
-          f"max_concurrency {args.concurrency}/worker, inference {'fake %sms' % args.latency_ms if fake else url}")
-    print(f"{'workers':>7} {'samples/s':>10} {'x1w':>6} {'step s':>8} {'own s/step':>11} {'wait s/step':>12} {'own %':>6}")
+    print(
+        f"\norchestrator benchmark ({mode}): {args.steps} steps x {args.batch_size} samples (group {args.group_size}), "
+        f"max_concurrency {args.concurrency}/worker, inference {f'fake {args.latency_ms}ms' if fake else url}"
+    )
+    print(
+        f"{'workers':>7} {'samples/s':>10} {'x1w':>6} {'step s':>8} {'own s/step':>11} {'wait s/step':>12} {'own %':>6}"
+    )
     for r in results:
-        print(f"{r['workers']:>7} {r['samples_per_s']:>10.1f} {r['samples_per_s'] / base['samples_per_s']:>6.2f} "
-              f"{r['step_s']:>8.3f} {r['own_s']:>11.4f} {r['wait_s']:>12.3f} {100 * r['own_s'] / max(r['step_s'], 1e-9):>6.1f}")
+        print(
+            f"{r['workers']:>7} {r['samples_per_s']:>10.1f} {r['samples_per_s'] / base['samples_per_s']:>6.2f} "
+            f"{r['step_s']:>8.3f} {r['own_s']:>11.4f} {r['wait_s']:>12.3f} {100 * r['own_s'] / max(r['step_s'], 1e-9):>6.1f}"
+        )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--serve-fake", type=int, help=argparse.SUPPRESS)
     p.add_argument("--inference-url")
     p.add_argument("--model", default="fake")
@@ -155,7 +224,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--processes", action="store_true", help="workers as separate `--role worker` processes")
+    p.add_argument(
+        "--processes", action="store_true", help="workers as separate `--role worker` processes"
+    )
     args = p.parse_args()
     if args.serve_fake:
         serve_fake(args.serve_fake, args.latency_ms, args.completion_tokens)

@@ -42,12 +42,19 @@ def run_mode(mode: str, model_dir: str, steps: int, seq_len: int) -> dict:
     from rlbus_trainer.loss import build_loss_fn
     from rlbus_trainer.testing import make_train_batch
 
-    config = TrainerConfig(model={"name": model_dir, **MODES[mode]}, optim={"type": "adamw", "lr": 1e-4},
-                           loss={"mask_low": 1.0, "mask_high": 1.0}, seq_len=seq_len, tokens_per_forward=2048)
+    config = TrainerConfig(
+        model={"name": model_dir, **MODES[mode]},
+        optim={"type": "adamw", "lr": 1e-4},
+        loss={"mask_low": 1.0, "mask_high": 1.0},
+        seq_len=seq_len,
+        tokens_per_forward=2048,
+    )
     engine = build_engine(config, setup_distributed())
     loss_fn = build_loss_fn(config.loss)
     num_sequences = max(1, seq_len // 12)
-    batches = [make_train_batch(s, num_sequences=num_sequences).micro_batches[0] * 4 for s in range(steps)]
+    batches = [
+        make_train_batch(s, num_sequences=num_sequences).micro_batches[0] * 4 for s in range(steps)
+    ]
     engine.train_step(batches[0], loss_fn)  # warm-up
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -55,14 +62,23 @@ def run_mode(mode: str, model_dir: str, steps: int, seq_len: int) -> dict:
     for mbs in batches[1:]:
         tokens += engine.train_step(mbs, loss_fn).num_tokens
     elapsed = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"mode": mode, "tokens_per_s": tokens / elapsed, "peak_memory_mb": peak / 2**20,
-            "step_s": elapsed / max(1, steps - 1)}
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if torch.cuda.is_available()
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {
+        "mode": mode,
+        "tokens_per_s": tokens / elapsed,
+        "peak_memory_mb": peak / 2**20,
+        "step_s": elapsed / max(1, steps - 1),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)
@@ -77,22 +93,45 @@ def main() -> None:
     from rlbus_trainer.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_model(Path(tmp) / "model", hidden_size=args.hidden_size, num_layers=args.num_layers,
-                                 intermediate_size=3 * args.hidden_size, num_heads=args.hidden_size // 32,
-                                 num_kv_heads=args.hidden_size // 32)
+        model = build_tiny_model(
+            Path(tmp) / "model",
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            intermediate_size=3 * args.hidden_size,
+            num_heads=args.hidden_size // 32,
+            num_kv_heads=args.hidden_size // 32,
+        )
         results = []
         for mode in MODES:
             out = subprocess.run(
-                [sys.executable, __file__, "--_mode", mode, "--_model", str(model), "--steps", str(args.steps),
-                 "--seq-len", str(args.seq_len)],
-                capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True)
+                [
+                    sys.executable,
+                    __file__,
+                    "--_mode",
+                    mode,
+                    "--_model",
+                    str(model),
+                    "--steps",
+                    str(args.steps),
+                    "--seq-len",
+                    str(args.seq_len),
+                ],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                check=True,
+            )
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = results[0]
-    print(f"model hidden={args.hidden_size} layers={args.num_layers}, seq_len={args.seq_len}, {args.steps - 1} timed steps")
+    print(
+        f"model hidden={args.hidden_size} layers={args.num_layers}, seq_len={args.seq_len}, {args.steps - 1} timed steps"
+    )
     print(f"{'mode':<20}{'tokens/s':>12}{'x plain':>10}{'peak MiB':>12}{'x plain':>10}")
     for r in results:
-        print(f"{r['mode']:<20}{r['tokens_per_s']:>12.0f}{r['tokens_per_s'] / base['tokens_per_s']:>10.2f}"
-              f"{r['peak_memory_mb']:>12.0f}{r['peak_memory_mb'] / base['peak_memory_mb']:>10.2f}")
+        print(
+            f"{r['mode']:<20}{r['tokens_per_s']:>12.0f}{r['tokens_per_s'] / base['tokens_per_s']:>10.2f}"
+            f"{r['peak_memory_mb']:>12.0f}{r['peak_memory_mb'] / base['peak_memory_mb']:>10.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -69,9 +69,13 @@ async def make_bus(nats_server, tmp_path):
     buses: list[Bus] = []
     default_run_id = f"test_{uuid.uuid4().hex[:8]}"
 
-    async def make(server: NatsServer | None = None, run_id: str | None = None, name: str = "test", **overrides) -> Bus:
+    async def make(
+        server: NatsServer | None = None, run_id: str | None = None, name: str = "test", **overrides
+    ) -> Bus:
         config = make_bus_config(server or nats_server, **overrides)
-        bus = await Bus.connect(config, run_id=run_id or default_run_id, storage_dir=tmp_path, name=name)
+        bus = await Bus.connect(
+            config, run_id=run_id or default_run_id, storage_dir=tmp_path, name=name
+        )
         buses.append(bus)
         return bus
 

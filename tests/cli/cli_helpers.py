@@ -11,11 +11,18 @@ BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_command(command: str, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_command(
+    command: str, *args: str, cwd: Path, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run `command` (a console script of this venv) with `args`; never raises on failure."""
     full_env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", **(env or {})}
     return subprocess.run(
-        [str(BIN / command), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=120
+        [str(BIN / command), *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

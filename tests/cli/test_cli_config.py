@@ -9,7 +9,10 @@ from cli_helpers import error_text, resolved_config, run_command, write
 
 
 def test_config_files_deep_merge_left_to_right_under_cli_flags(tmp_path):
-    write(tmp_path / "a.toml", "max_steps = 10\nseq_len = 512\n[orchestrator]\nbatch_size = 64\ngroup_size = 4\n")
+    write(
+        tmp_path / "a.toml",
+        "max_steps = 10\nseq_len = 512\n[orchestrator]\nbatch_size = 64\ngroup_size = 4\n",
+    )
     write(tmp_path / "b.yaml", "max_steps: 20\norchestrator:\n  group_size: 16\n")
     write(tmp_path / "c.json", json.dumps({"orchestrator": {"async_level": 3}}))
 
@@ -27,7 +30,10 @@ def test_config_files_deep_merge_left_to_right_under_cli_flags(tmp_path):
 
 
 def test_dotted_kebab_case_flags_set_snake_case_fields(tmp_path):
-    write(tmp_path / "rl.toml", "[orchestrator]\nmax_off_policy_steps = 1\n[trainer.optim]\nweight_decay = 0.1\n")
+    write(
+        tmp_path / "rl.toml",
+        "[orchestrator]\nmax_off_policy_steps = 1\n[trainer.optim]\nweight_decay = 0.1\n",
+    )
 
     config = resolved_config(
         "rl", "@", "rl.toml", "--orchestrator.max-off-policy-steps", "3",
@@ -42,7 +48,10 @@ def test_dotted_kebab_case_flags_set_snake_case_fields(tmp_path):
 
 
 def test_bool_flags_toggle_and_negate_nested(tmp_path):
-    write(tmp_path / "rl.toml", "[inference.vllm]\nenforce_eager = false\n[orchestrator]\nfilter_zero_advantage = true\n")
+    write(
+        tmp_path / "rl.toml",
+        "[inference.vllm]\nenforce_eager = false\n[orchestrator]\nfilter_zero_advantage = true\n",
+    )
 
     config = resolved_config(
         "rl", "@", "rl.toml", "--inference.vllm.enforce-eager", "--no-orchestrator.filter-zero-advantage",
@@ -55,7 +64,9 @@ def test_bool_flags_toggle_and_negate_nested(tmp_path):
 
 
 def test_lists_take_space_separated_values_or_json(tmp_path):
-    spaced = resolved_config("sft", "--data.loss-roles", "assistant", "user", "--max-steps", "3", cwd=tmp_path)
+    spaced = resolved_config(
+        "sft", "--data.loss-roles", "assistant", "user", "--max-steps", "3", cwd=tmp_path
+    )
     as_json = resolved_config("sft", "--data.loss-roles", '["system", "tool"]', cwd=tmp_path)
 
     assert spaced["data"]["loss_roles"] == ["assistant", "user"]
@@ -64,13 +75,22 @@ def test_lists_take_space_separated_values_or_json(tmp_path):
 
 
 def test_json_dict_flag_deep_merges_with_file_values(tmp_path):
-    write(tmp_path / "orch.toml", '[sampling.extra_body]\nmin_p = 0.1\nkwargs = {a = 1, b = 2}\n')
+    write(tmp_path / "orch.toml", "[sampling.extra_body]\nmin_p = 0.1\nkwargs = {a = 1, b = 2}\n")
 
     config = resolved_config(
-        "orchestrator", "@", "orch.toml", "--sampling.extra-body", '{"top_k": 5, "kwargs": {"b": 3}}', cwd=tmp_path
+        "orchestrator",
+        "@",
+        "orch.toml",
+        "--sampling.extra-body",
+        '{"top_k": 5, "kwargs": {"b": 3}}',
+        cwd=tmp_path,
     )
 
-    assert config["sampling"]["extra_body"] == {"min_p": 0.1, "top_k": 5, "kwargs": {"a": 1, "b": 3}}
+    assert config["sampling"]["extra_body"] == {
+        "min_p": 0.1,
+        "top_k": 5,
+        "kwargs": {"a": 1, "b": 3},
+    }
 
 
 def test_optional_subconfig_enables_from_bare_flag_or_file_and_disables(tmp_path):
@@ -79,8 +99,12 @@ def test_optional_subconfig_enables_from_bare_flag_or_file_and_disables(tmp_path
 
     assert resolved_config("rl", cwd=tmp_path)["monitors"]["wandb"] == "None"  # off by default
     bare = resolved_config("rl", "--monitors.wandb", cwd=tmp_path)["monitors"]["wandb"]
-    from_file = resolved_config("rl", "--monitors.wandb", "@", "wandb.toml", cwd=tmp_path)["monitors"]["wandb"]
-    disabled = resolved_config("rl", "@", "with_wandb.toml", "--no-monitors.wandb", cwd=tmp_path)["monitors"]
+    from_file = resolved_config("rl", "--monitors.wandb", "@", "wandb.toml", cwd=tmp_path)[
+        "monitors"
+    ]["wandb"]
+    disabled = resolved_config("rl", "@", "with_wandb.toml", "--no-monitors.wandb", cwd=tmp_path)[
+        "monitors"
+    ]
 
     assert bare["project"] == "rlbus" and bare["offline"] is False
     assert from_file["project"] == "from-file" and from_file["offline"] is True
@@ -96,7 +120,13 @@ def test_discriminated_union_switches_by_type_tag(tmp_path):
 
     assert trainer["optim"]["type"] == "muon" and trainer["optim"]["lr"] == 0.05
     assert "adamw_lr" in trainer["optim"]  # a Muon field, absent from AdamW
-    assert rl["trainer"]["optim"] == {"type": "sgd", "lr": 1e-3, "momentum": 0.9, "weight_decay": 0.0, "max_norm": 1.0}
+    assert rl["trainer"]["optim"] == {
+        "type": "sgd",
+        "lr": 1e-3,
+        "momentum": 0.9,
+        "weight_decay": 0.0,
+        "max_norm": 1.0,
+    }
     assert rl["trainer"]["scheduler"]["type"] == "cosine"
 
 
@@ -104,10 +134,14 @@ def test_renamed_field_alias_and_legacy_key_remap_still_work(tmp_path):
     write(tmp_path / "old.toml", '[ckpt]\nkeep = 4\n[wandb]\nproject = "legacy"\n')
 
     from_file = resolved_config("rl", "@", "old.toml", cwd=tmp_path)
-    from_flags = resolved_config("rl", "--ckpt.keep", "3", "--wandb.project", "legacy-flag", cwd=tmp_path)
+    from_flags = resolved_config(
+        "rl", "--ckpt.keep", "3", "--wandb.project", "legacy-flag", cwd=tmp_path
+    )
 
     assert from_file["ckpt"]["keep_last"] == 4  # alias `keep` of ckpt.keep_last
-    assert from_file["monitors"]["wandb"]["project"] == "legacy"  # [wandb] moved to [monitors.wandb]
+    assert (
+        from_file["monitors"]["wandb"]["project"] == "legacy"
+    )  # [wandb] moved to [monitors.wandb]
     assert from_file["trainer"]["monitors"]["wandb"]["project"] == "legacy"  # and pushed down
     assert from_flags["ckpt"]["keep_last"] == 3
     assert from_flags["monitors"]["wandb"]["project"] == "legacy-flag"
@@ -121,7 +155,11 @@ def test_help_panels_come_from_field_docstrings_without_importing_torch(tmp_path
     assert result.returncode == 0
     assert "Wipe this run's directory" in result.stdout  # RLConfig.clean's docstring
     assert "trainer.optim variant: MuonConfig" in result.stdout
-    imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
+    imported = {
+        line.split("|")[-1].strip().split(".")[0]
+        for line in result.stderr.splitlines()
+        if "|" in line
+    }
     assert not imported & {"torch", "vllm", "transformers"}
     # Not a benchmark: a loose bound that only an import of torch/vllm would break.
     assert elapsed < 10, f"rl --help took {elapsed:.1f}s"
@@ -132,7 +170,11 @@ def test_every_command_answers_help_without_heavy_imports(tmp_path):
         result = run_command(command, "--help", cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
         assert result.returncode == 0, (command, result.stderr[-2000:])
         assert result.stdout.startswith(f"usage: {command}")
-        imported = {line.split("|")[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
+        imported = {
+            line.split("|")[-1].strip().split(".")[0]
+            for line in result.stderr.splitlines()
+            if "|" in line
+        }
         assert not imported & {"torch", "vllm"}, command
 
 
@@ -150,14 +192,21 @@ def test_validator_error_names_the_offending_flag(tmp_path):
     model_error = run_command("trainer", "--optim.type", "muon", "--optim.lr", "-1", cwd=tmp_path)
 
     assert field_error.returncode == 2 and model_error.returncode == 2
-    assert "--orchestrator.batch-size: Input should be greater than or equal to 1 (got '0')" in error_text(field_error)
-    assert "--optim.lr: Input should be greater than 0" in error_text(model_error)  # no `muon` segment
+    assert (
+        "--orchestrator.batch-size: Input should be greater than or equal to 1 (got '0')"
+        in error_text(field_error)
+    )
+    assert "--optim.lr: Input should be greater than 0" in error_text(
+        model_error
+    )  # no `muon` segment
     assert "Traceback" not in field_error.stderr + model_error.stderr
 
 
 def test_unknown_flag_gets_did_you_mean_hint(tmp_path):
     nested = run_command("rl", "--trainer.max-step", "5", cwd=tmp_path)
-    in_union = run_command("trainer", "--optim.type", "muon", "--optim.adamw-lrr", "1e-3", cwd=tmp_path)
+    in_union = run_command(
+        "trainer", "--optim.type", "muon", "--optim.adamw-lrr", "1e-3", cwd=tmp_path
+    )
     in_optional = run_command("rl", "--monitors.wandbb", cwd=tmp_path)
 
     assert nested.returncode == in_union.returncode == in_optional.returncode == 2
@@ -169,15 +218,26 @@ def test_unknown_flag_gets_did_you_mean_hint(tmp_path):
 
 def test_unknown_vllm_options_pass_through_but_other_typos_do_not(tmp_path):
     inference = resolved_config(
-        "inference", "--vllm.enforce-eager", "--vllm.some-option", "3", "--vllm.kv-cache-dtype", "fp8", cwd=tmp_path
+        "inference",
+        "--vllm.enforce-eager",
+        "--vllm.some-option",
+        "3",
+        "--vllm.kv-cache-dtype",
+        "fp8",
+        cwd=tmp_path,
     )
-    rl = resolved_config("rl", "--inference.vllm.enforce-eager", "--inference.vllm.some-option", "3", cwd=tmp_path)
+    rl = resolved_config(
+        "rl", "--inference.vllm.enforce-eager", "--inference.vllm.some-option", "3", cwd=tmp_path
+    )
     typo = run_command("inference", "--server.prot", "1", cwd=tmp_path)
 
     assert inference["vllm"]["enforce_eager"] is True
     assert inference["vllm"]["some_option"] == "3"
     assert inference["vllm"]["kv_cache_dtype"] == "fp8"
-    assert rl["inference"]["vllm"]["enforce_eager"] is True and rl["inference"]["vllm"]["some_option"] == "3"
+    assert (
+        rl["inference"]["vllm"]["enforce_eager"] is True
+        and rl["inference"]["vllm"]["some_option"] == "3"
+    )
     assert typo.returncode == 2 and "did you mean --server.port?" in error_text(typo)
 
 
@@ -197,9 +257,21 @@ def test_full_offload_rules(tmp_path):
         "--optim.type", "sign_sgd", cwd=tmp_path,
     )  # fmt: skip
     with_state_offload = run_command("trainer", "--model.full-offload", cwd=tmp_path)
-    with_muon = run_command("trainer", "--no-model.optim-cpu-offload", "--model.full-offload", "--optim.type", "muon", cwd=tmp_path)
+    with_muon = run_command(
+        "trainer",
+        "--no-model.optim-cpu-offload",
+        "--model.full-offload",
+        "--optim.type",
+        "muon",
+        cwd=tmp_path,
+    )
     with_clipping = run_command(
-        "trainer", "--no-model.optim-cpu-offload", "--model.full-offload", "--optim.max-norm", "1.0", cwd=tmp_path
+        "trainer",
+        "--no-model.optim-cpu-offload",
+        "--model.full-offload",
+        "--optim.max-norm",
+        "1.0",
+        cwd=tmp_path,
     )
 
     assert enabled["model"]["full_offload"] is True
@@ -244,7 +316,11 @@ def test_root_file_after_a_plain_flag_is_still_a_root_file(tmp_path):
     write(tmp_path / "a.toml", "max_steps = 11\nseq_len = 256\n")
     write(tmp_path / "b.toml", "max_steps = 12\n")
 
-    config = resolved_config("rl", "--clean", "@", "a.toml", "--seq-len", "128", "@", "b.toml", cwd=tmp_path)
+    config = resolved_config(
+        "rl", "--clean", "@", "a.toml", "--seq-len", "128", "@", "b.toml", cwd=tmp_path
+    )
 
-    assert config["clean"] is True and config["seq_len"] == 128  # flags beat files wherever they stand
+    assert (
+        config["clean"] is True and config["seq_len"] == 128
+    )  # flags beat files wherever they stand
     assert config["max_steps"] == 12  # files still merge left to right

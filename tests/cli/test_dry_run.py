@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import tomli
-
 from cli_helpers import REPO, error_text, run_command
 
 DEBUG_RL = str(REPO / "configs/debug/rl.toml")
@@ -59,7 +58,9 @@ def test_cpu_binding_gives_inference_and_trainer_disjoint_cores(tmp_path):
     result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "b1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     scripts = tmp_path / "outputs" / "b1" / "scripts"
-    bind = re.search(r"export VLLM_CPU_OMP_THREADS_BIND=([\d,]+)", (scripts / "inference.sh").read_text())
+    bind = re.search(
+        r"export VLLM_CPU_OMP_THREADS_BIND=([\d,]+)", (scripts / "inference.sh").read_text()
+    )
     argv = exec_argv(scripts / "trainer.sh")
     assert bind and Path(argv[0]).name == "taskset" and argv[1] == "-c"
     inference_cores, trainer_cores = set(bind.group(1).split(",")), set(argv[2].split(","))
@@ -70,15 +71,33 @@ def test_cpu_binding_gives_inference_and_trainer_disjoint_cores(tmp_path):
     argv = exec_argv(scripts / "inference.sh")  # auto: the whole inference process tree, too
     assert Path(argv[0]).name == "taskset" and set(argv[2].split(",")) == inference_cores
 
-    result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "b3", "--deployment.cpu-binding", "threads",
-                         cwd=tmp_path)
+    result = run_command(
+        "rl",
+        "@",
+        DEBUG_RL,
+        "--dry-run",
+        "--run.name",
+        "b3",
+        "--deployment.cpu-binding",
+        "threads",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     scripts = tmp_path / "outputs" / "b3" / "scripts"
     assert "VLLM_CPU_OMP_THREADS_BIND" in (scripts / "inference.sh").read_text()
     assert Path(exec_argv(scripts / "inference.sh")[0]).name != "taskset"
 
-    result = run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "b2", "--deployment.cpu-binding", "off",
-                         cwd=tmp_path)
+    result = run_command(
+        "rl",
+        "@",
+        DEBUG_RL,
+        "--dry-run",
+        "--run.name",
+        "b2",
+        "--deployment.cpu-binding",
+        "off",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     scripts = tmp_path / "outputs" / "b2" / "scripts"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in (scripts / "inference.sh").read_text()
@@ -90,31 +109,65 @@ def test_rl_dry_run_writes_every_resolved_config_and_one_script_per_process(tmp_
 
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "outputs" / "t1"
-    assert f"Run directory: outputs/t1" in result.stdout and "launch.sh" in result.stdout
+    assert "Run directory: outputs/t1" in result.stdout and "launch.sh" in result.stdout
     configs = {p.name for p in (run_dir / "configs").iterdir()}
-    assert configs == {"rl.toml", "inference.toml", "orchestrator.toml", "trainer.toml", "nats.conf"}
+    assert configs == {
+        "rl.toml",
+        "inference.toml",
+        "orchestrator.toml",
+        "trainer.toml",
+        "nats.conf",
+    }
     scripts = sorted((run_dir / "scripts").iterdir())
-    assert [p.name for p in scripts] == ["inference.sh", "launch.sh", "monitor.sh", "nats.sh", "orchestrator.sh", "trainer.sh"]
+    assert [p.name for p in scripts] == [
+        "inference.sh",
+        "launch.sh",
+        "monitor.sh",
+        "nats.sh",
+        "orchestrator.sh",
+        "trainer.sh",
+    ]
     assert all(os.access(p, os.X_OK) for p in scripts)
     launch_all = (run_dir / "scripts" / "launch.sh").read_text()
-    order = [launch_all.index(f'"$here/{name}.sh"') for name in ("nats", "inference", "orchestrator", "trainer")]
+    order = [
+        launch_all.index(f'"$here/{name}.sh"')
+        for name in ("nats", "inference", "orchestrator", "trainer")
+    ]
     assert order == sorted(order)
     assert not (run_dir / "nats").exists()  # nothing was started
 
 
 def test_rl_dry_run_service_configs_match_the_resolved_rl_config(tmp_path):
-    run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "t2", "--trainer.max-steps", "4", cwd=tmp_path)
+    run_command(
+        "rl",
+        "@",
+        DEBUG_RL,
+        "--dry-run",
+        "--run.name",
+        "t2",
+        "--trainer.max-steps",
+        "4",
+        cwd=tmp_path,
+    )
     configs = tmp_path / "outputs" / "t2" / "configs"
     rl, trainer = load_toml(configs / "rl.toml"), load_toml(configs / "trainer.toml")
     nats_port = json.loads((configs / "nats.conf").read_text())["port"]
 
     debug = load_toml(Path(DEBUG_RL))
     assert trainer["max_steps"] == 4 and rl["max_steps"] == debug["max_steps"] != 4
-    assert trainer["model"]["name"] == rl["model"]["name"] and trainer["optim"]["lr"] == rl["trainer"]["optim"]["lr"]
-    assert load_toml(configs / "orchestrator.toml")["batch_size"] == rl["orchestrator"]["batch_size"] \
+    assert (
+        trainer["model"]["name"] == rl["model"]["name"]
+        and trainer["optim"]["lr"] == rl["trainer"]["optim"]["lr"]
+    )
+    assert (
+        load_toml(configs / "orchestrator.toml")["batch_size"]
+        == rl["orchestrator"]["batch_size"]
         == debug["orchestrator"]["batch_size"]
+    )
     assert trainer["bus"]["url"] == f"nats://127.0.0.1:{nats_port}"
-    assert "url" not in rl["bus"]  # rl.toml keeps "embedded server", so `rl @ rl.toml --resume` starts one
+    assert (
+        "url" not in rl["bus"]
+    )  # rl.toml keeps "embedded server", so `rl @ rl.toml --resume` starts one
     assert trainer["run"]["name"] == "t2" and trainer["bus"]["run_id"] == "t2"
     assert load_toml(configs / "inference.toml")["run_dir"] == "outputs/t2"
     assert trainer["clean"] is False and trainer["dry_run"] is False and rl["dry_run"] is False
@@ -128,14 +181,18 @@ def test_dry_run_scripts_reproduce_the_launch(tmp_path):
     for name in ("inference", "orchestrator", "trainer"):
         argv = exec_argv(run_dir / "scripts" / f"{name}.sh")
         assert argv[-2:] == ["@", str((run_dir / "configs" / f"{name}.toml").absolute())]
-        printed = subprocess.run([*service_argv(argv), "--print-config"], cwd=tmp_path, capture_output=True, text=True)
+        printed = subprocess.run(
+            [*service_argv(argv), "--print-config"], cwd=tmp_path, capture_output=True, text=True
+        )
         assert printed.returncode == 0, printed.stderr
         assert tomli.loads(printed.stdout) == load_toml(run_dir / "configs" / f"{name}.toml")
     assert "--nproc-per-node" in exec_argv(run_dir / "scripts" / "trainer.sh")
 
     # The NATS script really starts the embedded server on the port written into the configs.
     port = json.loads((run_dir / "configs" / "nats.conf").read_text())["port"]
-    server = subprocess.Popen(["bash", str(run_dir / "scripts" / "nats.sh")], cwd="/", start_new_session=True)
+    server = subprocess.Popen(
+        ["bash", str(run_dir / "scripts" / "nats.sh")], cwd="/", start_new_session=True
+    )
     try:
         wait_for_port(port)
         assert (run_dir / "nats" / "jetstream").is_dir()  # the store lives in the run directory
@@ -180,9 +237,22 @@ def test_sft_dry_run_names_the_run_after_dataset_and_model_and_writes_a_torchrun
     (run_dir,) = (tmp_path / "outputs").iterdir()
     assert re.fullmatch(r"reverse-text--tiny-qwen3--[0-9a-f]{6}", run_dir.name)
     argv = exec_argv(run_dir / "scripts" / "sft.sh")
-    assert argv[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m"]
-    assert argv[7:] == ["rlbus_trainer.sft_entrypoint", "@", str((run_dir / "configs" / "sft.toml").absolute())]
-    printed = subprocess.run([*service_argv(argv), "--print-config"], cwd=tmp_path, capture_output=True, text=True)
+    assert argv[1:7] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+    ]
+    assert argv[7:] == [
+        "rlbus_trainer.sft_entrypoint",
+        "@",
+        str((run_dir / "configs" / "sft.toml").absolute()),
+    ]
+    printed = subprocess.run(
+        [*service_argv(argv), "--print-config"], cwd=tmp_path, capture_output=True, text=True
+    )
     written = load_toml(run_dir / "configs" / "sft.toml")
     assert tomli.loads(printed.stdout) == written
     assert written["run"]["name"] == run_dir.name and written["max_steps"] == 20
@@ -210,10 +280,20 @@ def test_each_inference_replica_gets_its_own_config_ports_and_script(tmp_path):
 def test_relaunching_from_the_written_rl_config_repeats_the_run(tmp_path):
     run_command("rl", "@", DEBUG_RL, "--dry-run", "--run.name", "again", cwd=tmp_path)
     configs = tmp_path / "outputs" / "again" / "configs"
-    first = {name: load_toml(configs / f"{name}.toml") for name in ("trainer", "orchestrator", "inference")}
+    first = {
+        name: load_toml(configs / f"{name}.toml")
+        for name in ("trainer", "orchestrator", "inference")
+    }
 
     relaunch = run_command(
-        "rl", "@", str(configs / "rl.toml"), "--dry-run", "--resume", "--max-steps", "9", cwd=tmp_path
+        "rl",
+        "@",
+        str(configs / "rl.toml"),
+        "--dry-run",
+        "--resume",
+        "--max-steps",
+        "9",
+        cwd=tmp_path,
     )
 
     assert relaunch.returncode == 0, relaunch.stderr
@@ -227,11 +307,21 @@ def test_relaunching_from_the_written_rl_config_repeats_the_run(tmp_path):
             config.pop("max_steps", None)
             config.pop("resume", None)  # the relaunch resumes
         assert first[name] == second[name], name
-    assert load_toml(configs / "trainer.toml")["max_steps"] == 9  # a new top-level value still pushes down
+    assert (
+        load_toml(configs / "trainer.toml")["max_steps"] == 9
+    )  # a new top-level value still pushes down
 
 
 def test_inference_ports_left_unset_are_free_ports_not_the_defaults(tmp_path):
-    result = run_command("rl", "--dry-run", "--run.name", "ports", "--deployment.num-infer-replicas", "2", cwd=tmp_path)
+    result = run_command(
+        "rl",
+        "--dry-run",
+        "--run.name",
+        "ports",
+        "--deployment.num-infer-replicas",
+        "2",
+        cwd=tmp_path,
+    )
 
     assert result.returncode == 0, result.stderr
     configs = tmp_path / "outputs" / "ports" / "configs"

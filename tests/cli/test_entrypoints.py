@@ -9,7 +9,9 @@ LOAD = "from rlbus.launch.entry import load_service_run; load_service_run({modul
 
 
 def run_python(code: str, tmp_path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_missing_service_module_fails_with_a_message_not_a_traceback(tmp_path):
@@ -34,7 +36,9 @@ def test_a_missing_dependency_inside_the_service_keeps_its_traceback(tmp_path):
     result = run_python(LOAD.format(module="broken_service"), tmp_path)
 
     assert result.returncode == 1
-    assert "ModuleNotFoundError: No module named 'dependency_that_is_not_installed'" in result.stderr
+    assert (
+        "ModuleNotFoundError: No module named 'dependency_that_is_not_installed'" in result.stderr
+    )
 
 
 def test_entry_point_modules_import_no_service_body(tmp_path):

@@ -47,7 +47,9 @@ def starting_model(tmp_path_factory) -> StartingModel:
     if (configured_model() / "config.json").exists():
         return StartingModel(configured_model(), trained=True)
     root = tmp_path_factory.mktemp("model")
-    subprocess.run([str(BIN / "rlbus-tiny-model"), str(root / "tiny")], check=True, cwd=REPO, timeout=600)
+    subprocess.run(
+        [str(BIN / "rlbus-tiny-model"), str(root / "tiny")], check=True, cwd=REPO, timeout=600
+    )
     subprocess.run(
         [str(BIN / "sft"), "@", str(DEBUG_SFT), "--model.name", str(root / "tiny"),
          "--output-dir", str(root / "out"), "--run.name", "sft", "--max-steps", "5"],
@@ -64,9 +66,20 @@ class RlLaunch:
         self.run_dir = output_dir / run_name
         self.console = output_dir / f"{run_name}.console.{time.monotonic_ns()}.txt"
         output_dir.mkdir(parents=True, exist_ok=True)
-        argv = [str(BIN / "rl"), "@", str(config), "--output-dir", str(output_dir), "--run.name", run_name, *args]
+        argv = [
+            str(BIN / "rl"),
+            "@",
+            str(config),
+            "--output-dir",
+            str(output_dir),
+            "--run.name",
+            run_name,
+            *args,
+        ]
         with open(self.console, "wb") as out:
-            self.popen = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.popen = subprocess.Popen(
+                argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def wait(self, timeout_s: float = RUN_TIMEOUT_S) -> int:
         try:
@@ -150,4 +163,6 @@ def group_alive(pgid: int) -> bool:
 
 
 def alive_groups(run_dir: Path) -> list[str]:
-    return [f"{name} (pgid {pid})" for name, pid in launcher_pids(run_dir).items() if group_alive(pid)]
+    return [
+        f"{name} (pgid {pid})" for name, pid in launcher_pids(run_dir).items() if group_alive(pid)
+    ]

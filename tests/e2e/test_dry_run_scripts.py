@@ -6,7 +6,6 @@ import signal
 import subprocess
 
 import pytest
-
 from e2e_support import REPO, RlLaunch, wait_for
 
 pytestmark = pytest.mark.slow
@@ -25,14 +24,21 @@ def trained_steps(run_dir) -> list[int]:
 
 
 def test_dry_run_scripts_run_step_one_through_every_service(tmp_path, starting_model):
-    dry = RlLaunch(tmp_path, "dry", "--model.name", str(starting_model.path), "--max-steps", "1", "--dry-run")
+    dry = RlLaunch(
+        tmp_path, "dry", "--model.name", str(starting_model.path), "--max-steps", "1", "--dry-run"
+    )
     assert dry.wait(120) == 0, dry.output()
     run_dir = dry.run_dir
     assert not (run_dir / "logs" / "trainer.log").exists(), "a dry run started the trainer"
     assert not (run_dir / "nats" / "jetstream").exists(), "a dry run started nats-server"
 
-    script = subprocess.Popen(["bash", str(run_dir / "scripts" / "launch.sh")], cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    script = subprocess.Popen(
+        ["bash", str(run_dir / "scripts" / "launch.sh")],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         # max_steps = 1: the trainer exits 0 after step 1 and launch.sh then stops the rest.
         wait_for(lambda: script.poll() is not None, 480, "launch.sh to finish after step 1")

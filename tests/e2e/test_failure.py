@@ -1,15 +1,22 @@
 """A service that dies takes the run down cleanly: named, its log shown, the rest stopped, exit != 0."""
 
 import pytest
-
 from e2e_support import RlLaunch, alive_groups
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_dying_trainer_is_named_with_its_log_and_every_other_process_stops(tmp_path, starting_model):
-    launch = RlLaunch(tmp_path, "dies", "--model.name", str(starting_model.path),
-                      "--trainer.model.name", str(tmp_path / "no-such-model"))
+def test_a_dying_trainer_is_named_with_its_log_and_every_other_process_stops(
+    tmp_path, starting_model
+):
+    launch = RlLaunch(
+        tmp_path,
+        "dies",
+        "--model.name",
+        str(starting_model.path),
+        "--trainer.model.name",
+        str(tmp_path / "no-such-model"),
+    )
     try:
         code = launch.wait(300)
         output = launch.output()

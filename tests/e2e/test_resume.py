@@ -3,7 +3,6 @@
 import signal
 
 import pytest
-
 from e2e_support import RlLaunch, alive_groups, steps_with, wait_for
 
 pytestmark = pytest.mark.slow
@@ -11,12 +10,24 @@ pytestmark = pytest.mark.slow
 MAX_STEPS = 6
 
 
-def test_sigterm_then_resume_continues_the_step_numbers_without_gap_or_repeat(tmp_path, starting_model):
-    args = ("--model.name", str(starting_model.path), "--max-steps", str(MAX_STEPS), "--ckpt.interval", "1")
+def test_sigterm_then_resume_continues_the_step_numbers_without_gap_or_repeat(
+    tmp_path, starting_model
+):
+    args = (
+        "--model.name",
+        str(starting_model.path),
+        "--max-steps",
+        str(MAX_STEPS),
+        "--ckpt.interval",
+        "1",
+    )
     first = RlLaunch(tmp_path, "resume", *args)
     try:
-        wait_for(lambda: len(steps_with(first.run_dir, "loss")) >= 2 or first.popen.poll() is not None,
-                 480, "two trained steps")
+        wait_for(
+            lambda: len(steps_with(first.run_dir, "loss")) >= 2 or first.popen.poll() is not None,
+            480,
+            "two trained steps",
+        )
         assert first.popen.poll() is None, f"rl exited early:\n{first.output()[-3000:]}"
         first.popen.send_signal(signal.SIGTERM)
         assert first.wait(120) == 143, first.output()[-3000:]
@@ -25,7 +36,9 @@ def test_sigterm_then_resume_continues_the_step_numbers_without_gap_or_repeat(tm
         first.kill()
     trained_before = steps_with(first.run_dir, "loss")
     assert trained_before == list(range(1, len(trained_before) + 1))
-    assert len(trained_before) < MAX_STEPS, "the run finished before SIGTERM: nothing left to resume"
+    assert len(trained_before) < MAX_STEPS, (
+        "the run finished before SIGTERM: nothing left to resume"
+    )
 
     second = RlLaunch(tmp_path, "resume", *args, "--resume")
     try:
@@ -35,4 +48,8 @@ def test_sigterm_then_resume_continues_the_step_numbers_without_gap_or_repeat(tm
         second.kill()
     assert steps_with(second.run_dir, "loss") == list(range(1, MAX_STEPS + 1))
     resumed_lines = [int(line.split()[1]) for line in second.step_lines()]
-    assert resumed_lines and resumed_lines[0] == len(trained_before) + 1 and resumed_lines[-1] == MAX_STEPS
+    assert (
+        resumed_lines
+        and resumed_lines[0] == len(trained_before) + 1
+        and resumed_lines[-1] == MAX_STEPS
+    )

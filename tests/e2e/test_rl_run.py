@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from e2e_support import RlLaunch, alive_groups, run_rows, steps_with
 
 pytestmark = pytest.mark.slow
@@ -27,7 +26,9 @@ STEP_LINE = re.compile(
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, starting_model):
-    launch = RlLaunch(tmp_path_factory.mktemp("e2e"), "e2e", "--model.name", str(starting_model.path))
+    launch = RlLaunch(
+        tmp_path_factory.mktemp("e2e"), "e2e", "--model.name", str(starting_model.path)
+    )
     try:
         launch.exit_code = launch.wait()
         yield launch
@@ -56,7 +57,9 @@ def test_every_step_is_trained_once_in_order(finished_run):
 
 def test_reward_of_the_last_steps_exceeds_the_first(finished_run, starting_model):
     if not starting_model.trained:
-        pytest.skip("no SFT'd starting model (configs/debug/rl.toml model.name missing): nothing to raise")
+        pytest.skip(
+            "no SFT'd starting model (configs/debug/rl.toml model.name missing): nothing to raise"
+        )
     rows = run_rows(finished_run.run_dir)
     rewards = [rows[step]["reward/mean"] for step in sorted(rows) if "reward/mean" in rows[step]]
     first = sum(rewards[:REWARD_WINDOW]) / REWARD_WINDOW
@@ -68,8 +71,12 @@ def test_trained_weights_reached_the_inference_replica(finished_run):
     rows = run_rows(finished_run.run_dir)
     applied = sorted(step for step, row in rows.items() if row.get("weights/num_applied", 0) >= 1)
     assert applied, "no weights.applied event reached metrics.jsonl"
-    versions = {v for row in rows.values() for k, v in row.items() if k.startswith("weights/applied/")}
-    assert max(versions) >= max_steps_of(finished_run.run_dir) - 1, versions  # trained versions, not just v1
+    versions = {
+        v for row in rows.values() for k, v in row.items() if k.startswith("weights/applied/")
+    }
+    assert max(versions) >= max_steps_of(finished_run.run_dir) - 1, (
+        versions
+    )  # trained versions, not just v1
     # The orchestrator saw the replica serve a trained version before the run ended.
     assert max(row.get("weights/applied_version", 0) for row in rows.values()) >= 1
 
@@ -101,7 +108,9 @@ def ancestors(span: dict, spans: dict[str, dict]) -> list[dict]:
     return chain
 
 
-def test_a_train_step_traces_back_to_its_batch_and_rollouts_and_forward_to_the_applied_version(finished_run):
+def test_a_train_step_traces_back_to_its_batch_and_rollouts_and_forward_to_the_applied_version(
+    finished_run,
+):
     spans = load_spans(finished_run.run_dir)
     train_steps = [s for s in spans.values() if s["name"] == "train_step"]
     assert train_steps, "no train_step span in traces/trainer.jsonl"
@@ -111,10 +120,16 @@ def test_a_train_step_traces_back_to_its_batch_and_rollouts_and_forward_to_the_a
         if batch is None:
             continue
         linked = [spans.get(link["context"]["span_id"]) for link in batch["links"]]
-        assert linked and all(s is not None and s["name"] == "rollout" for s in linked), batch["links"]
+        assert linked and all(s is not None and s["name"] == "rollout" for s in linked), batch[
+            "links"
+        ]
         followed += 1
     assert followed == len(train_steps)
-    published = {s["attributes"].get("weights.version") for s in spans.values() if s["name"] == "weights_publish"}
+    published = {
+        s["attributes"].get("weights.version")
+        for s in spans.values()
+        if s["name"] == "weights_publish"
+    }
     applied = [s for s in spans.values() if s["name"] == "weights_apply"]
     assert applied, "no weights_apply span in traces/inference.jsonl"
     assert all(s["file"] == "inference.jsonl" for s in applied)

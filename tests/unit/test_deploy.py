@@ -41,18 +41,28 @@ def test_compose_services_start_from_the_configs_rl_dry_run_writes(tmp_path):
     for name, service in compose_services().items():
         command = " ".join(map(str, service.get("command", [])))
         for config in re.findall(r"configs/([\w-]+\.toml)", command):
-            assert config in written, f"compose service {name} starts from {config}, which rl --dry-run does not write"
+            assert config in written, (
+                f"compose service {name} starts from {config}, which rl --dry-run does not write"
+            )
 
 
 def test_compose_entrypoints_are_real_commands_or_modules():
     scripts = console_scripts()
-    dockerfile_entrypoints = set(re.findall(r'ENTRYPOINT \["([\w-]+)"\]', (DEPLOY / "Dockerfile").read_text()))
+    dockerfile_entrypoints = set(
+        re.findall(r'ENTRYPOINT \["([\w-]+)"\]', (DEPLOY / "Dockerfile").read_text())
+    )
     assert dockerfile_entrypoints <= scripts
     for name, service in compose_services().items():
         entrypoint = service.get("entrypoint")
         if entrypoint and entrypoint[:2] == ["python", "-m"]:
             module = entrypoint[2]
-            check = subprocess.run([sys.executable, "-c", f"import importlib.util as u; assert u.find_spec({module!r})"])
+            check = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    f"import importlib.util as u; assert u.find_spec({module!r})",
+                ]
+            )
             assert check.returncode == 0, f"{name}: module {module} not found"
 
 
@@ -60,7 +70,9 @@ def test_nats_conf_is_accepted_by_nats_server(tmp_path):
     server = shutil.which("nats-server", path=str(BIN)) or shutil.which("nats-server")
     conf = (DEPLOY / "nats.conf").read_text().replace("/data/nats", str(tmp_path / "store"))
     (tmp_path / "nats.conf").write_text(conf)
-    result = subprocess.run([server, "-c", tmp_path / "nats.conf", "-t"], capture_output=True, text=True)
+    result = subprocess.run(
+        [server, "-c", tmp_path / "nats.conf", "-t"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -68,6 +80,6 @@ def test_slurm_script_parses_and_uses_dry_run_configs():
     script = DEPLOY / "slurm" / "rl.sbatch"
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     text = script.read_text()
-    for config in re.findall(r'\$CONFIGS/([\w-]+\.toml)', text):
+    for config in re.findall(r"\$CONFIGS/([\w-]+\.toml)", text):
         assert config in {"rl.toml", "inference.toml", "orchestrator.toml", "trainer.toml"}
     assert "--dry-run" in text and "nats.conf" in text

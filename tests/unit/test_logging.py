@@ -43,7 +43,12 @@ def test_piped_console_gets_json_with_run_service_and_step_context(tmp_path):
 
     (event,) = json_lines(stream.getvalue())
     assert event["event"] == "batch_published" and event["num_rollouts"] == 32
-    assert (event["run_id"], event["service"], event["step"], event["level"]) == ("run-1", "orchestrator", 7, "info")
+    assert (event["run_id"], event["service"], event["step"], event["level"]) == (
+        "run-1",
+        "orchestrator",
+        7,
+        "info",
+    )
 
 
 def test_terminal_console_gets_the_readable_renderer(tmp_path):

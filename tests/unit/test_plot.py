@@ -13,7 +13,14 @@ def make_metrics(run_dir, rows):
 
 
 def test_read_metrics_joins_rows_of_the_same_step_and_sorts(tmp_path):
-    make_metrics(tmp_path, [{"step": 2, "loss": 1.0}, {"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.7}])
+    make_metrics(
+        tmp_path,
+        [
+            {"step": 2, "loss": 1.0},
+            {"step": 1, "reward/mean": 0.5},
+            {"step": 2, "reward/mean": 0.7},
+        ],
+    )
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1] == {"step": 2, "loss": 1.0, "reward/mean": 0.7}
@@ -28,7 +35,9 @@ def test_plot_writes_a_png_per_chart_with_data_only(tmp_path):
 
 
 def test_plot_command_fails_clearly_without_metrics(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "rlbus.plot", str(tmp_path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlbus.plot", str(tmp_path)], capture_output=True, text=True
+    )
     assert result.returncode != 0
     assert "metrics.jsonl does not exist" in result.stderr
 
@@ -36,7 +45,9 @@ def test_plot_command_fails_clearly_without_metrics(tmp_path):
 @pytest.mark.parametrize("rows", [[], [{"step": 1, "unrelated": 3}]])
 def test_plot_command_fails_when_no_known_metric(tmp_path, rows):
     make_metrics(tmp_path, rows)
-    result = subprocess.run([sys.executable, "-m", "rlbus.plot", str(tmp_path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlbus.plot", str(tmp_path)], capture_output=True, text=True
+    )
     assert result.returncode != 0
     assert "no known metric" in result.stderr
 

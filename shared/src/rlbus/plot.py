@@ -19,7 +19,12 @@ CHARTS: dict[str, tuple[str, list[str]]] = {
     "lag": ("Off-policy lag (steps)", ["lag/mean", "off_policy_lag/mean", "lag"]),
     "tokens_per_s": (
         "Tokens per second",
-        ["trainer/tokens_per_s", "tokens_per_s", "generate/tokens_per_s", "orchestrator/tokens_per_s"],
+        [
+            "trainer/tokens_per_s",
+            "tokens_per_s",
+            "generate/tokens_per_s",
+            "orchestrator/tokens_per_s",
+        ],
     ),
 }
 
@@ -46,9 +51,11 @@ def with_mean_lag(row: dict) -> dict:
 def series(rows: list[dict], candidates: list[str]) -> tuple[str, list[int], list[float]] | None:
     """(key, steps, values) for the first candidate key present in any row."""
     for key in candidates:
-        points = [(row["step"], float(row[key])) for row in rows if isinstance(row.get(key), (int, float))]
+        points = [
+            (row["step"], float(row[key])) for row in rows if isinstance(row.get(key), (int, float))
+        ]
         if points:
-            steps, values = zip(*points)
+            steps, values = zip(*points, strict=True)
             return key, list(steps), list(values)
     return None
 
@@ -89,7 +96,9 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rl-plot", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/plots)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output folder (default: RUN_DIR/plots)"
+    )
     args = parser.parse_args(argv)
     try:
         written = plot_run(args.run_dir, args.out)

@@ -71,7 +71,9 @@ def run_leaf(run_name: str | None, run_dir: str | None) -> str:
     return leaf
 
 
-def resolve_run_dir(output_dir: str | Path, run_name: str | None, run_dir: str | None = None) -> Path:
+def resolve_run_dir(
+    output_dir: str | Path, run_name: str | None, run_dir: str | None = None
+) -> Path:
     """`<output_dir>/<run.dir or run.name>` (not created, not checked)."""
     return Path(output_dir) / run_leaf(run_name, run_dir)
 
@@ -173,7 +175,9 @@ def prepare_run_dir(
     path = resolve_run_dir(output, run_name, run_dir)
     check_leaf_stays_inside(path, output)
     if resume and clean:
-        raise RunDirError("--resume and --clean exclude each other: --clean would wipe what --resume loads")
+        raise RunDirError(
+            "--resume and --clean exclude each other: --clean would wipe what --resume loads"
+        )
     if resume and not name_was_given:
         raise RunDirError("--resume needs the name of the run to continue: pass --run.name <name>")
     if resume and not path.is_dir():

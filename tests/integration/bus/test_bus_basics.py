@@ -3,10 +3,9 @@
 import asyncio
 
 import pytest
-
-from rlbus.bus import BusError, CasMismatch, LeaseHeld, StepNotFound
 from bus_factories import make_batch, make_task
 
+from rlbus.bus import BusError, CasMismatch, LeaseHeld, StepNotFound
 from rlbus.wire import control, events, tasks
 
 
@@ -147,7 +146,10 @@ async def test_control_request_gets_the_service_reply(bus, make_bus):
 
 
 async def test_events_can_be_read_by_an_adhoc_durable(bus):
-    await bus.publish(bus.subjects.metrics("trainer"), events.StepMetrics(service="trainer", step=1, metrics={"loss": 1.0}))
+    await bus.publish(
+        bus.subjects.metrics("trainer"),
+        events.StepMetrics(service="trainer", step=1, metrics={"loss": 1.0}),
+    )
     got = asyncio.Event()
     seen = []
 
@@ -156,7 +158,9 @@ async def test_events_can_be_read_by_an_adhoc_durable(bus):
         got.set()
 
     s = bus.subjects
-    async with bus.consumer(s.events_stream, "monitor-file", events.decoder, handle, filter_subject=s.events_all):
+    async with bus.consumer(
+        s.events_stream, "monitor-file", events.decoder, handle, filter_subject=s.events_all
+    ):
         await asyncio.wait_for(got.wait(), 5)
     assert seen[0].metrics == {"loss": 1.0}
 
@@ -180,9 +184,13 @@ async def test_subscribe_delivers_live_notifications_and_skips_garbage(bus, make
 
     await listener.subscribe(listener.subjects.weights_applied, weights.decoder, on_applied)
     await bus.publish(bus.subjects.weights_applied, b"garbage")
-    await bus.publish(bus.subjects.weights_applied, weights.WeightsApplied(version=2, replica_id="r0"))
+    await bus.publish(
+        bus.subjects.weights_applied, weights.WeightsApplied(version=2, replica_id="r0")
+    )
     await asyncio.wait_for(got.wait(), 5)
-    assert seen == [weights.WeightsApplied(version=2, replica_id="r0", applied_at=seen[0].applied_at)]
+    assert seen == [
+        weights.WeightsApplied(version=2, replica_id="r0", applied_at=seen[0].applied_at)
+    ]
 
 
 async def test_publish_many_stores_each_id_once_in_order(bus):

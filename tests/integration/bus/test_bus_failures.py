@@ -103,7 +103,9 @@ async def test_killed_server_restarted_on_same_store_loses_no_message(nats_serve
             await publisher.publish(publisher.subjects.tasks, make_task(index), msg_id=f"0-{index}")
 
     s = consumer_bus.subjects
-    async with consumer_bus.consumer(s.tasks_stream, s.tasks_durable, tasks.decoder, handle, concurrency=16):
+    async with consumer_bus.consumer(
+        s.tasks_stream, s.tasks_durable, tasks.decoder, handle, concurrency=16
+    ):
         publishing = asyncio.create_task(publish_all())
         await wait_for(lambda: len(received) >= num_messages // 3, 30)
         nats_server.kill()
@@ -165,7 +167,9 @@ async def test_undecodable_message_goes_to_dead_letter_and_next_is_handled(bus):
     assert dead.headers["Rlbus-Dead-Msg-Id"] == "poison"
     assert dead.headers["Rlbus-Dead-Subject"] == s.tasks
     await asyncio.sleep(0.2)
-    assert (await bus.js.stream_info(s.tasks_stream)).state.messages == 0  # terminated, not redelivered
+    assert (
+        await bus.js.stream_info(s.tasks_stream)
+    ).state.messages == 0  # terminated, not redelivered
 
 
 async def test_lease_stays_alive_while_heartbeating_past_several_ttls(bus):
@@ -181,7 +185,9 @@ async def test_lease_stays_alive_while_heartbeating_past_several_ttls(bus):
 async def test_lease_expires_when_its_holder_stops_heartbeating(bus, make_bus):
     bucket = bus.subjects.replicas_bucket
     lost = asyncio.Event()
-    lease = await bus.lease(bucket, "r0", b"info", ttl_s=1, heartbeat_s=0.3, on_lost=lost.set).acquire()
+    lease = await bus.lease(
+        bucket, "r0", b"info", ttl_s=1, heartbeat_s=0.3, on_lost=lost.set
+    ).acquire()
     presence = bus.kv(bucket).watch_presence(poll_s=0.2)
     assert await anext(presence) == ("added", "r0")
     lease._task.cancel()  # the holder hangs: no more heartbeats
@@ -225,7 +231,6 @@ async def test_right_token_connects(nats_server_with_token, tmp_path):
 
 async def test_server_restarted_on_an_empty_store_gets_the_topology_back(nats_server, make_bus):
 
-
     bus = await make_bus()
     nats_server.kill()
     shutil.rmtree(nats_server.store_dir / "jetstream")
@@ -263,11 +268,50 @@ def make_tls_files(directory) -> dict[str, str]:
     csr, ext = directory / "server.csr", directory / "ext.cnf"
     ext.write_text("subjectAltName=IP:127.0.0.1\n")
     run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=rlbus-test-ca",
-        "-keyout", paths["ca_key"], "-out", paths["ca"])
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", paths["key"], "-out", str(csr))
-    run("x509", "-req", "-in", str(csr), "-CA", paths["ca"], "-CAkey", paths["ca_key"], "-CAcreateserial",
-        "-days", "1", "-extfile", str(ext), "-out", paths["cert"])
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=rlbus-test-ca",
+        "-keyout",
+        paths["ca_key"],
+        "-out",
+        paths["ca"],
+    )
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        paths["key"],
+        "-out",
+        str(csr),
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        paths["ca"],
+        "-CAkey",
+        paths["ca_key"],
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        str(ext),
+        "-out",
+        paths["cert"],
+    )
     return paths
 
 

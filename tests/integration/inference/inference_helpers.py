@@ -21,10 +21,14 @@ from rlbus.wire.weights import WeightFile, WeightsPublished
 
 PROMPT = [{"role": "user", "content": "Hi"}]
 VLLM_TEST_ARGS = [
-    "--vllm.max-model-len", "256",
-    "--vllm.gpu-memory-utilization", "0.05",  # CPU: KV-cache budget; a few hundred MB is plenty
+    "--vllm.max-model-len",
+    "256",
+    "--vllm.gpu-memory-utilization",
+    "0.05",  # CPU: KV-cache budget; a few hundred MB is plenty
     "--vllm.enforce-eager",
-    "--vllm.enable-lora", "--vllm.max-lora-rank", "8",
+    "--vllm.enable-lora",
+    "--vllm.max-lora-rank",
+    "8",
 ]
 
 
@@ -57,8 +61,15 @@ def make_changed_weights(model_dir: Path, out_dir: Path, *, seed: int = 3) -> Pa
     return out_dir
 
 
-def make_lora_adapter(out_dir: Path, *, seed: int, rank: int = 8, hidden: int = 128,
-                      num_layers: int = 2, scale: float = 2.0) -> Path:
+def make_lora_adapter(
+    out_dir: Path,
+    *,
+    seed: int,
+    rank: int = 8,
+    hidden: int = 128,
+    num_layers: int = 2,
+    scale: float = 2.0,
+) -> Path:
     """A PEFT-format LoRA adapter on o_proj of every layer with large random weights."""
     import json
 
@@ -70,10 +81,19 @@ def make_lora_adapter(out_dir: Path, *, seed: int, rank: int = 8, hidden: int = 
         tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, rank, generator=gen) * scale
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["o_proj"],
-        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM",
-    }))
+    (out_dir / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": rank,
+                "target_modules": ["o_proj"],
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
     return out_dir
 
 
@@ -82,8 +102,10 @@ def sha256(path: Path) -> str:
 
 
 def make_published(version: int, weights_dir: Path, **overrides) -> WeightsPublished:
-    files = [WeightFile(name=p.name, size=p.stat().st_size, sha256=sha256(p))
-             for p in sorted(weights_dir.glob("*.safetensors"))]
+    files = [
+        WeightFile(name=p.name, size=p.stat().st_size, sha256=sha256(p))
+        for p in sorted(weights_dir.glob("*.safetensors"))
+    ]
     fields = dict(version=version, transport="filesystem", location=str(weights_dir), files=files)
     return WeightsPublished(**(fields | overrides))
 
@@ -96,10 +118,16 @@ def transformers_greedy(model_dir: Path, max_tokens: int) -> tuple[list[int], li
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = tok.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
-    tokens = out.sequences[0, ids.shape[1]:].tolist()
-    logprobs = [s[0].log_softmax(-1)[t].item() for s, t in zip(out.scores, tokens)]
+    out = model.generate(
+        ids,
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+    )
+    tokens = out.sequences[0, ids.shape[1] :].tolist()
+    logprobs = [s[0].log_softmax(-1)[t].item() for s, t in zip(out.scores, tokens, strict=True)]
     return tokens, logprobs
 
 
@@ -119,8 +147,9 @@ class Replica:
             pass
 
     def child_pids(self) -> list[int]:
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)],
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True
+        ).stdout
         return [int(pid) for pid in out.split()]
 
     def stop(self) -> None:
@@ -138,21 +167,44 @@ def inference_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "rlbus_inference.service"]
 
 
-def start_replica(model_dir: Path, run_dir: Path, *, replica_id: str, bus_args: list[str],
-                  timeout_s: float = 300.0) -> Replica:
+def start_replica(
+    model_dir: Path,
+    run_dir: Path,
+    *,
+    replica_id: str,
+    bus_args: list[str],
+    timeout_s: float = 300.0,
+) -> Replica:
     port, backend_port = free_port(), free_port()
     log_path = run_dir / f"{replica_id}.out"
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [*inference_command(), "--vllm.model", str(model_dir),
-               "--server.host", "127.0.0.1", "--server.port", str(port),
-               "--backend-port", str(backend_port), "--replica-id", replica_id,
-               "--lease-ttl-s", "3", "--run-dir", str(run_dir), *bus_args, *VLLM_TEST_ARGS]
+    command = [
+        *inference_command(),
+        "--vllm.model",
+        str(model_dir),
+        "--server.host",
+        "127.0.0.1",
+        "--server.port",
+        str(port),
+        "--backend-port",
+        str(backend_port),
+        "--replica-id",
+        replica_id,
+        "--lease-ttl-s",
+        "3",
+        "--run-dir",
+        str(run_dir),
+        *bus_args,
+        *VLLM_TEST_ARGS,
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-    replica = Replica(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{backend_port}",
-                      replica_id, log_path)
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    replica = Replica(
+        proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{backend_port}", replica_id, log_path
+    )
     try:
         wait_until_healthy(replica, timeout_s)
     except BaseException:
@@ -165,8 +217,10 @@ def wait_until_healthy(replica: Replica, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if replica.proc.poll() is not None:
-            raise RuntimeError(f"inference exited ({replica.proc.returncode}); see {replica.log_path}:\n"
-                               + replica.log_path.read_text()[-3000:])
+            raise RuntimeError(
+                f"inference exited ({replica.proc.returncode}); see {replica.log_path}:\n"
+                + replica.log_path.read_text()[-3000:]
+            )
         try:
             if httpx.get(replica.router_url + "/health", timeout=2).status_code == 200:
                 return

@@ -17,13 +17,6 @@ import uuid
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from rlbus.bus import Bus, free_port
-from rlbus.configs.bus import BusConfig
-from rlbus.wire import replicas, weights
-from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
-
 from inference_helpers import (
     PROMPT,
     make_base_model,
@@ -33,6 +26,12 @@ from inference_helpers import (
     start_replica,
     transformers_greedy,
 )
+from safetensors.torch import load_file
+
+from rlbus.bus import Bus, free_port
+from rlbus.configs.bus import BusConfig
+from rlbus.wire import replicas, weights
+from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(900)
@@ -51,21 +50,36 @@ def run(tmp_path_factory, nats_server_module):
     base = make_base_model(root / "base")
     replica = start_replica(base, root / "run", replica_id="replica-a", bus_args=bus_args)
     try:
-        yield dict(root=root, run_dir=root / "run", base=base, replica=replica, run_id=run_id,
-                   bus_args=bus_args, nats=nats_server_module)
+        yield dict(
+            root=root,
+            run_dir=root / "run",
+            base=base,
+            replica=replica,
+            run_id=run_id,
+            bus_args=bus_args,
+            nats=nats_server_module,
+        )
     finally:
         replica.stop()
 
 
 async def connect(run) -> Bus:
     nats = run["nats"]
-    return await Bus.connect(BusConfig(url=nats.url, token=nats.token), run_id=run["run_id"],
-                             name="test")
+    return await Bus.connect(
+        BusConfig(url=nats.url, token=nats.token), run_id=run["run_id"], name="test"
+    )
 
 
 def chat(url: str, model: str, **extra) -> httpx.Response:
-    body = {"model": model, "messages": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "logprobs": True, "return_token_ids": True, **extra}
+    body = {
+        "model": model,
+        "messages": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "logprobs": True,
+        "return_token_ids": True,
+        **extra,
+    }
     response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response
@@ -157,10 +171,12 @@ async def test_published_weights_are_applied_and_output_matches_transformers(run
     bus = await connect(run)
     try:
         applied = asyncio.create_task(
-            next_event(bus, bus.subjects.weights_applied, weights.decoder, timeout_s=60))
+            next_event(bus, bus.subjects.weights_applied, weights.decoder, timeout_s=60)
+        )
         await asyncio.sleep(0.2)
         await bus.kv(bus.subjects.weights_bucket).put(
-            WEIGHTS_LATEST_KEY, weights.encoder.encode(make_published(1, step_dir)))
+            WEIGHTS_LATEST_KEY, weights.encoder.encode(make_published(1, step_dir))
+        )
         event = await applied
         assert isinstance(event, weights.WeightsApplied)
         assert (event.version, event.replica_id) == (1, "replica-a")
@@ -190,10 +206,12 @@ async def test_corrupted_weights_are_refused_and_old_version_still_served(run):
     bus = await connect(run)
     try:
         failed = asyncio.create_task(
-            next_event(bus, bus.subjects.weights_failed, weights.decoder, timeout_s=60))
+            next_event(bus, bus.subjects.weights_failed, weights.decoder, timeout_s=60)
+        )
         await asyncio.sleep(0.2)
         await bus.kv(bus.subjects.weights_bucket).put(
-            WEIGHTS_LATEST_KEY, weights.encoder.encode(published))
+            WEIGHTS_LATEST_KEY, weights.encoder.encode(published)
+        )
         event = await failed
     finally:
         await bus.close()
@@ -212,14 +230,18 @@ def test_lora_adapter_load_and_reload_changes_output(run):
     outputs = []
     for seed in (1, 2):
         adapter = make_lora_adapter(run["root"] / f"lora-{seed}", seed=seed)
-        response = httpx.post(engine + "/load_lora_adapter",
-                              json={"lora_name": "policy", "lora_path": str(adapter)}, timeout=60)
+        response = httpx.post(
+            engine + "/load_lora_adapter",
+            json={"lora_name": "policy", "lora_path": str(adapter)},
+            timeout=60,
+        )
         assert response.status_code == 200, response.text
         outputs.append(completion_tokens(chat(router, "policy")))
     assert outputs[0] != base_tokens
     assert outputs[1] != outputs[0]  # reloaded in place under the same name
-    missing = httpx.post(engine + "/load_lora_adapter",
-                         json={"lora_name": "policy", "lora_path": "/nope"})
+    missing = httpx.post(
+        engine + "/load_lora_adapter", json={"lora_name": "policy", "lora_path": "/nope"}
+    )
     assert missing.status_code == 400
 
 
@@ -230,17 +252,24 @@ def test_broadcast_over_gloo_updates_weights(run):
     if torch.cuda.is_available():
         pytest.skip("a CUDA engine joins with NCCL: see the gpu variant below")
     check_broadcast_updates_weights(
-        run, lambda port: GlooBroadcastGroup("127.0.0.1", port, 0, 2, timeout_s=60))
+        run, lambda port: GlooBroadcastGroup("127.0.0.1", port, 0, 2, timeout_s=60)
+    )
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason="NCCL needs the trainer rank and the vLLM worker on different GPUs")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="NCCL needs the trainer rank and the vLLM worker on different GPUs",
+)
 def test_broadcast_over_nccl_updates_weights(run):
     from rlbus_inference.broadcast import NcclBroadcastGroup
 
-    check_broadcast_updates_weights(run, lambda port: NcclBroadcastGroup(
-        "127.0.0.1", port, 0, 2, 60, device=torch.device("cuda", torch.cuda.device_count() - 1)))
+    check_broadcast_updates_weights(
+        run,
+        lambda port: NcclBroadcastGroup(
+            "127.0.0.1", port, 0, 2, 60, device=torch.device("cuda", torch.cuda.device_count() - 1)
+        ),
+    )
 
 
 def check_broadcast_updates_weights(run, make_sender_group) -> None:
@@ -257,9 +286,17 @@ def check_broadcast_updates_weights(run, make_sender_group) -> None:
     holder = {}
     thread = threading.Thread(target=lambda: holder.update(group=make_sender_group(port)))
     thread.start()
-    joined = httpx.post(engine + "/init_broadcaster", json={
-        "host": "127.0.0.1", "port": port, "rank_offset": 1, "world_size": 2, "timeout_s": 60},
-        timeout=90)
+    joined = httpx.post(
+        engine + "/init_broadcaster",
+        json={
+            "host": "127.0.0.1",
+            "port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "timeout_s": 60,
+        },
+        timeout=90,
+    )
     thread.join(90)
     assert joined.status_code == 200, joined.text
     assert joined.json()["ranks"] == [1]
@@ -267,8 +304,9 @@ def check_broadcast_updates_weights(run, make_sender_group) -> None:
     before = completion_tokens(chat(run["replica"].router_url, str(run["base"])))
     sender = threading.Thread(target=send_state_dict, args=(holder["group"], 5, state_dict))
     sender.start()
-    updated = httpx.post(engine + "/update_weights", json={"version": 5, "source": "broadcast"},
-                         timeout=120)
+    updated = httpx.post(
+        engine + "/update_weights", json={"version": 5, "source": "broadcast"}, timeout=120
+    )
     sender.join(60)
     assert updated.status_code == 200, updated.text
     response = chat(run["replica"].router_url, str(run["base"]))
@@ -280,8 +318,9 @@ def check_broadcast_updates_weights(run, make_sender_group) -> None:
 async def test_second_replica_registers_and_kill9_expires_its_lease(run):
     bus = await connect(run)
     registry = bus.kv(bus.subjects.replicas_bucket)
-    second = await asyncio.to_thread(start_replica, run["base"], run["run_dir"],
-                                     replica_id="replica-b", bus_args=run["bus_args"])
+    second = await asyncio.to_thread(
+        start_replica, run["base"], run["run_dir"], replica_id="replica-b", bus_args=run["bus_args"]
+    )
     try:
         keys = await wait_for_keys(registry, lambda keys: {"replica-a", "replica-b"} <= keys, 30)
         assert {"replica-a", "replica-b"} <= keys
@@ -292,7 +331,9 @@ async def test_second_replica_registers_and_kill9_expires_its_lease(run):
         assert "replica-a" in keys
         # its router and engine (EngineCore included) die with it, leaving no orphans
         for pgid in children:
-            await asyncio.to_thread(wait_for, lambda: _group_gone(pgid), 60, f"group {pgid} gone")
+            await asyncio.to_thread(
+                wait_for, lambda pgid=pgid: _group_gone(pgid), 60, f"group {pgid} gone"
+            )
     finally:
         second.stop()
         await bus.close()

@@ -8,8 +8,8 @@ import subprocess
 import time
 
 import pytest
-
 from inference_helpers import VLLM_TEST_ARGS, inference_command, make_base_model
+
 from rlbus.bus import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,11 +27,26 @@ def engine_pid(log_path) -> int | None:
 def test_sigterm_during_engine_startup_stops_engine_and_exits_0(tmp_path):
     model = make_base_model(tmp_path / "model")
     log_path = tmp_path / "inference.out"
-    command = [*inference_command(), "--vllm.model", str(model), "--server.host", "127.0.0.1",
-               "--server.port", str(free_port()), "--backend-port", str(free_port()), *VLLM_TEST_ARGS]
+    command = [
+        *inference_command(),
+        "--vllm.model",
+        str(model),
+        "--server.host",
+        "127.0.0.1",
+        "--server.port",
+        str(free_port()),
+        "--backend-port",
+        str(free_port()),
+        *VLLM_TEST_ARGS,
+    ]
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        proc = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        )
     try:
         deadline = time.monotonic() + 60
         while (pid := engine_pid(log_path)) is None:

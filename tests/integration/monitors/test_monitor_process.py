@@ -10,21 +10,24 @@ import time
 import pytest
 
 from rlbus.bus import Bus
-from rlbus.configs import RLConfig
+from rlbus.configs import BusConfig, RLConfig
 from rlbus.configs.base import config_to_toml
 from rlbus.wire.events import StepMetrics
-from rlbus.configs import BusConfig
 
 
 def make_rl_config(server, tmp_path, run_name):
-    config = RLConfig(output_dir=str(tmp_path / "outputs"), bus=BusConfig(url=server.url, token=server.token))
+    config = RLConfig(
+        output_dir=str(tmp_path / "outputs"), bus=BusConfig(url=server.url, token=server.token)
+    )
     return config.with_run_name(run_name)
 
 
 def start_monitor(config, tmp_path):
     path = tmp_path / "rl.toml"
     path.write_text(config_to_toml(config))
-    return subprocess.Popen([sys.executable, "-m", "rlbus.monitors", "@", str(path)], start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlbus.monitors", "@", str(path)], start_new_session=True
+    )
 
 
 def stop(process):
@@ -50,8 +53,16 @@ def read_rows(path, count, timeout_s=20.0):
 
 async def publish_step(bus, step):
     s = bus.subjects
-    await bus.publish(s.metrics("orchestrator"), StepMetrics(service="orchestrator", step=step, metrics={"reward/mean": step / 10}), msg_id=f"o-{step}")
-    await bus.publish(s.metrics("trainer"), StepMetrics(service="trainer", step=step, metrics={"loss": 1.0 / step}), msg_id=f"t-{step}")
+    await bus.publish(
+        s.metrics("orchestrator"),
+        StepMetrics(service="orchestrator", step=step, metrics={"reward/mean": step / 10}),
+        msg_id=f"o-{step}",
+    )
+    await bus.publish(
+        s.metrics("trainer"),
+        StepMetrics(service="trainer", step=step, metrics={"loss": 1.0 / step}),
+        msg_id=f"t-{step}",
+    )
 
 
 @pytest.mark.timeout(120)

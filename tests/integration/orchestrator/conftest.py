@@ -37,7 +37,9 @@ def tiny_model_dir(tmp_path_factory):
 
 def inference_command() -> list[str]:
     script = Path(sys.executable).with_name("inference")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "rlbus_inference.entrypoint"]
+    return (
+        [str(script)] if script.exists() else [sys.executable, "-m", "rlbus_inference.entrypoint"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +52,46 @@ def inference(nats_server_module, tiny_model_dir, tmp_path_factory):
     if nats_server_module.token:
         bus_args += ["--bus.token", nats_server_module.token]
     command = [
-        *inference_command(), "--vllm.model", str(tiny_model_dir), "--server.host", "127.0.0.1",
-        "--server.port", str(port), "--backend-port", str(backend_port), "--replica-id", "replica-a",
-        "--lease-ttl-s", "3", "--run-dir", str(run_dir), *bus_args, "--vllm.max-model-len", "512",
-        "--vllm.gpu-memory-utilization", "0.05", "--vllm.enforce-eager", "--vllm.max-num-seqs", "64",
+        *inference_command(),
+        "--vllm.model",
+        str(tiny_model_dir),
+        "--server.host",
+        "127.0.0.1",
+        "--server.port",
+        str(port),
+        "--backend-port",
+        str(backend_port),
+        "--replica-id",
+        "replica-a",
+        "--lease-ttl-s",
+        "3",
+        "--run-dir",
+        str(run_dir),
+        *bus_args,
+        "--vllm.max-model-len",
+        "512",
+        "--vllm.gpu-memory-utilization",
+        "0.05",
+        "--vllm.enforce-eager",
+        "--vllm.max-num-seqs",
+        "64",
     ]
     log_path = run_dir / "inference.out"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 300
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"inference exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"inference exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+                )
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
@@ -72,7 +100,9 @@ def inference(nats_server_module, tiny_model_dir, tmp_path_factory):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"inference did not start:\n{log_path.read_text()[-3000:]}")
             time.sleep(1)
-        yield InferenceReplica(url=f"http://127.0.0.1:{port}/v1", model_dir=str(tiny_model_dir), run_id=REGISTRY_RUN_ID)
+        yield InferenceReplica(
+            url=f"http://127.0.0.1:{port}/v1", model_dir=str(tiny_model_dir), run_id=REGISTRY_RUN_ID
+        )
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)

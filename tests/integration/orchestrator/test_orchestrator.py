@@ -17,7 +17,7 @@ from rlbus.configs.bus import BusConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.wire import batches as batches_wire
 from rlbus.wire import rollouts as rollouts_wire
-from rlbus.wire.tasks import Problem, SamplingArgs, Task
+from rlbus.wire.tasks import SamplingArgs, Task
 from rlbus_orchestrator.envs import ReverseTextEnv
 from rlbus_orchestrator.service import serve
 
@@ -26,10 +26,19 @@ ORCHESTRATOR = [sys.executable, "-c", "from rlbus_orchestrator.entrypoint import
 
 def make_config(server, inference, run_id, *, registry=False, **overrides) -> OrchestratorConfig:
     fields = dict(
-        run={"name": run_id}, bus=BusConfig(url=server.url, token=server.token, run_id=run_id, ack_wait_s=3.0),
-        model={"name": inference.model_dir}, inference_urls=[] if registry else [inference.url], batch_size=8, group_size=4,
-        async_level=100, max_steps=2, seq_len=256, num_train_ranks=2, max_concurrency=16,
-        sampling={"max_tokens": 12, "temperature": 1.0}, filter_zero_advantage=False,
+        run={"name": run_id},
+        bus=BusConfig(url=server.url, token=server.token, run_id=run_id, ack_wait_s=3.0),
+        model={"name": inference.model_dir},
+        inference_urls=[] if registry else [inference.url],
+        batch_size=8,
+        group_size=4,
+        async_level=100,
+        max_steps=2,
+        seq_len=256,
+        num_train_ranks=2,
+        max_concurrency=16,
+        sampling={"max_tokens": 12, "temperature": 1.0},
+        filter_zero_advantage=False,
     )
     return OrchestratorConfig(**(fields | overrides))
 
@@ -38,17 +47,39 @@ def cli_args(config: OrchestratorConfig, tmp_path) -> list[str]:
     b = config.bus
     auth = ["--bus.token", b.token] if b.token else []
     return auth + [
-        "--run.name", config.run.name, "--output-dir", str(tmp_path), "--bus.url", b.url,
-        "--bus.ack-wait-s", str(b.ack_wait_s), "--model.name", config.model.name, "--inference-urls", *config.inference_urls,
-        "--batch-size", str(config.batch_size), "--group-size", str(config.group_size),
-        "--async-level", str(config.async_level), "--max-steps", str(config.max_steps), "--seq-len", str(config.seq_len),
-        "--sampling.max-tokens", str(config.sampling.max_tokens), "--no-filter-zero-advantage",
+        "--run.name",
+        config.run.name,
+        "--output-dir",
+        str(tmp_path),
+        "--bus.url",
+        b.url,
+        "--bus.ack-wait-s",
+        str(b.ack_wait_s),
+        "--model.name",
+        config.model.name,
+        "--inference-urls",
+        *config.inference_urls,
+        "--batch-size",
+        str(config.batch_size),
+        "--group-size",
+        str(config.group_size),
+        "--async-level",
+        str(config.async_level),
+        "--max-steps",
+        str(config.max_steps),
+        "--seq-len",
+        str(config.seq_len),
+        "--sampling.max-tokens",
+        str(config.sampling.max_tokens),
+        "--no-filter-zero-advantage",
     ]
 
 
 def start(args, log_path) -> subprocess.Popen:
     with open(log_path, "w") as log:
-        return subprocess.Popen(ORCHESTRATOR + args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            ORCHESTRATOR + args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -80,9 +111,13 @@ def run_id():
     return f"orch_{uuid.uuid4().hex[:8]}"
 
 
-async def test_tasks_become_rollouts_and_step_batches_with_aligned_fields(nats_server_module, inference, tmp_path):
+async def test_tasks_become_rollouts_and_step_batches_with_aligned_fields(
+    nats_server_module, inference, tmp_path
+):
     run_id = inference.run_id  # the run the replica registered in: found through the registry
-    config = make_config(nats_server_module, inference, run_id, registry=True, output_dir=str(tmp_path))
+    config = make_config(
+        nats_server_module, inference, run_id, registry=True, output_dir=str(tmp_path)
+    )
     await asyncio.wait_for(serve(config), timeout=120)
     bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=tmp_path / run_id, name="test")
     try:
@@ -97,22 +132,38 @@ async def test_tasks_become_rollouts_and_step_batches_with_aligned_fields(nats_s
                 for mb in rank:
                     n = len(mb.input_ids)
                     assert n == sum(mb.seq_lens) <= 256
-                    assert len(mb.loss_mask) == len(mb.advantages) == len(mb.inference_logprobs) == len(mb.temperatures) == n
+                    assert (
+                        len(mb.loss_mask)
+                        == len(mb.advantages)
+                        == len(mb.inference_logprobs)
+                        == len(mb.temperatures)
+                        == n
+                    )
                     assert all(lp <= 0 for lp in mb.inference_logprobs)
-                    assert all(lp == 0.0 for lp, m in zip(mb.inference_logprobs, mb.loss_mask) if m == 0)
+                    assert all(
+                        lp == 0.0
+                        for lp, m in zip(mb.inference_logprobs, mb.loss_mask, strict=True)
+                        if m == 0
+                    )
                     if mb.seq_lens != [1]:
                         num_tokens += n
                         assert sum(mb.loss_mask) > 0
             assert num_tokens == batch.num_tokens
             assert 0.0 <= batch.metrics["reward/mean"] <= 1.0
-            assert batch.metrics[f"off_policy_lag/{step - 1}"] == 8  # no trainer: version 0 throughout
-        assert set((await read_batch(bus, 1)).task_ids).isdisjoint((await read_batch(bus, 2)).task_ids)
+            assert (
+                batch.metrics[f"off_policy_lag/{step - 1}"] == 8
+            )  # no trainer: version 0 throughout
+        assert set((await read_batch(bus, 1)).task_ids).isdisjoint(
+            (await read_batch(bus, 2)).task_ids
+        )
         assert await read_batch(bus, 3) is None
     finally:
         await bus.close()
 
 
-async def test_coordinator_killed_and_restarted_continues_without_duplicate_steps(nats_server_module, inference, run_id, tmp_path):
+async def test_coordinator_killed_and_restarted_continues_without_duplicate_steps(
+    nats_server_module, inference, run_id, tmp_path
+):
     config = make_config(nats_server_module, inference, run_id, max_steps=6)
     args = cli_args(config, tmp_path)
     worker = start(args + ["--role", "worker"], tmp_path / "worker.log")
@@ -136,28 +187,49 @@ async def test_coordinator_killed_and_restarted_continues_without_duplicate_step
         await bus.close()
 
 
-async def test_task_of_a_killed_worker_is_redelivered_and_completed(nats_server_module, inference, run_id, tmp_path):
-    blackhole = socket.socket()  # accepts connections, never answers: the first worker hangs mid-task
+async def test_task_of_a_killed_worker_is_redelivered_and_completed(
+    nats_server_module, inference, run_id, tmp_path
+):
+    blackhole = (
+        socket.socket()
+    )  # accepts connections, never answers: the first worker hangs mid-task
     blackhole.bind(("127.0.0.1", 0))
     blackhole.listen(64)
     config = make_config(nats_server_module, inference, run_id)
-    hung_args = cli_args(config.model_copy(update={"inference_urls": [f"http://127.0.0.1:{blackhole.getsockname()[1]}/v1"]}), tmp_path)
+    hung_args = cli_args(
+        config.model_copy(
+            update={"inference_urls": [f"http://127.0.0.1:{blackhole.getsockname()[1]}/v1"]}
+        ),
+        tmp_path,
+    )
     bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=tmp_path / run_id, name="test")
     hung = start(hung_args + ["--role", "worker"], tmp_path / "hung.log")
     good = None
     try:
         problem = ReverseTextEnv().example("train", 0)
-        task = Task(task_id="kill-test-0", step=1, env_id="reverse-text", problem=problem,
-                    sampling=SamplingArgs(max_tokens=8), group_size=2)
+        task = Task(
+            task_id="kill-test-0",
+            step=1,
+            env_id="reverse-text",
+            problem=problem,
+            sampling=SamplingArgs(max_tokens=8),
+            group_size=2,
+        )
         await bus.publish(bus.subjects.tasks, task, msg_id=task.task_id)
         deadline = time.monotonic() + 60
-        while (await bus.js.consumer_info(bus.subjects.tasks_stream, bus.subjects.tasks_durable)).num_ack_pending != 1:
-            assert hung.poll() is None and time.monotonic() < deadline, "the worker never took the task"
+        while (
+            await bus.js.consumer_info(bus.subjects.tasks_stream, bus.subjects.tasks_durable)
+        ).num_ack_pending != 1:
+            assert hung.poll() is None and time.monotonic() < deadline, (
+                "the worker never took the task"
+            )
             await asyncio.sleep(0.3)
         await asyncio.sleep(1)  # it is now waiting on the silent replica
         stop(hung)
         good = start(cli_args(config, tmp_path) + ["--role", "worker"], tmp_path / "good.log")
-        sub = await bus.js.pull_subscribe_bind(durable=bus.subjects.rollouts_durable, stream=bus.subjects.rollouts_stream)
+        sub = await bus.js.pull_subscribe_bind(
+            durable=bus.subjects.rollouts_durable, stream=bus.subjects.rollouts_stream
+        )
         msgs = await sub.fetch(1, timeout=60)
         rollout = rollouts_wire.decoder.decode(msgs[0].data)
         assert rollout.task_id == "kill-test-0" and rollout.error is None
@@ -170,10 +242,14 @@ async def test_task_of_a_killed_worker_is_redelivered_and_completed(nats_server_
         await bus.close()
 
 
-async def test_async_level_zero_waits_for_applied_weights_before_the_next_step(nats_server_module, inference, run_id, tmp_path):
+async def test_async_level_zero_waits_for_applied_weights_before_the_next_step(
+    nats_server_module, inference, run_id, tmp_path
+):
     from rlbus.wire import weights as weights_wire
 
-    config = make_config(nats_server_module, inference, run_id, async_level=0, output_dir=str(tmp_path))
+    config = make_config(
+        nats_server_module, inference, run_id, async_level=0, output_dir=str(tmp_path)
+    )
     bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=tmp_path / run_id, name="test")
     service = asyncio.create_task(serve(config))
     try:

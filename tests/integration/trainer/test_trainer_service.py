@@ -24,12 +24,14 @@ from rlbus_trainer.tiny_model import build_tiny_model
 
 
 async def read_step_metrics(bus) -> list[events.StepMetrics]:
-    sub = await bus.js.pull_subscribe(bus.subjects.metrics("trainer"), stream=bus.subjects.events_stream)
+    sub = await bus.js.pull_subscribe(
+        bus.subjects.metrics("trainer"), stream=bus.subjects.events_stream
+    )
     out = []
     while True:
         try:
             msgs = await sub.fetch(100, timeout=1)
-        except (asyncio.TimeoutError, Exception):
+        except (TimeoutError, Exception):
             break
         out += [events.decoder.decode(m.data) for m in msgs]
     await sub.unsubscribe()
@@ -48,12 +50,21 @@ async def wait_until(predicate, timeout_s=240.0):
 
 
 @pytest.mark.slow
-async def test_trainer_trains_checkpoints_publishes_and_resumes_after_kill(make_bus, nats_server, tmp_path):
+async def test_trainer_trains_checkpoints_publishes_and_resumes_after_kill(
+    make_bus, nats_server, tmp_path
+):
     model = build_tiny_model(tmp_path / "tiny")
     bus = await make_bus()
     bus_cfg = {"url": nats_server.url, "token": nats_server.token, "run_id": bus.subjects.run_id}
-    config = make_trainer_config(model, tmp_path / "out", "rl", bus_cfg, max_steps=6,
-                                 ckpt={"interval": 2, "keep_last": 2}, weight_broadcast={"keep_last": 2})
+    config = make_trainer_config(
+        model,
+        tmp_path / "out",
+        "rl",
+        bus_cfg,
+        max_steps=6,
+        ckpt={"interval": 2, "keep_last": 2},
+        weight_broadcast={"keep_last": 2},
+    )
     run_dir = tmp_path / "out" / "rl"
     for step in (1, 2, 3):
         await bus.step_log.publish(make_train_batch(step))
@@ -74,20 +85,37 @@ async def test_trainer_trains_checkpoints_publishes_and_resumes_after_kill(make_
         await bus.step_log.publish(make_train_batch(step))
     await bus.step_log.publish(make_train_batch(2))  # a repeat of a trained step changes nothing
     config["resume"] = {}
-    wait_ranks(tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300)
+    wait_ranks(
+        tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
+    )
 
     metrics = await read_step_metrics(bus)
     steps = [m.step for m in metrics]
     # Resumed from checkpoint 2: step 3 is retrained from the same state, nothing else repeats.
     assert steps == [1, 2, 3, 3, 4, 5, 6]
     last = metrics[-1].metrics
-    for key in ("loss", "entropy", "mismatch_kl", "masked_low_frac", "masked_high_frac", "grad_norm", "lr",
-                "tokens_per_s", "peak_memory_gb", "wait_s", "forward_backward_s", "optimizer_s", "publish_s"):
+    for key in (
+        "loss",
+        "entropy",
+        "mismatch_kl",
+        "masked_low_frac",
+        "masked_high_frac",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "peak_memory_gb",
+        "wait_s",
+        "forward_backward_s",
+        "optimizer_s",
+        "publish_s",
+    ):
         assert key in last, key
     assert metrics[2].metrics["loss"] == pytest.approx(metrics[3].metrics["loss"], rel=1e-5)
     assert complete_steps(run_dir) == [4, 6]
 
-    entry = await bus.kv(bus.subjects.weights_bucket).get(WEIGHTS_LATEST_KEY, weights.published_decoder)
+    entry = await bus.kv(bus.subjects.weights_bucket).get(
+        WEIGHTS_LATEST_KEY, weights.published_decoder
+    )
     published = entry.value
     assert published.version == 6 and published.transport == "filesystem"
     location = tmp_path / "out" / "rl" / "broadcasts" / "step_6"

@@ -3,7 +3,6 @@ protocol) and its timeout; the filesystem path's checksums and pruning of unused
 
 import asyncio
 import json
-import threading
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -20,13 +19,17 @@ from rlbus_trainer.weights import FilesystemWeightPublisher, NcclWeightPublisher
 
 
 def make_engine(state: dict[str, torch.Tensor], tied=True):
-    return SimpleNamespace(full_state_dict=lambda: state,
-                           model=SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=tied)))
+    return SimpleNamespace(
+        full_state_dict=lambda: state,
+        model=SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=tied)),
+    )
 
 
 def receive_one_version(host: str, port: int, out: dict) -> None:
     """The inference side of the broadcast protocol: rank 1 of 2."""
-    store = torch.distributed.TCPStore(host, port, 2, is_master=False, timeout=timedelta(seconds=30))
+    store = torch.distributed.TCPStore(
+        host, port, 2, is_master=False, timeout=timedelta(seconds=30)
+    )
     group = torch.distributed.ProcessGroupGloo(store, 1, 2, timedelta(seconds=30))
 
     def bcast(t):
@@ -36,20 +39,29 @@ def receive_one_version(host: str, port: int, out: dict) -> None:
     size = bcast(torch.zeros(1, dtype=torch.int64))
     header = json.loads(bytes(bcast(torch.zeros(int(size), dtype=torch.uint8)).tolist()))
     out["version"] = header["version"]
-    out["tensors"] = {name: bcast(torch.empty(shape, dtype=getattr(torch, dtype))) for name, dtype, shape in header["tensors"]}
+    out["tensors"] = {
+        name: bcast(torch.empty(shape, dtype=getattr(torch, dtype)))
+        for name, dtype, shape in header["tensors"]
+    }
 
 
 async def latest(bus):
-    entry = await bus.kv(bus.subjects.weights_bucket).get(WEIGHTS_LATEST_KEY, weights.published_decoder)
+    entry = await bus.kv(bus.subjects.weights_bucket).get(
+        WEIGHTS_LATEST_KEY, weights.published_decoder
+    )
     return entry.value if entry else None
 
 
 async def test_nccl_publisher_broadcasts_tensor_by_tensor_over_gloo(bus, tmp_path):
     config = TrainerConfig(weight_broadcast={"type": "nccl", "timeout_s": 30})
-    publisher = NcclWeightPublisher(config, bus=bus, run_dir=tmp_path, world=World(0, 1, torch.device("cpu")),
-                                    host="127.0.0.1")
-    state = {"model.embed_tokens.weight": torch.randn(10, 4), "model.norm.weight": torch.ones(4),
-             "lm_head.weight": torch.randn(10, 4)}
+    publisher = NcclWeightPublisher(
+        config, bus=bus, run_dir=tmp_path, world=World(0, 1, torch.device("cpu")), host="127.0.0.1"
+    )
+    state = {
+        "model.embed_tokens.weight": torch.randn(10, 4),
+        "model.norm.weight": torch.ones(4),
+        "lm_head.weight": torch.randn(10, 4),
+    }
     received: dict = {}
 
     async def agent():
@@ -65,21 +77,31 @@ async def test_nccl_publisher_broadcasts_tensor_by_tensor_over_gloo(bus, tmp_pat
     assert "publish_failed" not in metrics
     assert published.transport == "nccl" and published.version == 7
     assert received["version"] == 7
-    assert set(received["tensors"]) == {"model.embed_tokens.weight", "model.norm.weight"}  # tied head dropped
-    torch.testing.assert_close(received["tensors"]["model.embed_tokens.weight"], state["model.embed_tokens.weight"])
+    assert set(received["tensors"]) == {
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    }  # tied head dropped
+    torch.testing.assert_close(
+        received["tensors"]["model.embed_tokens.weight"], state["model.embed_tokens.weight"]
+    )
 
 
 async def test_nccl_publisher_reports_failure_instead_of_hanging(bus, tmp_path):
     config = TrainerConfig(weight_broadcast={"type": "nccl", "timeout_s": 2})
-    publisher = NcclWeightPublisher(config, bus=bus, run_dir=tmp_path, world=World(0, 1, torch.device("cpu")),
-                                    host="127.0.0.1")
+    publisher = NcclWeightPublisher(
+        config, bus=bus, run_dir=tmp_path, world=World(0, 1, torch.device("cpu")), host="127.0.0.1"
+    )
     sub = await bus.nc.subscribe(bus.subjects.weights_failed)
     started = time.monotonic()
     metrics = await publisher.publish(1, make_engine({"w": torch.ones(2)}))
     assert metrics["publish_failed"] == 1.0
     assert time.monotonic() - started < 30
     failed = weights.decoder.decode((await sub.next_msg(timeout=5)).data)
-    assert isinstance(failed, weights.WeightsFailed) and failed.version == 1 and failed.replica_id == "trainer"
+    assert (
+        isinstance(failed, weights.WeightsFailed)
+        and failed.version == 1
+        and failed.replica_id == "trainer"
+    )
 
 
 async def test_filesystem_publisher_checksums_and_keeps_versions_in_use(bus, tmp_path):
@@ -88,8 +110,12 @@ async def test_filesystem_publisher_checksums_and_keeps_versions_in_use(bus, tmp
 
     state = AutoModelForCausalLM.from_pretrained(model).state_dict()
     config = TrainerConfig(model={"name": str(model)}, weight_broadcast={"keep_last": 1})
-    publisher = FilesystemWeightPublisher(config, bus=bus, run_dir=tmp_path, world=World(0, 1, torch.device("cpu")))
-    replica = replicas.ReplicaInfo(replica_id="r1", base_url="http://x/v1", model="m", weights_version=1)
+    publisher = FilesystemWeightPublisher(
+        config, bus=bus, run_dir=tmp_path, world=World(0, 1, torch.device("cpu"))
+    )
+    replica = replicas.ReplicaInfo(
+        replica_id="r1", base_url="http://x/v1", model="m", weights_version=1
+    )
     await bus.kv(bus.subjects.replicas_bucket).put("r1", replicas.encoder.encode(replica))
     for step in (1, 2, 3):
         await publisher.publish(step, make_engine(state))

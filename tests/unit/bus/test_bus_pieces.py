@@ -13,7 +13,11 @@ from rlbus.configs.bus import BusConfig
 
 def test_connect_options_carry_auth_and_fail_fast_first():
     options = connect_options(BusConfig(url="nats://h:4222", token="t"), name="svc")
-    assert options["servers"] == ["nats://h:4222"] and options["token"] == "t" and options["name"] == "svc"
+    assert (
+        options["servers"] == ["nats://h:4222"]
+        and options["token"] == "t"
+        and options["name"] == "svc"
+    )
     assert options["allow_reconnect"] is False  # flipped to forever once connected
     options = connect_options(BusConfig(url="nats://h:4222", user="u", password="p"), name="svc")
     assert (options["user"], options["password"]) == ("u", "p")
@@ -27,7 +31,9 @@ def test_connect_without_url_names_the_flag():
 
 def test_tls_options_build_a_context_from_the_ca(tmp_path):
     with pytest.raises(FileNotFoundError):
-        connect_options(BusConfig(url="tls://h:4222", tls_ca=str(tmp_path / "missing.pem")), name="svc")
+        connect_options(
+            BusConfig(url="tls://h:4222", tls_ca=str(tmp_path / "missing.pem")), name="svc"
+        )
 
 
 def test_auth_errors_are_recognised():
@@ -48,10 +54,15 @@ def test_claim_check_round_trip_and_corruption(tmp_path):
 
 
 def test_server_config_sets_payload_store_and_auth(tmp_path):
-    server = NatsServer(tmp_path, port=4999, http_port=8999, max_payload_mb=8, token="t", sync_always=True)
+    server = NatsServer(
+        tmp_path, port=4999, http_port=8999, max_payload_mb=8, token="t", sync_always=True
+    )
     config = json.loads(server.config_text())
     assert config["max_payload"] == 8 * 1024 * 1024
-    assert config["jetstream"] == {"store_dir": str(tmp_path / "jetstream"), "sync_interval": "always"}
+    assert config["jetstream"] == {
+        "store_dir": str(tmp_path / "jetstream"),
+        "sync_interval": "always",
+    }
     assert config["authorization"] == {"token": "t"}
     assert server.url == "nats://127.0.0.1:4999"
 

@@ -21,7 +21,9 @@ TOML_FILES = sorted([*REPO.glob("examples/**/*.toml"), *REPO.glob("configs/**/*.
 def config_class(path: Path):
     """By file name: `rl.toml`, `rl-big.toml`, `sft_debug.toml` -> RLConfig / SFTConfig, ..."""
     stem = path.stem.replace("_", "-").split("-")[0]
-    assert stem in CONFIG_FOR_STEM, f"{path}: name it after its command ({', '.join(CONFIG_FOR_STEM)})"
+    assert stem in CONFIG_FOR_STEM, (
+        f"{path}: name it after its command ({', '.join(CONFIG_FOR_STEM)})"
+    )
     return CONFIG_FOR_STEM[stem]
 
 

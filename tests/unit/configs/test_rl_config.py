@@ -9,15 +9,35 @@ def make_rl(*args: str) -> RLConfig:
 
 
 def test_shared_values_reach_every_service():
-    config = make_rl("--model.name", "m", "--seq-len", "256", "--max-steps", "7", "--bus.url", "nats://h:4222")
+    config = make_rl(
+        "--model.name", "m", "--seq-len", "256", "--max-steps", "7", "--bus.url", "nats://h:4222"
+    )
 
-    assert config.trainer.model.name == config.orchestrator.model.name == config.inference.vllm.model == "m"
-    assert config.trainer.seq_len == config.orchestrator.seq_len == config.inference.vllm.max_model_len == 256
+    assert (
+        config.trainer.model.name
+        == config.orchestrator.model.name
+        == config.inference.vllm.model
+        == "m"
+    )
+    assert (
+        config.trainer.seq_len
+        == config.orchestrator.seq_len
+        == config.inference.vllm.max_model_len
+        == 256
+    )
     assert config.trainer.max_steps == config.orchestrator.max_steps == 7
     assert config.trainer.model.dtype == config.inference.vllm.dtype == "float32"
     assert make_rl("--model.dtype", "bfloat16").inference.vllm.dtype == "bfloat16"
-    assert make_rl("--model.dtype", "bfloat16", "--inference.vllm.dtype", "auto").inference.vllm.dtype == "auto"
-    assert config.trainer.bus.url == config.orchestrator.bus.url == config.inference.bus.url == "nats://h:4222"
+    assert (
+        make_rl("--model.dtype", "bfloat16", "--inference.vllm.dtype", "auto").inference.vllm.dtype
+        == "auto"
+    )
+    assert (
+        config.trainer.bus.url
+        == config.orchestrator.bus.url
+        == config.inference.bus.url
+        == "nats://h:4222"
+    )
 
 
 def test_explicit_service_values_win_over_shared_ones():
@@ -36,7 +56,9 @@ def test_explicit_service_values_win_over_shared_ones():
 
 def test_explicit_service_values_from_a_file_win_too(tmp_path):
     path = tmp_path / "rl.toml"
-    path.write_text("max_steps = 10\n[orchestrator]\nmax_steps = 3\n[orchestrator.log]\nlevel = 'debug'\n")
+    path.write_text(
+        "max_steps = 10\n[orchestrator]\nmax_steps = 3\n[orchestrator.log]\nlevel = 'debug'\n"
+    )
 
     config = make_rl("@", str(path))
 

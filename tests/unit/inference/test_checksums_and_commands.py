@@ -42,8 +42,10 @@ def test_verify_weights_dir_refuses_a_missing_file(tmp_path):
 
 
 def test_engine_command_passes_vllm_options_and_worker_extension():
-    config = make_config(backend_port=9100, vllm={"model": "/m", "max_model_len": 128,
-                                                    "enforce_eager": True, "max_num_seqs": 4})
+    config = make_config(
+        backend_port=9100,
+        vllm={"model": "/m", "max_model_len": 128, "enforce_eager": True, "max_num_seqs": 4},
+    )
     command = processes.engine_command(config)
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert command[command.index("--port") + 1] == "9100"
@@ -70,8 +72,11 @@ def test_replica_id_is_a_valid_kv_key():
 
 
 def test_replica_info_points_at_router_and_engine():
-    config = make_config(backend_port=9100, server={"port": 9000, "host": "10.0.0.5"},
-                         vllm={"model": "/m", "served_model_name": "policy"})
+    config = make_config(
+        backend_port=9100,
+        server={"port": 9000, "host": "10.0.0.5"},
+        vllm={"model": "/m", "served_model_name": "policy"},
+    )
     info = replica.make_replica_info(config, version=3, status="ready")
     assert info.base_url == "http://10.0.0.5:9000/v1"
     assert info.admin_url == "http://10.0.0.5:9100"

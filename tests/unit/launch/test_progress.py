@@ -10,19 +10,35 @@ def make_row(step: int, **values) -> dict:
 
 
 def test_step_line_has_the_documented_fields():
-    row = make_row(3, **{"reward/mean": 0.42125, "loss": 0.01234, "tokens_per_s": 511.6,
-                         "orchestrator/tokens_per_s": 90.0, "off_policy_lag/0": 8.0, "off_policy_lag/1": 24.0})
+    row = make_row(
+        3,
+        **{
+            "reward/mean": 0.42125,
+            "loss": 0.01234,
+            "tokens_per_s": 511.6,
+            "orchestrator/tokens_per_s": 90.0,
+            "off_policy_lag/0": 8.0,
+            "off_policy_lag/1": 24.0,
+        },
+    )
     line = step_line(3, row, {"vm-8000": 2, "vm-8001": 1})
-    assert line == "Step 3 | Reward 0.4213 | Loss 0.0123 | Tok/s 512 | Weights v2 (vm-8000: v2, vm-8001: v1) | Lag 0.75"
+    assert (
+        line
+        == "Step 3 | Reward 0.4213 | Loss 0.0123 | Tok/s 512 | Weights v2 (vm-8000: v2, vm-8001: v1) | Lag 0.75"
+    )
 
 
 def test_step_line_uses_the_trainer_tokens_per_s_whichever_service_came_first():
-    row = make_row(1, **{"reward/mean": 0.5, "loss": 0.1, "tokens_per_s": 90.0, "trainer/tokens_per_s": 700.0})
+    row = make_row(
+        1, **{"reward/mean": 0.5, "loss": 0.1, "tokens_per_s": 90.0, "trainer/tokens_per_s": 700.0}
+    )
     assert "Tok/s 700" in step_line(1, row, {})
 
 
 def test_unknown_values_print_as_a_dash():
-    assert step_line(1, make_row(1), {}) == "Step 1 | Reward - | Loss - | Tok/s - | Weights - | Lag -"
+    assert (
+        step_line(1, make_row(1), {}) == "Step 1 | Reward - | Loss - | Tok/s - | Weights - | Lag -"
+    )
 
 
 def test_tail_reads_only_complete_lines_and_merges_rows_by_step(tmp_path):
@@ -38,7 +54,9 @@ def test_tail_reads_only_complete_lines_and_merges_rows_by_step(tmp_path):
     assert replica_versions(tail.steps) == {"r0": 3}
 
 
-def test_progress_prints_each_complete_step_once_and_skips_steps_of_an_earlier_launch(tmp_path, capsys):
+def test_progress_prints_each_complete_step_once_and_skips_steps_of_an_earlier_launch(
+    tmp_path, capsys
+):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps(make_row(1, loss=0.1, **{"reward/mean": 0.3})) + "\n")
     progress = Progress(path, tty=False)
@@ -50,7 +68,9 @@ def test_progress_prints_each_complete_step_once_and_skips_steps_of_an_earlier_l
         f.write(json.dumps(make_row(2, **{"reward/mean": 0.4})) + "\n")
     progress.update()
     progress.update()
-    assert capsys.readouterr().out.splitlines() == ["Step 2 | Reward 0.4000 | Loss 0.2000 | Tok/s - | Weights - | Lag -"]
+    assert capsys.readouterr().out.splitlines() == [
+        "Step 2 | Reward 0.4000 | Loss 0.2000 | Tok/s - | Weights - | Lag -"
+    ]
 
 
 def test_a_final_row_with_only_weights_acks_is_not_printed_as_a_step(tmp_path, capsys):
@@ -59,4 +79,6 @@ def test_a_final_row_with_only_weights_acks_is_not_printed_as_a_step(tmp_path, c
     rows = [make_row(5, loss=0.1), make_row(6, **{"weights/applied/r0": 5})]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     progress.close()
-    assert capsys.readouterr().out.splitlines() == ["Step 5 | Reward - | Loss 0.1000 | Tok/s - | Weights v5 (r0: v5) | Lag -"]
+    assert capsys.readouterr().out.splitlines() == [
+        "Step 5 | Reward - | Loss 0.1000 | Tok/s - | Weights v5 (r0: v5) | Lag -"
+    ]

@@ -6,7 +6,9 @@ from rlbus.launch.supervisor import ServiceProcess, Supervisor
 
 
 def make_service(tmp_path, name, code):
-    return ServiceProcess(name=name, argv=[sys.executable, "-c", code], log_path=tmp_path / "logs" / f"{name}.log")
+    return ServiceProcess(
+        name=name, argv=[sys.executable, "-c", code], log_path=tmp_path / "logs" / f"{name}.log"
+    )
 
 
 def pid_alive(pid: int) -> bool:
@@ -47,7 +49,9 @@ def test_stop_all_kills_stubborn_services_and_their_children(tmp_path):
 def test_first_failure_names_the_dead_service_and_keeps_its_log(tmp_path):
     supervisor = Supervisor()
     supervisor.start(make_service(tmp_path, "ok", "import time; time.sleep(30)"))
-    bad = supervisor.start(make_service(tmp_path, "bad", "import sys; print('boom: bad config'); sys.exit(3)"))
+    bad = supervisor.start(
+        make_service(tmp_path, "bad", "import sys; print('boom: bad config'); sys.exit(3)")
+    )
     bad.popen.wait(10)
     failure = supervisor.first_failure()
     assert failure is not None and failure[0].name == "bad" and failure[1] == 3

@@ -37,7 +37,7 @@ def test_a_step_a_service_never_reports_is_released_after_lookahead():
 def test_same_metric_from_two_services_keeps_both():
     joiner = StepJoiner()
     joiner.add_metrics(make_metrics("orchestrator", 1, tokens_per_s=10.0))
-    (row, _), = joiner.add_metrics(make_metrics("trainer", 1, tokens_per_s=99.0))
+    ((row, _),) = joiner.add_metrics(make_metrics("trainer", 1, tokens_per_s=99.0))
     assert row["tokens_per_s"] == 10.0 and row["trainer/tokens_per_s"] == 99.0
 
 
@@ -46,7 +46,7 @@ def test_weights_acks_land_in_the_row_of_their_version():
     joiner.add_weights(WeightsApplied(version=1, replica_id="r0", duration_s=0.3))
     joiner.add_weights(WeightsFailed(version=1, replica_id="r1", reason="checksum"))
     joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))
-    (row, _), = joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))
+    ((row, _),) = joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))
     assert row["weights/num_applied"] == 1 and row["weights/num_failed"] == 1
     assert row["weights/apply_s"] == 0.3
 
@@ -63,7 +63,9 @@ def test_acks_arriving_after_their_row_go_into_the_next_row_not_a_second_row():
     written = []
     written += joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))
     written += joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))  # row 1 written
-    written += joiner.add_weights(WeightsApplied(version=1, replica_id="r0", duration_s=0.1))  # late ack
+    written += joiner.add_weights(
+        WeightsApplied(version=1, replica_id="r0", duration_s=0.1)
+    )  # late ack
     written += joiner.add_metrics(make_metrics("orchestrator", 2, r=1.0))
     written += joiner.add_metrics(make_metrics("trainer", 2, loss=1.0))
     steps = [row["step"] for row, _ in written]

@@ -3,7 +3,12 @@ import pytest
 from rlbus.wire.rollouts import RolloutSample
 from rlbus_orchestrator.advantages import group_advantages, has_signal
 from rlbus_orchestrator.packing import TrainSample, make_train_sample, pack
-from rlbus_orchestrator.staleness import is_stale, max_allowed_step, min_policy_version, off_policy_lag
+from rlbus_orchestrator.staleness import (
+    is_stale,
+    max_allowed_step,
+    min_policy_version,
+    off_policy_lag,
+)
 
 
 def make_rollout_sample(num_prompt=3, num_completion=4, reward=0.5, temperature=1.0):
@@ -61,8 +66,8 @@ def test_packing_conserves_every_token_once():
             assert len(mb.inference_logprobs) == len(mb.temperatures) == n
             start = 0
             for length in mb.seq_lens:
-                assert mb.position_ids[start:start + length] == list(range(length))
-                seqs.append(tuple(mb.input_ids[start:start + length]))
+                assert mb.position_ids[start : start + length] == list(range(length))
+                seqs.append(tuple(mb.input_ids[start : start + length]))
                 start += length
     real = sorted(s for s in seqs if s != (0,))
     assert real == sorted(tuple(s.input_ids) for s in samples)

@@ -10,16 +10,26 @@ from rlbus_orchestrator.coordinator import dataset_index
 
 
 def make_replica(rid, version=0, status="ready"):
-    return ReplicaInfo(replica_id=rid, base_url=f"http://{rid}/v1", model="m", weights_version=version, status=status)
+    return ReplicaInfo(
+        replica_id=rid,
+        base_url=f"http://{rid}/v1",
+        model="m",
+        weights_version=version,
+        status=status,
+    )
 
 
 def completion_json(ids=(5, 6)):
     return {
         "prompt_token_ids": [1, 2, 3],
-        "choices": [{
-            "message": {"role": "assistant", "content": "ab"}, "finish_reason": "length", "token_ids": list(ids),
-            "logprobs": {"content": [{"logprob": -0.25} for _ in ids]},
-        }],
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": "ab"},
+                "finish_reason": "length",
+                "token_ids": list(ids),
+                "logprobs": {"content": [{"logprob": -0.25} for _ in ids]},
+            }
+        ],
     }
 
 

@@ -32,16 +32,28 @@ class FakeDelivery:
 
 def make_rollout(task_id, rewards, version=0, num_completion=3):
     samples = [
-        RolloutSample(prompt_token_ids=[1, 2], completion_token_ids=[3] * num_completion,
-                      completion_logprobs=[-0.1] * num_completion, completion_mask=[1] * num_completion,
-                      reward=r, policy_version=version)
+        RolloutSample(
+            prompt_token_ids=[1, 2],
+            completion_token_ids=[3] * num_completion,
+            completion_logprobs=[-0.1] * num_completion,
+            completion_mask=[1] * num_completion,
+            reward=r,
+            policy_version=version,
+        )
         for r in rewards
     ]
     return Rollout(task_id=task_id, step=1, env_id="reverse-text", samples=samples)
 
 
 def make_coordinator(**overrides):
-    fields = dict(batch_size=4, group_size=2, async_level=1, max_off_policy_steps=1, seq_len=64, num_train_ranks=2)
+    fields = dict(
+        batch_size=4,
+        group_size=2,
+        async_level=1,
+        max_off_policy_steps=1,
+        seq_len=64,
+        num_train_ranks=2,
+    )
     coordinator = Coordinator(FakeBus(), OrchestratorConfig(**(fields | overrides)))
 
     async def save_state():
@@ -66,7 +78,9 @@ def test_tasks_in_flight_and_pooled_samples_count_toward_the_target():
     c = make_coordinator(async_level=0)
     c.state.outstanding = {"train-0": 0, "train-1": 1}
     assert c.num_tasks_to_issue() == 0
-    c.pool["train-0"] = PooledGroup(make_rollout("train-0", [0.0, 1.0]), FakeDelivery(None), [-0.5, 0.5])
+    c.pool["train-0"] = PooledGroup(
+        make_rollout("train-0", [0.0, 1.0]), FakeDelivery(None), [-0.5, 0.5]
+    )
     assert c.num_tasks_to_issue() == 0
     del c.state.outstanding["train-1"]  # dropped: a replacement is due
     assert c.num_tasks_to_issue() == 1
@@ -79,7 +93,10 @@ def test_stale_error_and_flat_groups_are_dropped_with_a_reason():
     assert c.drop_reason(make_rollout("t", [0.0, 1.0], version=2)) is None
     assert c.drop_reason(make_rollout("t", [0.5, 0.5], version=3)) == "zero_advantage"
     assert c.drop_reason(Rollout(task_id="t", step=1, env_id="x", error="boom")) == "error"
-    assert make_coordinator(filter_zero_advantage=False).drop_reason(make_rollout("t", [0.5, 0.5])) is None
+    assert (
+        make_coordinator(filter_zero_advantage=False).drop_reason(make_rollout("t", [0.5, 0.5]))
+        is None
+    )
 
 
 def test_full_pool_becomes_one_batch_and_acks_after_publishing():
@@ -128,8 +145,14 @@ def test_eval_rollouts_are_aggregated_into_eval_metrics():
 
 
 def test_entry_point_environment_is_found_by_id(monkeypatch):
-    ep = EntryPoint(name="my-env", value="rlbus_orchestrator.envs.reverse_text:ReverseTextEnv", group=registry.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(registry, "entry_points", lambda group: [ep] if group == registry.ENTRY_POINT_GROUP else [])
+    ep = EntryPoint(
+        name="my-env",
+        value="rlbus_orchestrator.envs.reverse_text:ReverseTextEnv",
+        group=registry.ENTRY_POINT_GROUP,
+    )
+    monkeypatch.setattr(
+        registry, "entry_points", lambda group: [ep] if group == registry.ENTRY_POINT_GROUP else []
+    )
     env = load_environment("my-env", {"min_len": 3, "max_len": 3})
     assert isinstance(env, ReverseTextEnv) and len(env.text("train", 0)) == 3
 

@@ -46,7 +46,9 @@ def test_reverse_reward_is_one_for_exact_reverse_and_lower_otherwise():
 def test_reverse_text_data_is_deterministic_per_seed_and_split():
     a, b = ReverseTextEnv(seed=1), ReverseTextEnv(seed=1)
     assert [a.text("train", i) for i in range(20)] == [b.text("train", i) for i in range(20)]
-    assert [a.text("train", i) for i in range(20)] != [ReverseTextEnv(seed=2).text("train", i) for i in range(20)]
+    assert [a.text("train", i) for i in range(20)] != [
+        ReverseTextEnv(seed=2).text("train", i) for i in range(20)
+    ]
     assert [a.text("train", i) for i in range(20)] != [a.text("eval", i) for i in range(20)]
 
 
@@ -67,7 +69,9 @@ def test_reverse_text_cursor_resumes_at_any_index():
 def test_reverse_text_episode_scores_the_stripped_answer():
     env = ReverseTextEnv()
     problem = env.example("train", 0)
-    sample = asyncio.run(env.run_episode(FakeClient(problem.answer + "\n"), problem, SamplingArgs(temperature=0.7)))
+    sample = asyncio.run(
+        env.run_episode(FakeClient(problem.answer + "\n"), problem, SamplingArgs(temperature=0.7))
+    )
     assert sample.reward == 1.0
     assert sample.reward_components == {"lcs_ratio": 1.0}
     assert sample.prompt_token_ids == [1, 2, 3]
@@ -97,7 +101,9 @@ def test_merge_turns_rejects_a_prompt_that_rewrites_history():
 
 
 def test_unknown_environment_fails_with_install_command():
-    with pytest.raises(EnvironmentNotFoundError, match=r"uv sync --package rlbus --package no-such-env"):
+    with pytest.raises(
+        EnvironmentNotFoundError, match=r"uv sync --package rlbus --package no-such-env"
+    ):
         load_environment("no-such-env")
 
 
@@ -107,7 +113,8 @@ def test_builtin_environment_receives_args():
 
 
 def test_verifiers_style_module_is_adapted(tmp_path, monkeypatch):
-    (tmp_path / "tiny_echo_env.py").write_text(textwrap.dedent('''
+    (tmp_path / "tiny_echo_env.py").write_text(
+        textwrap.dedent("""
         class Rubric:
             def __init__(self):
                 async def exact(completion, answer):
@@ -124,7 +131,8 @@ def test_verifiers_style_module_is_adapted(tmp_path, monkeypatch):
 
         def load_environment(**kwargs):
             return Env()
-    '''))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     env = load_environment("tiny-echo-env")
     assert env.num_examples("train") == 2
@@ -148,6 +156,8 @@ def test_service_with_unknown_environment_exits_before_connecting():
     from rlbus.configs.orchestrator import OrchestratorConfig
     from rlbus_orchestrator.service import run
 
-    config = OrchestratorConfig(env=[{"id": "no-such-env"}], run={"name": "x"}, bus={"url": "nats://127.0.0.1:1"})
+    config = OrchestratorConfig(
+        env=[{"id": "no-such-env"}], run={"name": "x"}, bus={"url": "nats://127.0.0.1:1"}
+    )
     with pytest.raises(SystemExit, match="uv sync"):
         run(config)

@@ -32,7 +32,9 @@ class FakeDelivery:
 
 class EchoClient:
     async def chat(self, messages, sampling):
-        return ChatTurn([1, 2], [3, 4], [-0.1, -0.2], messages[-1]["content"][::-1], "stop", policy_version=2)
+        return ChatTurn(
+            [1, 2], [3, 4], [-0.1, -0.2], messages[-1]["content"][::-1], "stop", policy_version=2
+        )
 
 
 class DownClient:
@@ -42,7 +44,14 @@ class DownClient:
 
 def make_task(env_id="reverse-text", group_size=3):
     problem = ReverseTextEnv().example("train", 0)
-    return Task(task_id="train-0", step=1, env_id=env_id, problem=problem, sampling=SamplingArgs(), group_size=group_size)
+    return Task(
+        task_id="train-0",
+        step=1,
+        env_id=env_id,
+        problem=problem,
+        sampling=SamplingArgs(),
+        group_size=group_size,
+    )
 
 
 def make_worker(client):
@@ -55,7 +64,9 @@ def test_worker_publishes_the_group_under_the_task_id_then_acks():
     asyncio.run(worker.handle(delivery))
     ((subject, rollout, msg_id),) = worker.bus.published
     assert subject == worker.bus.subjects.rollouts and msg_id == "train-0"
-    assert len(rollout.samples) == 3 and all(s.reward == 1.0 and s.policy_version == 2 for s in rollout.samples)
+    assert len(rollout.samples) == 3 and all(
+        s.reward == 1.0 and s.policy_version == 2 for s in rollout.samples
+    )
     assert delivery.settled == "ack"
 
 

@@ -7,7 +7,13 @@ import torch
 from safetensors.torch import load_file
 
 from rlbus_trainer.ckpt import COMPLETE, complete_steps, prune_checkpoints, resolve_resume_step
-from rlbus_trainer.testing import kill_tree, make_sft_config, read_metrics, run_sft_ranks, start_sft_ranks
+from rlbus_trainer.testing import (
+    kill_tree,
+    make_sft_config,
+    read_metrics,
+    run_sft_ranks,
+    start_sft_ranks,
+)
 
 
 def wait_for(predicate, timeout_s=180.0):
@@ -23,7 +29,9 @@ def test_kill_and_resume_reaches_same_weights_as_straight_run(tiny_model, tmp_pa
     ckpt = {"interval": 3, "keep_last": None}
     run_sft_ranks(tmp_path, make_sft_config(tiny_model, out, "straight", max_steps=6, ckpt=ckpt), 1)
 
-    proc = start_sft_ranks(tmp_path, make_sft_config(tiny_model, out, "killed", max_steps=6, ckpt=ckpt), 1)
+    proc = start_sft_ranks(
+        tmp_path, make_sft_config(tiny_model, out, "killed", max_steps=6, ckpt=ckpt), 1
+    )
     try:
         wait_for(lambda: 3 in complete_steps(out / "killed") or proc.poll() is not None)
     finally:
@@ -31,7 +39,9 @@ def test_kill_and_resume_reaches_same_weights_as_straight_run(tiny_model, tmp_pa
     assert complete_steps(out / "killed") == [3], "the run finished before it could be killed"
     assert not (out / "killed" / "model").exists()
 
-    run_sft_ranks(tmp_path, make_sft_config(tiny_model, out, "killed", max_steps=6, ckpt=ckpt, resume={}), 1)
+    run_sft_ranks(
+        tmp_path, make_sft_config(tiny_model, out, "killed", max_steps=6, ckpt=ckpt, resume={}), 1
+    )
     steps = [m["step"] for m in read_metrics(out / "killed")]
     assert steps[-3:] == [4, 5, 6]
     straight = load_file(out / "straight" / "model" / "model.safetensors")

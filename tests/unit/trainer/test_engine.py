@@ -12,15 +12,25 @@ from rlbus_trainer.testing import make_train_batch
 
 
 def one_token_padding() -> MicroBatch:
-    return MicroBatch(input_ids=[0], position_ids=[0], loss_mask=[0], advantages=[0.0],
-                      inference_logprobs=[0.0], temperatures=[1.0], seq_lens=[1])
+    return MicroBatch(
+        input_ids=[0],
+        position_ids=[0],
+        loss_mask=[0],
+        advantages=[0.0],
+        inference_logprobs=[0.0],
+        temperatures=[1.0],
+        seq_lens=[1],
+    )
 
 
 def first_step(tiny_model, tokens_per_forward, micro_batches):
     # SGD with lr 1: weight changes equal the gradients (Adam's first step would amplify float noise).
-    config = TrainerConfig(model={"name": str(tiny_model)}, optim={"type": "sgd", "lr": 1.0, "max_norm": None},
-                           tokens_per_forward=tokens_per_forward,
-                           loss={"mask_low": 1.0, "mask_high": 1.0})
+    config = TrainerConfig(
+        model={"name": str(tiny_model)},
+        optim={"type": "sgd", "lr": 1.0, "max_norm": None},
+        tokens_per_forward=tokens_per_forward,
+        loss={"mask_low": 1.0, "mask_high": 1.0},
+    )
     engine = build_engine(config, setup_distributed())
     result = engine.train_step(micro_batches, build_loss_fn(config.loss))
     return result, {n: p.detach().clone() for n, p in engine.model.named_parameters()}
@@ -33,7 +43,11 @@ def test_rows_stacked_per_forward_match_one_row_per_forward(tiny_model):
     stacked, w_stacked = first_step(tiny_model, 4096, micro_batches)  # all in one pass
     assert stacked.loss == pytest.approx(one.loss, rel=1e-5, abs=1e-7)
     assert stacked.metrics["entropy"] == pytest.approx(one.metrics["entropy"], rel=1e-5)
-    assert stacked.num_loss_tokens == one.num_loss_tokens == sum(sum(mb.loss_mask) for mb in micro_batches)
+    assert (
+        stacked.num_loss_tokens
+        == one.num_loss_tokens
+        == sum(sum(mb.loss_mask) for mb in micro_batches)
+    )
     for name in w_one:
         torch.testing.assert_close(w_stacked[name], w_one[name], atol=1e-6, rtol=1e-5, msg=name)
 

@@ -3,13 +3,20 @@
 import pytest
 import torch
 
-from rlbus_trainer.loss import LossInputs, block_causal_mask, default_loss, token_logprobs_and_entropy
+from rlbus_trainer.loss import (
+    LossInputs,
+    block_causal_mask,
+    default_loss,
+    token_logprobs_and_entropy,
+)
 
 
 def make_inputs(num_tokens=12, seed=0, on_policy=True):
     gen = torch.Generator().manual_seed(seed)
     trainer = (torch.rand(num_tokens, generator=gen) * -2.0).requires_grad_(True)
-    inference = trainer.detach().clone() if on_policy else torch.rand(num_tokens, generator=gen) * -2.0
+    inference = (
+        trainer.detach().clone() if on_policy else torch.rand(num_tokens, generator=gen) * -2.0
+    )
     advantages = torch.randn(num_tokens, generator=gen)
     loss_mask = torch.rand(num_tokens, generator=gen) > 0.3
     return LossInputs(trainer, inference, advantages, loss_mask)

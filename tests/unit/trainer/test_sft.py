@@ -4,23 +4,29 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlbus.configs.sft import SFTConfig
 from rlbus_trainer.sft_data import SFTData, pack, tokenize_conversation
-
 from rlbus_trainer.testing import make_sft_config, read_metrics
 
 
 def test_loss_mask_covers_assistant_content_and_end_token_only(tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "abc"},
-                {"role": "assistant", "content": "cba"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "abc"},
+        {"role": "assistant", "content": "cba"},
+    ]
     tok = tokenize_conversation(tokenizer, messages, ["assistant"])
-    assert tokenizer.decode(tok.input_ids) == tokenizer.apply_chat_template(messages, tokenize=False)
-    trained = tokenizer.decode([t for t, m in zip(tok.input_ids, tok.loss_mask) if m])
+    assert tokenizer.decode(tok.input_ids) == tokenizer.apply_chat_template(
+        messages, tokenize=False
+    )
+    trained = tokenizer.decode([t for t, m in zip(tok.input_ids, tok.loss_mask, strict=True) if m])
     assert trained == "cba<|im_end|>\n"
 
 
 def test_packing_keeps_every_token_and_restarts_positions(tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    samples = SFTData("reverse-text", tokenizer, loss_roles=["assistant"], batch_size=10, seed=0).batch(1)
+    samples = SFTData(
+        "reverse-text", tokenizer, loss_roles=["assistant"], batch_size=10, seed=0
+    ).batch(1)
     rows = pack(samples, seq_len=200)
     assert sum(len(r.input_ids) for r in rows) == sum(len(s.input_ids) for s in samples)
     assert all(len(r.input_ids) <= 200 for r in rows) and len(rows) < len(samples)
@@ -36,11 +42,15 @@ def test_sft_data_is_deterministic_per_step(tiny_model):
 
 
 def test_copy_fraction_mixes_copied_answers_into_the_same_texts():
-    from rlbus_trainer.sft_data import reverse_text_conversation
     import random
 
+    from rlbus_trainer.sft_data import reverse_text_conversation
+
     def answers(copy_fraction):
-        convs = [reverse_text_conversation(random.Random(i), copy_fraction=copy_fraction) for i in range(400)]
+        convs = [
+            reverse_text_conversation(random.Random(i), copy_fraction=copy_fraction)
+            for i in range(400)
+        ]
         return [(c[1]["content"], c[2]["content"]) for c in convs]
 
     clean, mixed = answers(0.0), answers(0.4)
@@ -65,11 +75,26 @@ def test_sft_jsonl_run_loss_falls_and_writes_loadable_model(tiny_model, tmp_path
 
     with open(data, "w") as f:
         for text in ["hello", "world", "abcdef", "reverse"] * 4:
-            f.write(json.dumps({"messages": [{"role": "user", "content": text},
-                                             {"role": "assistant", "content": text[::-1]}]}) + "\n")
-    config = SFTConfig.model_validate(make_sft_config(
-        tiny_model, tmp_path / "out", "jsonl", max_steps=8, data={"path": str(data), "batch_size": 8,
-                                                                   "val_path": str(data), "val_interval": 8}))
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": text},
+                            {"role": "assistant", "content": text[::-1]},
+                        ]
+                    }
+                )
+                + "\n"
+            )
+    config = SFTConfig.model_validate(
+        make_sft_config(
+            tiny_model,
+            tmp_path / "out",
+            "jsonl",
+            max_steps=8,
+            data={"path": str(data), "batch_size": 8, "val_path": str(data), "val_interval": 8},
+        )
+    )
     out = run(config)
     metrics = read_metrics(tmp_path / "out" / "jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 9))
@@ -84,10 +109,15 @@ def test_sft_reads_parquet_messages(tiny_model, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [[{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}] for t in ("abc", "hello")]
+    rows = [
+        [{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]
+        for t in ("abc", "hello")
+    ]
     pq.write_table(pa.table({"messages": rows}), tmp_path / "train.parquet")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    data = SFTData(str(tmp_path / "train.parquet"), tokenizer, loss_roles=["assistant"], batch_size=2, seed=0)
+    data = SFTData(
+        str(tmp_path / "train.parquet"), tokenizer, loss_roles=["assistant"], batch_size=2, seed=0
+    )
     assert data.num_examples == 2
     texts = sorted(tokenizer.decode(s.input_ids) for s in data.batch(1))
     assert texts[0].endswith("<|im_start|>assistant\ncba<|im_end|>\n")
@@ -98,16 +128,28 @@ def test_sft_data_path_errors_name_the_field(tiny_model, tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     with pytest.raises(ValueError, match="data.path"):
-        SFTData(str(tmp_path / "missing.jsonl"), tokenizer, loss_roles=["assistant"], batch_size=2, seed=0)
+        SFTData(
+            str(tmp_path / "missing.jsonl"),
+            tokenizer,
+            loss_roles=["assistant"],
+            batch_size=2,
+            seed=0,
+        )
 
 
 def test_full_offload_sft_checkpoints_and_resumes(tiny_model, tmp_path):
     from rlbus_trainer.ckpt import complete_steps
     from rlbus_trainer.sft import run
 
-    base = make_sft_config(tiny_model, tmp_path / "out", "offload", max_steps=2, ckpt={"interval": 1},
-                           model={"name": str(tiny_model), "optim_cpu_offload": False, "full_offload": True},
-                           save_final_model=False)
+    base = make_sft_config(
+        tiny_model,
+        tmp_path / "out",
+        "offload",
+        max_steps=2,
+        ckpt={"interval": 1},
+        model={"name": str(tiny_model), "optim_cpu_offload": False, "full_offload": True},
+        save_final_model=False,
+    )
     run(SFTConfig.model_validate(base))
     assert complete_steps(tmp_path / "out" / "offload") == [1, 2]
     run(SFTConfig.model_validate({**base, "max_steps": 3, "resume": {}}))

@@ -34,9 +34,15 @@ def test_tiny_model_chat_template_renders_chatml_and_round_trips(tiny_model_dir)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    messages = [{"role": "user", "content": "Reverse: héllo"}, {"role": "assistant", "content": "olléh"}]
+    messages = [
+        {"role": "user", "content": "Reverse: héllo"},
+        {"role": "assistant", "content": "olléh"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    assert text == "<|im_start|>user\nReverse: héllo<|im_end|>\n<|im_start|>assistant\nolléh<|im_end|>\n"
+    assert (
+        text
+        == "<|im_start|>user\nReverse: héllo<|im_end|>\n<|im_start|>assistant\nolléh<|im_end|>\n"
+    )
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == text
     prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)

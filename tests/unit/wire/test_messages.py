@@ -13,7 +13,9 @@ def make_task(**kw) -> tasks.Task:
         step=3,
         env_id="reverse-text",
         example_id=17,
-        problem=tasks.Problem(messages=[tasks.ChatMessage(role="user", content="abc")], answer="cba"),
+        problem=tasks.Problem(
+            messages=[tasks.ChatMessage(role="user", content="abc")], answer="cba"
+        ),
         sampling=tasks.SamplingArgs(temperature=0.7, max_tokens=16, stop=["\n"]),
         group_size=8,
         min_policy_version=2,
@@ -51,13 +53,35 @@ def make_micro_batch() -> batches.MicroBatch:
 
 ALL_MESSAGES = [
     (tasks, make_task()),
-    (rollouts, rollouts.Rollout(task_id="3-17", step=3, env_id="e", samples=[make_sample(), make_sample()])),
-    (batches, batches.TrainBatch(step=3, micro_batches=[[make_micro_batch()], [make_micro_batch()]], num_samples=4)),
-    (weights, weights.WeightsPublished(version=3, transport="filesystem", location="/x/step_3",
-                                       files=[weights.WeightFile(name="model.safetensors", size=10, sha256="ab")])),
+    (
+        rollouts,
+        rollouts.Rollout(
+            task_id="3-17", step=3, env_id="e", samples=[make_sample(), make_sample()]
+        ),
+    ),
+    (
+        batches,
+        batches.TrainBatch(
+            step=3, micro_batches=[[make_micro_batch()], [make_micro_batch()]], num_samples=4
+        ),
+    ),
+    (
+        weights,
+        weights.WeightsPublished(
+            version=3,
+            transport="filesystem",
+            location="/x/step_3",
+            files=[weights.WeightFile(name="model.safetensors", size=10, sha256="ab")],
+        ),
+    ),
     (weights, weights.WeightsApplied(version=3, replica_id="r0", duration_s=1.5)),
     (weights, weights.WeightsFailed(version=3, replica_id="r0", reason="checksum mismatch")),
-    (replicas, replicas.ReplicaInfo(replica_id="r0", base_url="http://h:8000/v1", model="m", weights_version=3)),
+    (
+        replicas,
+        replicas.ReplicaInfo(
+            replica_id="r0", base_url="http://h:8000/v1", model="m", weights_version=3
+        ),
+    ),
     (events, events.StepMetrics(service="trainer", step=3, metrics={"loss": 0.5})),
     (events, events.Lifecycle(service="trainer", state="failed", reason="oom")),
     (events, weights.WeightsApplied(version=3, replica_id="r0")),
@@ -88,7 +112,9 @@ def test_union_decoders_pick_the_type_by_tag():
 
 def test_map_message_with_unknown_extra_field_decodes():
     data = msgspec.to_builtins(make_task()) | {"added_in_a_later_version": {"x": 1}}
-    assert tasks.decoder.decode(msgspec.msgpack.encode(data)) == make_task(created_at=data["created_at"])
+    assert tasks.decoder.decode(msgspec.msgpack.encode(data)) == make_task(
+        created_at=data["created_at"]
+    )
 
 
 def test_map_message_missing_defaulted_field_decodes_with_default():
@@ -134,6 +160,8 @@ def test_run_subjects_are_prefixed_and_valid_names():
     assert s.tasks == "rlbus.exp_1_x.tasks"
     assert s.batch(12) == "rlbus.exp_1_x.batches.12"
     for spec in s.streams():
-        assert "." not in spec.name and all(sub.startswith("rlbus.exp_1_x.") for sub in spec.subjects)
+        assert "." not in spec.name and all(
+            sub.startswith("rlbus.exp_1_x.") for sub in spec.subjects
+        )
     assert {c.stream for c in s.consumers()} <= {spec.name for spec in s.streams()}
     assert all("." not in b.name for b in s.buckets())

@@ -44,11 +44,24 @@ WEIGHTS_VERSION_HEADER = "X-Rlbus-Weights-Version"
 INITIAL_VERSION_ENV = "RLBUS_INITIAL_WEIGHTS_VERSION"
 ROUTER_PORT_ENV = "RLBUS_ROUTER_FACING_PORT"
 # Paths the router must never reach (ours and vLLM's own control paths).
-ADMIN_PATHS = frozenset({
-    "/update_weights", "/load_lora_adapter", "/init_broadcaster", "/pause", "/resume", "/liveness",
-    "/is_paused", "/abort_requests", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-    "/reset_prefix_cache", "/sleep", "/wake_up", "/collective_rpc",
-})
+ADMIN_PATHS = frozenset(
+    {
+        "/update_weights",
+        "/load_lora_adapter",
+        "/init_broadcaster",
+        "/pause",
+        "/resume",
+        "/liveness",
+        "/is_paused",
+        "/abort_requests",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/reset_prefix_cache",
+        "/sleep",
+        "/wake_up",
+        "/collective_rpc",
+    }
+)
 
 router = APIRouter()
 
@@ -108,8 +121,14 @@ def _error(status: HTTPStatus, reason: str) -> JSONResponse:
 async def liveness(request: Request) -> JSONResponse:
     state = _state(request)
     paused = await state.engine.is_paused()
-    return JSONResponse({"status": "ok", "weights_version": state.version, "paused": paused,
-                         "last_error": state.last_error})
+    return JSONResponse(
+        {
+            "status": "ok",
+            "weights_version": state.version,
+            "paused": paused,
+            "last_error": state.last_error,
+        }
+    )
 
 
 async def pause_engine(engine, mode: str, timeout_s: float) -> str:
@@ -120,7 +139,7 @@ async def pause_engine(engine, mode: str, timeout_s: float) -> str:
     try:
         await asyncio.wait_for(engine.pause_generation(mode="wait", clear_cache=True), timeout_s)
         return "drained"
-    except asyncio.TimeoutError:
+    except TimeoutError:
         await engine.pause_generation(mode="abort", clear_cache=True)
         return "aborted_after_timeout"
 
@@ -165,12 +184,16 @@ async def update_weights(request: Request, body: UpdateWeightsRequest) -> JSONRe
     async with state.lock:
         start = time.perf_counter()
         was_paused = await state.engine.is_paused()
-        in_flight = "already_paused" if was_paused else await pause_engine(
-            state.engine, "wait", body.pause_timeout_s)
+        in_flight = (
+            "already_paused"
+            if was_paused
+            else await pause_engine(state.engine, "wait", body.pause_timeout_s)
+        )
         try:
             if body.source == "path":
                 results = await state.engine.collective_rpc(
-                    "rlbus_load_weights_from_dir", args=(body.path,))
+                    "rlbus_load_weights_from_dir", args=(body.path,)
+                )
             else:
                 results = await state.engine.collective_rpc("rlbus_receive_broadcast")
             await state.engine.reset_prefix_cache()
@@ -182,8 +205,15 @@ async def update_weights(request: Request, body: UpdateWeightsRequest) -> JSONRe
         finally:
             if not was_paused:
                 await state.engine.resume_generation()
-    return JSONResponse({"status": "ok", "weights_version": state.version, "in_flight": in_flight,
-                         "seconds": time.perf_counter() - start, "workers": results})
+    return JSONResponse(
+        {
+            "status": "ok",
+            "weights_version": state.version,
+            "in_flight": in_flight,
+            "seconds": time.perf_counter() - start,
+            "workers": results,
+        }
+    )
 
 
 @router.post("/init_broadcaster")
@@ -194,7 +224,8 @@ async def init_broadcaster(request: Request, body: InitBroadcasterRequest) -> JS
     try:
         ranks = await state.engine.collective_rpc(
             "rlbus_init_broadcaster",
-            args=(body.host, body.port, body.rank_offset, body.world_size, body.timeout_s))
+            args=(body.host, body.port, body.rank_offset, body.world_size, body.timeout_s),
+        )
     except Exception as e:
         return _error(HTTPStatus.BAD_GATEWAY, f"could not join the broadcast group: {e}")
     return JSONResponse({"status": "ok", "ranks": ranks})
@@ -209,8 +240,11 @@ async def load_lora_adapter(request: Request, body: LoadLoraRequest) -> JSONResp
         return _error(HTTPStatus.BAD_REQUEST, f"adapter directory {body.lora_path} does not exist")
     models = request.app.state.openai_serving_models
     async with state.lock:
-        result = await models.load_lora_adapter(LoadLoRAAdapterRequest(
-            lora_name=body.lora_name, lora_path=body.lora_path, load_inplace=True))
+        result = await models.load_lora_adapter(
+            LoadLoRAAdapterRequest(
+                lora_name=body.lora_name, lora_path=body.lora_path, load_inplace=True
+            )
+        )
         # Cached prefixes computed with the adapter's previous weights must not be reused.
         await state.engine.reset_prefix_cache()
         if isinstance(result, str) and body.version is not None:
@@ -218,8 +252,9 @@ async def load_lora_adapter(request: Request, body: LoadLoraRequest) -> JSONResp
     if not isinstance(result, str):
         status = getattr(result, "error", result)
         return JSONResponse(result.model_dump(), status_code=getattr(status, "code", 400))
-    return JSONResponse({"status": "ok", "lora_name": body.lora_name,
-                         "weights_version": state.version})
+    return JSONResponse(
+        {"status": "ok", "lora_name": body.lora_name, "weights_version": state.version}
+    )
 
 
 class RlbusMiddleware:
@@ -240,9 +275,13 @@ class RlbusMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self._is_admin_via_router(scope):
-            response = JSONResponse({"error": f"{scope['path']} is not served on the router port; "
-                                              "call the engine port (backend_port) directly"},
-                                    status_code=HTTPStatus.NOT_FOUND.value)
+            response = JSONResponse(
+                {
+                    "error": f"{scope['path']} is not served on the router port; "
+                    "call the engine port (backend_port) directly"
+                },
+                status_code=HTTPStatus.NOT_FOUND.value,
+            )
             return await response(scope, receive, send)
         app_state = scope["app"].state if "app" in scope else None
 
@@ -251,8 +290,9 @@ class RlbusMiddleware:
                 state = getattr(app_state, "rlbus", None)
                 if state is not None:
                     headers = list(message.get("headers", []))
-                    headers.append((WEIGHTS_VERSION_HEADER.lower().encode(),
-                                    str(state.version).encode()))
+                    headers.append(
+                        (WEIGHTS_VERSION_HEADER.lower().encode(), str(state.version).encode())
+                    )
                     message = {**message, "headers": headers}
             await send(message)
 
@@ -260,8 +300,12 @@ class RlbusMiddleware:
 
     def _is_admin_via_router(self, scope) -> bool:
         server = scope.get("server")
-        return (self.router_port is not None and server is not None
-                and server[1] == self.router_port and scope["path"].rstrip("/") in ADMIN_PATHS)
+        return (
+            self.router_port is not None
+            and server is not None
+            and server[1] == self.router_port
+            and scope["path"].rstrip("/") in ADMIN_PATHS
+        )
 
 
 class _NoSignalServer:
@@ -278,8 +322,11 @@ class _NoSignalServer:
             def capture_signals(self):
                 yield
 
-        return Server(uvicorn.Config(app, host=host, port=port, lifespan="off",
-                                     log_level="warning", access_log=False))
+        return Server(
+            uvicorn.Config(
+                app, host=host, port=port, lifespan="off", log_level="warning", access_log=False
+            )
+        )
 
 
 class RlbusAdminPlugin:

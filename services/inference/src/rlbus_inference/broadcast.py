@@ -18,8 +18,9 @@ One version is sent as (all broadcasts from rank 0, every one under the group ti
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -52,12 +53,21 @@ class GlooBroadcastGroup:
 class NcclBroadcastGroup:
     """NCCL through vLLM's PyNcclCommunicator (CUDA only)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                 device: torch.device):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        device: torch.device,
+    ):
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        pg = StatelessProcessGroup.create(host, port, rank, world_size, store_timeout=int(timeout_s))
+        pg = StatelessProcessGroup.create(
+            host, port, rank, world_size, store_timeout=int(timeout_s)
+        )
         self.comm = PyNcclCommunicator(pg, device=device)
         self.device = device
 
@@ -66,8 +76,9 @@ class NcclBroadcastGroup:
         torch.cuda.current_stream().synchronize()
 
 
-def make_group(host: str, port: int, rank: int, world_size: int, timeout_s: float,
-               device: torch.device):
+def make_group(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float, device: torch.device
+):
     """gloo on CPU, NCCL on CUDA."""
     if device.type == "cuda":
         return NcclBroadcastGroup(host, port, rank, world_size, timeout_s, device)
@@ -76,8 +87,9 @@ def make_group(host: str, port: int, rank: int, world_size: int, timeout_s: floa
 
 def send_state_dict(group, version: int, state_dict: dict[str, torch.Tensor]) -> None:
     """Rank 0: broadcast one version (header, then every tensor)."""
-    entries = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
-               for name, t in state_dict.items()]
+    entries = [
+        [name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state_dict.items()
+    ]
     header = json.dumps({"version": version, "tensors": entries}).encode()
     group.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=group.device))
     group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))

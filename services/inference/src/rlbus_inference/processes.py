@@ -83,10 +83,15 @@ def engine_command(config: InferenceConfig) -> list[str]:
         i = args.index("--gpu-memory-utilization")
         args[i + 1] = str(CPU_GPU_MEMORY_UTILIZATION)
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--host", config.server.host,
-        "--port", str(config.backend_port),
-        "--worker-extension-cls", WORKER_EXTENSION,
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        config.server.host,
+        "--port",
+        str(config.backend_port),
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
         *args,
     ]
 
@@ -111,14 +116,20 @@ def router_command(config: InferenceConfig, router_facing_port: int) -> list[str
     router = Path(sys.executable).with_name("vllm-router")
     return [
         str(router) if router.exists() else "vllm-router",
-        "--host", config.server.host,
-        "--port", str(config.server.port),
-        "--worker-urls", f"http://127.0.0.1:{router_facing_port}",
-        "--policy", "round_robin",
-        "--log-level", "warning",
+        "--host",
+        config.server.host,
+        "--port",
+        str(config.server.port),
+        "--worker-urls",
+        f"http://127.0.0.1:{router_facing_port}",
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warning",
         # Its metrics server defaults to a fixed port (29000): a second replica on the same
         # host would fail to bind it and exit, so each router gets a free one.
-        "--prometheus-port", str(free_port()),
+        "--prometheus-port",
+        str(free_port()),
     ]
 
 
@@ -142,12 +153,23 @@ def _die_with_parent(parent_death_signal: int):
     return preexec
 
 
-def start(name: str, command: list[str], *, env: dict[str, str] | None, log_path: Path | None,
-          parent_death_signal: int = signal.SIGKILL):
+def start(
+    name: str,
+    command: list[str],
+    *,
+    env: dict[str, str] | None,
+    log_path: Path | None,
+    parent_death_signal: int = signal.SIGKILL,
+):
     """Start a child (see `_die_with_parent`); its output goes to log_path (or ours)."""
     out = open(log_path, "ab") if log_path else None
-    proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            preexec_fn=_die_with_parent(parent_death_signal))
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+        preexec_fn=_die_with_parent(parent_death_signal),
+    )
     log.info("child_started", child=name, pid=proc.pid, log=str(log_path) if log_path else None)
     return proc
 
@@ -157,7 +179,11 @@ class StopDuringStartup(Exception):
 
 
 def wait_healthy(
-    name: str, proc: subprocess.Popen, url: str, timeout_s: float, stop: threading.Event | None = None
+    name: str,
+    proc: subprocess.Popen,
+    url: str,
+    timeout_s: float,
+    stop: threading.Event | None = None,
 ) -> None:
     """Poll `url` until it answers 200; raise if the child exits, time runs out, or `stop` is set
     (SIGTERM during vLLM's minute-long start-up must not wait for it to finish)."""

@@ -58,7 +58,9 @@ def public_host(config: InferenceConfig) -> str:
     return config.server.host
 
 
-def make_replica_info(config: InferenceConfig, *, version: int, status: str) -> replicas.ReplicaInfo:
+def make_replica_info(
+    config: InferenceConfig, *, version: int, status: str
+) -> replicas.ReplicaInfo:
     host = public_host(config)
     return replicas.ReplicaInfo(
         replica_id=replica_id(config),
@@ -120,7 +122,9 @@ class WeightAgent:
                 duration = await self.apply(target)
             except (WeightApplyError, httpx.HTTPError) as error:
                 reason = str(error) or type(error).__name__
-                log.warning("weights_failed", version=target.version, attempt=attempt, reason=reason)
+                log.warning(
+                    "weights_failed", version=target.version, attempt=attempt, reason=reason
+                )
                 await self.publish_failed(target.version, reason)
                 await self.on_change(self.loaded_version, "ready")
                 if delay is None or await self.newer_published(target, delay):
@@ -136,7 +140,7 @@ class WeightAgent:
         """Sleep `delay_s` unless a newer version arrives first (then True: stop retrying)."""
         try:
             await asyncio.wait_for(self.new_version.wait(), delay_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return self.latest is not None and self.latest.version > target.version
 
@@ -152,13 +156,23 @@ class WeightAgent:
         """Make the engine load `target`; returns seconds taken."""
         start = time.perf_counter()
         if target.lora_name is not None:
-            await self.post("/load_lora_adapter", {"lora_name": target.lora_name,
-                                                   "lora_path": target.location,
-                                                   "version": target.version})
+            await self.post(
+                "/load_lora_adapter",
+                {
+                    "lora_name": target.lora_name,
+                    "lora_path": target.location,
+                    "version": target.version,
+                },
+            )
         elif target.transport == "filesystem":
-            await self.post("/update_weights", {
-                "version": target.version, "path": target.location,
-                "sha256": {f.name: f.sha256 for f in target.files}})
+            await self.post(
+                "/update_weights",
+                {
+                    "version": target.version,
+                    "path": target.location,
+                    "sha256": {f.name: f.sha256 for f in target.files},
+                },
+            )
         else:
             await self.join_broadcast(target.location)
             await self.post("/update_weights", {"version": target.version, "source": "broadcast"})
@@ -169,9 +183,16 @@ class WeightAgent:
         if location == self.broadcast_location:
             return
         host, _, port = location.rpartition(":")
-        await self.post("/init_broadcaster", {
-            "host": host, "port": int(port), "rank_offset": 1, "world_size": 2,
-            "timeout_s": self.config.weight_broadcast.timeout_s})
+        await self.post(
+            "/init_broadcaster",
+            {
+                "host": host,
+                "port": int(port),
+                "rank_offset": 1,
+                "world_size": 2,
+                "timeout_s": self.config.weight_broadcast.timeout_s,
+            },
+        )
         self.broadcast_location = location
 
     async def post(self, path: str, body: dict) -> dict:
@@ -181,10 +202,14 @@ class WeightAgent:
         return response.json()
 
     async def publish_applied(self, version: int, duration_s: float) -> None:
-        message = weights.WeightsApplied(version=version, replica_id=self.replica_id,
-                                         duration_s=duration_s)
-        await self.bus.publish(self.bus.subjects.weights_applied, weights.encoder.encode(message),
-                               msg_id=f"applied-{self.replica_id}-{version}-{time.time_ns()}")
+        message = weights.WeightsApplied(
+            version=version, replica_id=self.replica_id, duration_s=duration_s
+        )
+        await self.bus.publish(
+            self.bus.subjects.weights_applied,
+            weights.encoder.encode(message),
+            msg_id=f"applied-{self.replica_id}-{version}-{time.time_ns()}",
+        )
 
     async def publish_failed(self, version: int, reason: str) -> None:
         message = weights.WeightsFailed(version=version, replica_id=self.replica_id, reason=reason)
@@ -196,8 +221,13 @@ async def hold_lease(bus: Bus, config: InferenceConfig, state: dict, stop: async
     key = replica_id(config)
     while not stop.is_set():
         info = make_replica_info(config, version=state["version"], status=state["status"])
-        lease = bus.lease(bus.subjects.replicas_bucket, key, replicas.encoder.encode(info),
-                          ttl_s=config.lease_ttl_s, wait_s=2 * config.lease_ttl_s)
+        lease = bus.lease(
+            bus.subjects.replicas_bucket,
+            key,
+            replicas.encoder.encode(info),
+            ttl_s=config.lease_ttl_s,
+            wait_s=2 * config.lease_ttl_s,
+        )
         async with lease:
             state["lease"] = lease
             log.info("replica_registered", replica_id=key, base_url=info.base_url)
@@ -215,8 +245,12 @@ async def run_replica_tasks(config: InferenceConfig, stop: asyncio.Event) -> Non
     run_id = config.bus.run_id
     if run_id is None and config.run_dir is not None:
         run_id = config.run_dir.rstrip("/").rsplit("/", 1)[-1]
-    bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=config.run_dir,
-                            name=f"inference-{replica_id(config)}")
+    bus = await Bus.connect(
+        config.bus,
+        run_id=run_id,
+        storage_dir=config.run_dir,
+        name=f"inference-{replica_id(config)}",
+    )
     state = {"version": 0, "status": "ready", "lease": None}
 
     async def on_change(version: int, status: str) -> None:
@@ -231,8 +265,9 @@ async def run_replica_tasks(config: InferenceConfig, stop: asyncio.Event) -> Non
         agent_task = asyncio.create_task(agent.run())
         stopped = asyncio.create_task(stop.wait())
         try:
-            done, _ = await asyncio.wait({stopped, lease_task, agent_task},
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {stopped, lease_task, agent_task}, return_when=asyncio.FIRST_COMPLETED
+            )
             for task in done - {stopped}:
                 task.result()  # a failed lease or agent ends the replica with its error
         finally:

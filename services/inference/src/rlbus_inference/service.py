@@ -69,28 +69,52 @@ async def serve(config: InferenceConfig) -> None:
     router_facing_port = processes.free_port()
     try:
         engine = processes.start(
-            "engine", processes.engine_command(config),
+            "engine",
+            processes.engine_command(config),
             env=processes.engine_env(initial_version=0, router_facing_port=router_facing_port),
             log_path=logs / f"inference-engine-{log_suffix(config)}.log" if logs else None,
             parent_death_signal=signal.SIGTERM,
         )
-        await asyncio.to_thread(processes.wait_healthy, "engine", engine,
-                                processes.engine_url(config) + "/health", ENGINE_START_TIMEOUT_S, stop_startup)
+        await asyncio.to_thread(
+            processes.wait_healthy,
+            "engine",
+            engine,
+            processes.engine_url(config) + "/health",
+            ENGINE_START_TIMEOUT_S,
+            stop_startup,
+        )
         router = processes.start(
-            "router", processes.router_command(config, router_facing_port), env=None,
+            "router",
+            processes.router_command(config, router_facing_port),
+            env=None,
             log_path=logs / f"inference-router-{log_suffix(config)}.log" if logs else None,
         )
-        await asyncio.to_thread(processes.wait_healthy, "router", router,
-                                processes.router_url(config) + "/health", ROUTER_START_TIMEOUT_S, stop_startup)
-        log.info("inference_ready", url=processes.router_url(config),
-                 engine_url=processes.engine_url(config), model=config.vllm.model)
+        await asyncio.to_thread(
+            processes.wait_healthy,
+            "router",
+            router,
+            processes.router_url(config) + "/health",
+            ROUTER_START_TIMEOUT_S,
+            stop_startup,
+        )
+        log.info(
+            "inference_ready",
+            url=processes.router_url(config),
+            engine_url=processes.engine_url(config),
+            model=config.vllm.model,
+        )
         if config.bus.url:
             from rlbus.obs import tracing
             from rlbus_inference.replica import run_replica_tasks
 
             # weights_apply spans (one per applied version) -> <run_dir>/traces/inference.jsonl
-            tracing.setup_tracing("inference", run_dir=config.run_dir, endpoint=config.otel.endpoint,
-                                  enabled=config.otel.enabled, run_id=config.bus.run_id)
+            tracing.setup_tracing(
+                "inference",
+                run_dir=config.run_dir,
+                endpoint=config.otel.endpoint,
+                enabled=config.otel.enabled,
+                run_id=config.bus.run_id,
+            )
 
             background = asyncio.create_task(run_replica_tasks(config, stop_requested))
         await wait_for_stop(stop_requested, [engine, router], background)
@@ -121,7 +145,7 @@ async def wait_for_stop(stop_requested: asyncio.Event, children, background) -> 
             return
         try:
             await asyncio.wait_for(stop_requested.wait(), timeout=1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -129,7 +153,7 @@ async def finish(task: asyncio.Task, timeout_s: float = 10.0) -> None:
     """Let the bus tasks withdraw the lease and close; cancel them if they take too long."""
     try:
         await asyncio.wait_for(task, timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         log.warning("replica_tasks_cancelled")
     except Exception as error:
         log.error("replica_tasks_failed", error=str(error))

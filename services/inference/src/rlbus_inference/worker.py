@@ -56,7 +56,11 @@ class RlbusWorkerExtension:
 
         rank = rank_offset + self.rank  # type: ignore[attr-defined]
         self._rlbus_group = make_group(
-            host, port, rank, world_size, timeout_s,
+            host,
+            port,
+            rank,
+            world_size,
+            timeout_s,
             self.device,  # type: ignore[attr-defined]
         )
         return rank
@@ -74,5 +78,8 @@ class RlbusWorkerExtension:
             self._rlbus_group = None
             return {"version": None, "closed": True}
         self._rlbus_reload(receive_tensors(group, header))
-        return {"version": header["version"], "num_tensors": len(header["tensors"]),
-                "seconds": time.perf_counter() - start}
+        return {
+            "version": header["version"],
+            "num_tensors": len(header["tensors"]),
+            "seconds": time.perf_counter() - start,
+        }

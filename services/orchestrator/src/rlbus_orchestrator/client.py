@@ -18,7 +18,6 @@ import structlog
 
 from rlbus.wire.replicas import ReplicaInfo
 from rlbus.wire.tasks import SamplingArgs
-
 from rlbus_orchestrator.envs.base import ChatTurn
 
 log = structlog.get_logger()
@@ -58,7 +57,9 @@ class ReplicaPool:
 
     def pick(self, exclude: set[str]) -> Replica | None:
         now = time.monotonic()
-        alive = [r for rid, r in self.replicas.items() if rid not in exclude and r.down_until <= now]
+        alive = [
+            r for rid, r in self.replicas.items() if rid not in exclude and r.down_until <= now
+        ]
         return min(alive, key=lambda r: (r.outstanding, r.num_requests), default=None)
 
     def mark_down(self, replica: Replica) -> None:
@@ -70,10 +71,15 @@ class ReplicaPool:
 
 def static_replicas(urls: list[str], model: str) -> list[ReplicaInfo]:
     """Registry entries for fixed URLs (`inference_urls`), e.g. an external OpenAI server."""
-    return [ReplicaInfo(replica_id=f"static-{i}", base_url=u.rstrip("/"), model=model) for i, u in enumerate(urls)]
+    return [
+        ReplicaInfo(replica_id=f"static-{i}", base_url=u.rstrip("/"), model=model)
+        for i, u in enumerate(urls)
+    ]
 
 
-def request_body(model: str, messages: list[dict[str, Any]], sampling: SamplingArgs) -> dict[str, Any]:
+def request_body(
+    model: str, messages: list[dict[str, Any]], sampling: SamplingArgs
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -96,7 +102,9 @@ def parse_turn(data: dict[str, Any], version: int, replica_id: str) -> ChatTurn:
     choice = data["choices"][0]
     ids = list(choice.get("token_ids") or [])
     logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
-    assert data.get("prompt_token_ids") is not None, "inference must support return_token_ids (vLLM >= 0.10)"
+    assert data.get("prompt_token_ids") is not None, (
+        "inference must support return_token_ids (vLLM >= 0.10)"
+    )
     assert len(ids) == len(logprobs), f"{len(ids)} completion tokens but {len(logprobs)} logprobs"
     return ChatTurn(
         prompt_token_ids=list(data["prompt_token_ids"]),
@@ -112,7 +120,9 @@ def parse_turn(data: dict[str, Any], version: int, replica_id: str) -> ChatTurn:
 class InferenceClient:
     """The `ChatClient` of rollout workers (see module docstring)."""
 
-    def __init__(self, pool: ReplicaPool, http: httpx.AsyncClient, model: str, *, max_attempts: int = 4):
+    def __init__(
+        self, pool: ReplicaPool, http: httpx.AsyncClient, model: str, *, max_attempts: int = 4
+    ):
         self.pool, self.http, self.model, self.max_attempts = pool, http, model, max_attempts
 
     async def chat(self, messages: list[dict[str, Any]], sampling: SamplingArgs) -> ChatTurn:
@@ -131,14 +141,17 @@ class InferenceClient:
                 log.warning("replica_failed", replica_id=replica.info.replica_id, error=repr(error))
         raise NoReplicaError(f"no inference replica answered (tried {sorted(tried) or 'none'})")
 
-    async def _send(self, replica: Replica, messages: list[dict[str, Any]], sampling: SamplingArgs) -> ChatTurn:
+    async def _send(
+        self, replica: Replica, messages: list[dict[str, Any]], sampling: SamplingArgs
+    ) -> ChatTurn:
         model = replica.info.model or self.model
         replica.outstanding += 1
         replica.num_requests += 1
         started = time.perf_counter()
         try:
             response = await self.http.post(
-                f"{replica.info.base_url}/chat/completions", json=request_body(model, messages, sampling)
+                f"{replica.info.base_url}/chat/completions",
+                json=request_body(model, messages, sampling),
             )
             response.raise_for_status()
         finally:

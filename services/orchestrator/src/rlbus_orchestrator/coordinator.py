@@ -61,11 +61,15 @@ from rlbus.wire.batches import TrainBatch
 from rlbus.wire.events import StepMetrics
 from rlbus.wire.rollouts import Rollout
 from rlbus.wire.tasks import SamplingArgs, Task
-
 from rlbus_orchestrator.advantages import group_advantages, has_signal
 from rlbus_orchestrator.envs import Environment, load_environment
 from rlbus_orchestrator.packing import make_train_sample, pack
-from rlbus_orchestrator.staleness import is_stale, max_allowed_step, min_policy_version, off_policy_lag
+from rlbus_orchestrator.staleness import (
+    is_stale,
+    max_allowed_step,
+    min_policy_version,
+    off_policy_lag,
+)
 
 log = structlog.get_logger()
 
@@ -130,7 +134,9 @@ class Coordinator:
     def __init__(self, bus: Bus, config: OrchestratorConfig):
         self.bus = bus
         self.config = config
-        self.envs: list[tuple[Environment, dict]] = [(load_environment(e.id, e.args), e.args) for e in config.env]
+        self.envs: list[tuple[Environment, dict]] = [
+            (load_environment(e.id, e.args), e.args) for e in config.env
+        ]
         self.env_weights = [e.weight for e in config.env]
         self.state = CoordinatorState()
         self.pool: dict[str, PooledGroup] = {}
@@ -158,8 +164,12 @@ class Coordinator:
         await self.adopt_published_batches()
         if self.state.publishing:
             await self.publish_tasks(self.state.publishing)
-        log.info("coordinator_state_loaded", next_step=self.state.next_step, cursor=self.state.cursor,
-                 outstanding=len(self.state.outstanding))
+        log.info(
+            "coordinator_state_loaded",
+            next_step=self.state.next_step,
+            cursor=self.state.cursor,
+            outstanding=len(self.state.outstanding),
+        )
 
     async def save_state(self) -> None:
         kv = await self.state_kv()
@@ -167,7 +177,9 @@ class Coordinator:
 
     async def read_batch(self, step: int) -> TrainBatch | None:
         try:
-            msg = await self.bus.js.get_last_msg(self.bus.subjects.batches_stream, self.bus.subjects.batch(step))
+            msg = await self.bus.js.get_last_msg(
+                self.bus.subjects.batches_stream, self.bus.subjects.batch(step)
+            )
         except NotFoundError:
             return None
         return batches_wire.decoder.decode(self.bus.decode_payload(msg.data, msg.headers))
@@ -185,27 +197,41 @@ class Coordinator:
 
     def make_task(self, cursor: int) -> Task:
         rng = random.Random(f"{self.config.seed}/env/{cursor}")
-        env_index = rng.choices(range(len(self.envs)), weights=self.env_weights)[0] if len(self.envs) > 1 else 0
+        env_index = (
+            rng.choices(range(len(self.envs)), weights=self.env_weights)[0]
+            if len(self.envs) > 1
+            else 0
+        )
         env, args = self.envs[env_index]
         index = dataset_index(cursor, env.num_examples("train"), self.config.seed)
         step = self.state.next_step
         return Task(
-            task_id=task_id_of(cursor), step=step, env_id=env.env_id, env_args=args, example_id=index,
-            problem=env.example("train", index), sampling=self.sampling_args(), group_size=self.config.group_size,
+            task_id=task_id_of(cursor),
+            step=step,
+            env_id=env.env_id,
+            env_args=args,
+            example_id=index,
+            problem=env.example("train", index),
+            sampling=self.sampling_args(),
+            group_size=self.config.group_size,
             min_policy_version=min_policy_version(step, self.config.max_off_policy_steps),
         )
 
     def sampling_args(self, *, greedy: bool = False) -> SamplingArgs:
         s = self.config.sampling
         return SamplingArgs(
-            temperature=0.0 if greedy else s.temperature, top_p=1.0 if greedy else s.top_p,
-            max_tokens=s.max_tokens, extra=dict(s.extra_body),
+            temperature=0.0 if greedy else s.temperature,
+            top_p=1.0 if greedy else s.top_p,
+            max_tokens=s.max_tokens,
+            extra=dict(s.extra_body),
         )
 
     async def publish_tasks(self, cursors: list[int]) -> None:
         """Publish concurrently (one round trip, not one per task); ids make a retry a no-op."""
         tasks = [self.make_task(cursor) for cursor in cursors]
-        await asyncio.gather(*(self.bus.publish(self.bus.subjects.tasks, t, msg_id=t.task_id) for t in tasks))
+        await asyncio.gather(
+            *(self.bus.publish(self.bus.subjects.tasks, t, msg_id=t.task_id) for t in tasks)
+        )
 
     def max_step(self) -> int:
         limit = max_allowed_step(self.applied_version, self.config.async_level)
@@ -329,9 +355,14 @@ class Coordinator:
         if rollout.error is not None or not rollout.samples:
             return "error"
         step = self.state.next_step
-        if any(is_stale(step, s.policy_version, self.config.max_off_policy_steps) for s in rollout.samples):
+        if any(
+            is_stale(step, s.policy_version, self.config.max_off_policy_steps)
+            for s in rollout.samples
+        ):
             return "stale"
-        if self.config.filter_zero_advantage and not has_signal([s.reward for s in rollout.samples]):
+        if self.config.filter_zero_advantage and not has_signal(
+            [s.reward for s in rollout.samples]
+        ):
             return "zero_advantage"
         return None
 
@@ -341,7 +372,9 @@ class Coordinator:
         for group in self.pool.values():
             chosen.append(group)
             num_samples += len(group.rollout.samples)
-            num_tokens += sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in group.rollout.samples)
+            num_tokens += sum(
+                len(s.prompt_token_ids) + len(s.completion_token_ids) for s in group.rollout.samples
+            )
             if self.config.token_budget is not None and num_tokens >= self.config.token_budget:
                 return chosen
             if self.config.token_budget is None and num_samples >= self.config.batch_size:
@@ -352,7 +385,10 @@ class Coordinator:
         """Groups that waited in the pool until they became too old for the step being built."""
         step = self.state.next_step
         for task_id, group in list(self.pool.items()):
-            if any(is_stale(step, s.policy_version, self.config.max_off_policy_steps) for s in group.rollout.samples):
+            if any(
+                is_stale(step, s.policy_version, self.config.max_off_policy_steps)
+                for s in group.rollout.samples
+            ):
                 del self.pool[task_id]
                 self.state.outstanding.pop(task_id, None)
                 self.stats.dropped["stale"] += 1
@@ -371,9 +407,13 @@ class Coordinator:
         step = self.state.next_step
         carriers = [{"traceparent": g.rollout.metadata.get("traceparent") or ""} for g in groups]
         links = [link for c in carriers if (link := tracing.link_from_headers(c)) is not None]
-        with tracing.tracer().start_as_current_span("batch", links=links, attributes={"step": step}):
+        with tracing.tracer().start_as_current_span(
+            "batch", links=links, attributes={"step": step}
+        ):
             batch = self.make_batch(step, groups)
-            await self.bus.publish(self.bus.subjects.batch(step), batch, msg_id=self.bus.subjects.batch_msg_id(step))
+            await self.bus.publish(
+                self.bus.subjects.batch(step), batch, msg_id=self.bus.subjects.batch_msg_id(step)
+            )
         for g in groups:
             del self.pool[g.rollout.task_id]
             self.state.outstanding.pop(g.rollout.task_id, None)
@@ -383,8 +423,13 @@ class Coordinator:
             await g.delivery.ack()
         await self.publish_metrics(step, batch.metrics)
         self.num_batches_published += 1
-        log.info("batch_published", step=step, num_samples=batch.num_samples, num_tokens=batch.num_tokens,
-                 reward_mean=round(batch.metrics.get("reward/mean", 0.0), 4))
+        log.info(
+            "batch_published",
+            step=step,
+            num_samples=batch.num_samples,
+            num_tokens=batch.num_tokens,
+            reward_mean=round(batch.metrics.get("reward/mean", 0.0), 4),
+        )
         self.stats = StepStats()
         if self.config.eval is not None and step % self.config.eval.interval == 0:
             asyncio.create_task(self.publish_eval_tasks(step))
@@ -393,13 +438,22 @@ class Coordinator:
 
     def make_batch(self, step: int, groups: list[PooledGroup]) -> TrainBatch:
         samples = [s for g in groups for s in g.rollout.samples]
-        train = [make_train_sample(s, a, self.config.seq_len) for g in groups for s, a in zip(g.rollout.samples, g.advantages, strict=True)]
+        train = [
+            make_train_sample(s, a, self.config.seq_len)
+            for g in groups
+            for s, a in zip(g.rollout.samples, g.advantages, strict=True)
+        ]
         micro = pack(train, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
         versions = [s.policy_version for s in samples]
         return TrainBatch(
-            step=step, micro_batches=micro, num_samples=len(samples), num_tokens=sum(len(t) for t in train),
-            min_policy_version=min(versions), max_policy_version=max(versions),
-            task_ids=[g.rollout.task_id for g in groups], metrics=self.step_metrics(step, samples),
+            step=step,
+            micro_batches=micro,
+            num_samples=len(samples),
+            num_tokens=sum(len(t) for t in train),
+            min_policy_version=min(versions),
+            max_policy_version=max(versions),
+            task_ids=[g.rollout.task_id for g in groups],
+            metrics=self.step_metrics(step, samples),
         )
 
     def step_metrics(self, step: int, samples) -> dict[str, float]:
@@ -407,19 +461,27 @@ class Coordinator:
         lengths = [len(s.completion_token_ids) for s in samples]
         elapsed = max(time.monotonic() - self.stats.started, 1e-9)
         m: dict[str, float] = {
-            "reward/mean": statistics.fmean(rewards), "reward/std": statistics.pstdev(rewards),
-            "reward/min": min(rewards), "reward/max": max(rewards),
-            "completion_len/mean": statistics.fmean(lengths), "completion_len/max": float(max(lengths)),
+            "reward/mean": statistics.fmean(rewards),
+            "reward/std": statistics.pstdev(rewards),
+            "reward/min": min(rewards),
+            "reward/max": max(rewards),
+            "completion_len/mean": statistics.fmean(lengths),
+            "completion_len/max": float(max(lengths)),
             "truncated/rate": sum(s.is_truncated for s in samples) / len(samples),
             "tasks/in_flight": float(len(self.state.outstanding) - len(self.pool)),
             "tokens_per_s": self.stats.completion_tokens / elapsed,
-            "time/step_s": elapsed, "time/wait_weights_s": self.stats.wait_weights_s,
+            "time/step_s": elapsed,
+            "time/wait_weights_s": self.stats.wait_weights_s,
             "time/orchestrator_s": self.stats.own_s,
-            "time/wait_rollouts_s": max(0.0, elapsed - self.stats.wait_weights_s - self.stats.own_s),
+            "time/wait_rollouts_s": max(
+                0.0, elapsed - self.stats.wait_weights_s - self.stats.own_s
+            ),
             "weights/applied_version": float(self.applied_version),
         }
         for name in {k for s in samples for k in s.reward_components}:
-            m[f"reward/{name}/mean"] = statistics.fmean(s.reward_components.get(name, 0.0) for s in samples)
+            m[f"reward/{name}/mean"] = statistics.fmean(
+                s.reward_components.get(name, 0.0) for s in samples
+            )
         for lag, count in Counter(off_policy_lag(step, s.policy_version) for s in samples).items():
             m[f"off_policy_lag/{lag}"] = float(count)
         for reason in ("stale", "zero_advantage", "error"):
@@ -439,11 +501,21 @@ class Coordinator:
         num = min(ev.num_examples, env.num_examples("eval") or ev.num_examples)
         self.eval_pending[step] = []
         tasks = [
-            Task(task_id=f"eval-{step}-{i}", step=step, env_id=env.env_id, env_args=args, example_id=i,
-                 problem=env.example("eval", i), sampling=self.sampling_args(greedy=ev.greedy), group_size=1)
+            Task(
+                task_id=f"eval-{step}-{i}",
+                step=step,
+                env_id=env.env_id,
+                env_args=args,
+                example_id=i,
+                problem=env.example("eval", i),
+                sampling=self.sampling_args(greedy=ev.greedy),
+                group_size=1,
+            )
             for i in range(num)
         ]
-        await asyncio.gather(*(self.bus.publish(self.bus.subjects.tasks, t, msg_id=t.task_id) for t in tasks))
+        await asyncio.gather(
+            *(self.bus.publish(self.bus.subjects.tasks, t, msg_id=t.task_id) for t in tasks)
+        )
 
     async def on_eval_rollout(self, delivery: Delivery[Rollout]) -> None:
         rollout = delivery.data
@@ -453,10 +525,16 @@ class Coordinator:
         if rewards is None:
             return  # an evaluation from before a restart
         rewards.extend(s.reward for s in rollout.samples)
-        num = min(self.config.eval.num_examples, self.envs[0][0].num_examples("eval") or self.config.eval.num_examples)
+        num = min(
+            self.config.eval.num_examples,
+            self.envs[0][0].num_examples("eval") or self.config.eval.num_examples,
+        )
         if len(rewards) >= num:
             del self.eval_pending[step]
-            metrics = {"eval/reward/mean": statistics.fmean(rewards), "eval/num_examples": float(len(rewards))}
+            metrics = {
+                "eval/reward/mean": statistics.fmean(rewards),
+                "eval/num_examples": float(len(rewards)),
+            }
             self.eval_results[step] = metrics
             await self.publish_metrics(step, metrics)
             log.info("eval_done", step=step, reward_mean=round(metrics["eval/reward/mean"], 4))
@@ -469,14 +547,26 @@ class Coordinator:
             log.info("coordinator_already_done", next_step=self.state.next_step)
             return
         s = self.bus.subjects
-        consumer = self.bus.consumer(s.rollouts_stream, s.rollouts_durable, rollouts_wire.decoder, self.on_rollout,
-                                     concurrency=64, auto_ack=False)
+        consumer = self.bus.consumer(
+            s.rollouts_stream,
+            s.rollouts_durable,
+            rollouts_wire.decoder,
+            self.on_rollout,
+            concurrency=64,
+            auto_ack=False,
+        )
         self.changed.set()
-        background = [asyncio.create_task(self.issue_tasks()), asyncio.create_task(self.watch_weights())]
+        background = [
+            asyncio.create_task(self.issue_tasks()),
+            asyncio.create_task(self.watch_weights()),
+        ]
         try:
             async with consumer:
                 stopper = asyncio.create_task(stop.wait())
-                await asyncio.wait([stopper, asyncio.create_task(self.done.wait())], return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    [stopper, asyncio.create_task(self.done.wait())],
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 stopper.cancel()
         finally:
             self.done.set()

@@ -42,7 +42,11 @@ class TrainSample:
 def make_train_sample(sample: RolloutSample, advantage: float, seq_len: int) -> TrainSample:
     """The trainer's view of one rollout sample, cut to `seq_len` tokens."""
     num_prompt = len(sample.prompt_token_ids)
-    assert len(sample.completion_token_ids) == len(sample.completion_logprobs) == len(sample.completion_mask)
+    assert (
+        len(sample.completion_token_ids)
+        == len(sample.completion_logprobs)
+        == len(sample.completion_mask)
+    )
     return TrainSample(
         input_ids=(sample.prompt_token_ids + sample.completion_token_ids)[:seq_len],
         loss_mask=([0] * num_prompt + list(sample.completion_mask))[:seq_len],
@@ -55,7 +59,13 @@ def make_train_sample(sample: RolloutSample, advantage: float, seq_len: int) -> 
 def build_micro_batch(samples: list[TrainSample]) -> MicroBatch:
     """Concatenate sequences into one micro-batch."""
     mb = MicroBatch(
-        input_ids=[], position_ids=[], loss_mask=[], advantages=[], inference_logprobs=[], temperatures=[], seq_lens=[]
+        input_ids=[],
+        position_ids=[],
+        loss_mask=[],
+        advantages=[],
+        inference_logprobs=[],
+        temperatures=[],
+        seq_lens=[],
     )
     for s in samples:
         n = len(s)
@@ -104,7 +114,10 @@ def first_fit_decreasing(samples: list[TrainSample], seq_len: int) -> list[list[
 
 def pack(samples: list[TrainSample], *, seq_len: int, num_ranks: int) -> list[list[MicroBatch]]:
     """`micro_batches[rank]`: each rank's packed micro-batches, all ranks of equal count."""
-    per_rank = [[build_micro_batch(b) for b in first_fit_decreasing(rank, seq_len)] for rank in split_over_ranks(samples, num_ranks)]
+    per_rank = [
+        [build_micro_batch(b) for b in first_fit_decreasing(rank, seq_len)]
+        for rank in split_over_ranks(samples, num_ranks)
+    ]
     num_micro = max(1, max(len(r) for r in per_rank))
     for rank in per_rank:
         rank.extend(padding_micro_batch() for _ in range(num_micro - len(rank)))

@@ -24,7 +24,9 @@ log = structlog.get_logger()
 def run_id_of(config: OrchestratorConfig) -> str:
     run_id = config.bus.run_id or config.run.name
     if not run_id:
-        raise ValueError("the orchestrator needs a run id: pass --run.name NAME (or --bus.run-id ID)")
+        raise ValueError(
+            "the orchestrator needs a run id: pass --run.name NAME (or --bus.run-id ID)"
+        )
     return run_id
 
 
@@ -34,10 +36,14 @@ def control_handler(stop: asyncio.Event):
 
     async def handle(request):
         if isinstance(request, control.Drain | control.Stop):
-            log.info("orchestrator_stop_requested", request=type(request).__name__, reason=request.reason)
+            log.info(
+                "orchestrator_stop_requested", request=type(request).__name__, reason=request.reason
+            )
             stop.set()
             return control.ControlReply(ok=True, service="orchestrator", state="draining")
-        return control.ControlReply(ok=False, service="orchestrator", message=f"{type(request).__name__} is not supported")
+        return control.ControlReply(
+            ok=False, service="orchestrator", message=f"{type(request).__name__} is not supported"
+        )
 
     return handle
 
@@ -57,7 +63,6 @@ async def serve(config: OrchestratorConfig, stop: asyncio.Event | None = None) -
     from rlbus.obs import tracing
     from rlbus.runs import resolve_run_dir
     from rlbus.wire.events import Lifecycle
-
     from rlbus_orchestrator.coordinator import Coordinator
     from rlbus_orchestrator.envs import load_environment
     from rlbus_orchestrator.worker import run_workers
@@ -65,9 +70,18 @@ async def serve(config: OrchestratorConfig, stop: asyncio.Event | None = None) -
     for env in config.env:
         load_environment(env.id, env.args)
     run_id = run_id_of(config)
-    run_dir = resolve_run_dir(config.output_dir, config.run.name, config.run.dir) if config.run.name else None
-    tracing.setup_tracing("orchestrator", run_dir=run_dir, endpoint=config.otel.endpoint, enabled=config.otel.enabled,
-                          run_id=run_id)
+    run_dir = (
+        resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+        if config.run.name
+        else None
+    )
+    tracing.setup_tracing(
+        "orchestrator",
+        run_dir=run_dir,
+        endpoint=config.otel.endpoint,
+        enabled=config.otel.enabled,
+        run_id=run_id,
+    )
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -75,26 +89,40 @@ async def serve(config: OrchestratorConfig, stop: asyncio.Event | None = None) -
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
-    bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=run_dir, name=f"orchestrator-{config.role}")
+    bus = await Bus.connect(
+        config.bus, run_id=run_id, storage_dir=run_dir, name=f"orchestrator-{config.role}"
+    )
     lifecycle = bus.subjects.lifecycle("orchestrator")
     try:
         await bus.serve_control("orchestrator", control_handler(stop))
-        await bus.publish(lifecycle, Lifecycle(service="orchestrator", state="started", instance_id=config.role))
+        await bus.publish(
+            lifecycle, Lifecycle(service="orchestrator", state="started", instance_id=config.role)
+        )
         workers_stop = asyncio.Event()
         jobs = []
         if config.role in ("all", "worker"):
-            jobs.append(asyncio.create_task(run_workers(
-                bus, num_workers=config.num_workers, max_concurrency=config.max_concurrency,
-                group_size=config.group_size, model=config.model.name, static_urls=config.inference_urls,
-                stop=workers_stop,
-            )))
+            jobs.append(
+                asyncio.create_task(
+                    run_workers(
+                        bus,
+                        num_workers=config.num_workers,
+                        max_concurrency=config.max_concurrency,
+                        group_size=config.group_size,
+                        model=config.model.name,
+                        static_urls=config.inference_urls,
+                        stop=workers_stop,
+                    )
+                )
+            )
         if config.role in ("all", "coordinator"):
             await Coordinator(bus, config).run(stop)
         else:
             await stop.wait()
         workers_stop.set()
         await asyncio.gather(*jobs)
-        await bus.publish(lifecycle, Lifecycle(service="orchestrator", state="stopped", instance_id=config.role))
+        await bus.publish(
+            lifecycle, Lifecycle(service="orchestrator", state="stopped", instance_id=config.role)
+        )
     finally:
         await bus.close()
         tracing.shutdown_tracing()

@@ -34,7 +34,6 @@ from rlbus.wire import replicas as replicas_wire
 from rlbus.wire import tasks as tasks_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus.wire.tasks import Task
-
 from rlbus_orchestrator.client import InferenceClient, NoReplicaError, ReplicaPool, static_replicas
 from rlbus_orchestrator.envs import Environment, load_environment
 
@@ -75,7 +74,9 @@ async def read_registry(bus: Bus) -> list[replicas_wire.ReplicaInfo]:
     return infos
 
 
-async def refresh_replicas(bus: Bus, pool: ReplicaPool, static_urls: list[str], model: str, stop: asyncio.Event) -> None:
+async def refresh_replicas(
+    bus: Bus, pool: ReplicaPool, static_urls: list[str], model: str, stop: asyncio.Event
+) -> None:
     """Keep `pool` in sync with the registry (or the static URLs) until `stop`."""
     while not stop.is_set():
         if static_urls:
@@ -94,7 +95,15 @@ async def refresh_replicas(bus: Bus, pool: ReplicaPool, static_urls: list[str], 
 class RolloutWorker:
     """One consumer of the tasks stream (see module docstring)."""
 
-    def __init__(self, bus: Bus, client: InferenceClient, *, max_concurrency: int, group_size: int, worker_id: str | None = None):
+    def __init__(
+        self,
+        bus: Bus,
+        client: InferenceClient,
+        *,
+        max_concurrency: int,
+        group_size: int,
+        worker_id: str | None = None,
+    ):
         self.bus = bus
         self.client = client
         self.envs = EnvCache()
@@ -106,17 +115,25 @@ class RolloutWorker:
     async def run(self, stop: asyncio.Event) -> None:
         s = self.bus.subjects
         consumer = self.bus.consumer(
-            s.tasks_stream, s.tasks_durable, tasks_wire.decoder, self.handle, concurrency=self.num_tasks,
+            s.tasks_stream,
+            s.tasks_durable,
+            tasks_wire.decoder,
+            self.handle,
+            concurrency=self.num_tasks,
             nak_delay_s=NO_REPLICA_NAK_DELAY_S,
         )
         async with consumer:
-            log.info("rollout_worker_started", worker_id=self.worker_id, tasks_in_flight=self.num_tasks)
+            log.info(
+                "rollout_worker_started", worker_id=self.worker_id, tasks_in_flight=self.num_tasks
+            )
             await stop.wait()
         log.info("rollout_worker_stopped", worker_id=self.worker_id, num_rollouts=self.num_rollouts)
 
     async def handle(self, delivery: Delivery[Task]) -> None:
         task = delivery.data
-        with tracing.tracer().start_as_current_span("rollout", attributes={"task_id": task.task_id, "step": task.step}):
+        with tracing.tracer().start_as_current_span(
+            "rollout", attributes={"task_id": task.task_id, "step": task.step}
+        ):
             try:
                 rollout = await self.roll_out(task)
             except NoReplicaError as error:
@@ -135,36 +152,62 @@ class RolloutWorker:
         started = time.time()
         try:
             env = self.envs.get(task.env_id, task.env_args)
-            samples = await asyncio.gather(*(self.episode(env, task) for _ in range(task.group_size)))
+            samples = await asyncio.gather(
+                *(self.episode(env, task) for _ in range(task.group_size))
+            )
         except NoReplicaError:
             raise
         except Exception as error:
             log.exception("episode_failed", task_id=task.task_id, env_id=task.env_id)
-            return self.make_rollout(task, [], error=f"{type(error).__name__}: {error}", started=started)
+            return self.make_rollout(
+                task, [], error=f"{type(error).__name__}: {error}", started=started
+            )
         return self.make_rollout(task, list(samples), started=started)
 
     async def episode(self, env: Environment, task: Task) -> RolloutSample:
         async with self.episodes:
             return await env.run_episode(self.client, task.problem, task.sampling)
 
-    def make_rollout(self, task: Task, samples: list[RolloutSample], *, started: float, error: str | None = None) -> Rollout:
+    def make_rollout(
+        self, task: Task, samples: list[RolloutSample], *, started: float, error: str | None = None
+    ) -> Rollout:
         return Rollout(
-            task_id=task.task_id, step=task.step, env_id=task.env_id, example_id=task.example_id, samples=samples,
-            worker_id=self.worker_id, error=error, metadata={"started_at": started},
+            task_id=task.task_id,
+            step=task.step,
+            env_id=task.env_id,
+            example_id=task.example_id,
+            samples=samples,
+            worker_id=self.worker_id,
+            error=error,
+            metadata={"started_at": started},
         )
 
 
 def make_http_client(max_connections: int) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=httpx.Limits(max_connections=max_connections))
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(600.0, connect=5.0),
+        limits=httpx.Limits(max_connections=max_connections),
+    )
 
 
-async def run_workers(bus: Bus, *, num_workers: int, max_concurrency: int, group_size: int, model: str,
-                      static_urls: list[str], stop: asyncio.Event) -> None:
+async def run_workers(
+    bus: Bus,
+    *,
+    num_workers: int,
+    max_concurrency: int,
+    group_size: int,
+    model: str,
+    static_urls: list[str],
+    stop: asyncio.Event,
+) -> None:
     """Run `num_workers` workers sharing one replica pool until `stop`."""
     pool = ReplicaPool()
     async with make_http_client(num_workers * max_concurrency) as http:
         client = InferenceClient(pool, http, model)
-        workers = [RolloutWorker(bus, client, max_concurrency=max_concurrency, group_size=group_size) for _ in range(num_workers)]
+        workers = [
+            RolloutWorker(bus, client, max_concurrency=max_concurrency, group_size=group_size)
+            for _ in range(num_workers)
+        ]
         await asyncio.gather(
             refresh_replicas(bus, pool, static_urls, model, stop),
             *(w.run(stop) for w in workers),

@@ -60,8 +60,12 @@ def resolve_resume_step(run_dir: Path, step: int | None) -> int | None:
 
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def _set_rng_state(state: dict) -> None:
@@ -117,8 +121,12 @@ def save_checkpoint(engine, run_dir: Path, step: int, progress: dict) -> Path:
         extras["full_offload"] = engine.optimizer.state_dict()
     torch.save(extras, path / f"rank_{engine.world.rank}.pt")
     if engine.world.is_main:
-        meta = {"step": step, "schedule": engine.schedule.state_dict(), "world_size": engine.world.world_size,
-                "progress": progress}
+        meta = {
+            "step": step,
+            "schedule": engine.schedule.state_dict(),
+            "world_size": engine.world.world_size,
+            "progress": progress,
+        }
         _fsync_write(path / "meta.json", json.dumps(meta))
     dist.barrier()
     if engine.world.is_main:
@@ -143,8 +151,12 @@ def load_checkpoint(engine, run_dir: Path, step: int) -> dict:
     if engine.full_offload:
         set_model_state_dict(engine.model, state["model"])
     else:
-        set_state_dict(engine.model, torch_optimizers(engine.optimizer),
-                       model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            engine.model,
+            torch_optimizers(engine.optimizer),
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
     meta = json.loads((path / "meta.json").read_text())
     engine.schedule.load_state_dict(meta["schedule"])
     rank_file = path / f"rank_{engine.world.rank}.pt"
@@ -165,8 +177,12 @@ def prune_checkpoints(run_dir: Path, keep_last: int | None, *, current_step: int
     root = Path(run_dir) / "checkpoints"
     for path in root.glob("step_*"):
         match = re.fullmatch(r"step_(\d+)", path.name)
-        if match and int(match.group(1)) < current_step and not (path / "trainer" / COMPLETE).exists() \
-                and (path / "trainer").exists():
+        if (
+            match
+            and int(match.group(1)) < current_step
+            and not (path / "trainer" / COMPLETE).exists()
+            and (path / "trainer").exists()
+        ):
             doomed.add(int(match.group(1)))
     for step in sorted(doomed):
         shutil.rmtree(checkpoint_dir(run_dir, step), ignore_errors=True)

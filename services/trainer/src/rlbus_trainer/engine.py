@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import structlog
 import torch
@@ -28,7 +28,13 @@ import torch.distributed as dist
 
 from rlbus.wire.batches import MicroBatch
 from rlbus_trainer.loss import LossInputs, block_causal_mask, token_logprobs_and_entropy
-from rlbus_trainer.optim import LRSchedule, Optimizers, OptimizerStateOffload, build_optimizer, clip_grad_norm
+from rlbus_trainer.optim import (
+    LRSchedule,
+    Optimizers,
+    OptimizerStateOffload,
+    build_optimizer,
+    clip_grad_norm,
+)
 
 log = structlog.get_logger()
 
@@ -56,14 +62,23 @@ def setup_distributed() -> World:
     """Join torchrun's process group (or make a 1-rank one when started without torchrun)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+            os.environ.update(
+                RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_RANK="0",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+            )
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("cpu:gloo,cuda:nccl")
         else:
             dist.init_process_group("gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     return World(dist.get_rank(), dist.get_world_size(), device)
 
 
@@ -115,7 +130,9 @@ class StepResult:
 class Engine:
     """Model + optimizer + schedule of one rank; `train_step` runs one optimizer step."""
 
-    def __init__(self, config, world: World, model: torch.nn.Module, optimizer, schedule: LRSchedule):
+    def __init__(
+        self, config, world: World, model: torch.nn.Module, optimizer, schedule: LRSchedule
+    ):
         self.config = config
         self.world = world
         self.model = model
@@ -148,7 +165,9 @@ class Engine:
                 metric_sums[k] = metric_sums.get(k, 0) + v.detach().double().cpu()
         t1 = time.perf_counter()
 
-        grad_norm = 0.0 if self.full_offload else clip_grad_norm(self.model.parameters(), self.max_norm)
+        grad_norm = (
+            0.0 if self.full_offload else clip_grad_norm(self.model.parameters(), self.max_norm)
+        )
         self.optimizer.step()
         self.optimizer.zero_grad()
         lr = self.schedule.lr
@@ -164,7 +183,7 @@ class Engine:
             lr=lr,
             num_tokens=num_global_tokens,
             num_loss_tokens=num_global_loss,
-            metrics={k: float(v) for k, v in zip(names, reduced[1:])},
+            metrics={k: float(v) for k, v in zip(names, reduced[1:], strict=True)},
             forward_backward_s=t1 - t0,
             optimizer_s=t2 - t1,
         )
@@ -175,13 +194,17 @@ class Engine:
         num_rows, width = len(group), max(len(mb.input_ids) for mb in group)
         ids = torch.zeros(num_rows, width, dtype=torch.long)  # [B, T]
         pos = torch.zeros(num_rows, width, dtype=torch.long)  # [B, T]
-        mask = torch.eye(width, dtype=torch.bool).repeat(num_rows, 1, 1, 1)  # [B, 1, T, T]; pads see themselves
+        mask = torch.eye(width, dtype=torch.bool).repeat(
+            num_rows, 1, 1, 1
+        )  # [B, 1, T, T]; pads see themselves
         for b, mb in enumerate(group):
             n = len(mb.input_ids)
             ids[b, :n] = torch.tensor(mb.input_ids)
             pos[b, :n] = torch.tensor(mb.position_ids)
             mask[b, 0, :n, :n] = block_causal_mask(mb.seq_lens)[0, 0]
-        logits = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev)).logits
+        logits = self.model(
+            input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev)
+        ).logits
         logprobs, entropies = [], []
         for b, mb in enumerate(group):  # per row: [T_b] each, pads dropped
             n = len(mb.input_ids)
@@ -191,7 +214,9 @@ class Engine:
             entropies.append(ent)
 
         def flat(attr, dtype):
-            return torch.tensor([x for mb in group for x in getattr(mb, attr)], dtype=dtype, device=dev)
+            return torch.tensor(
+                [x for mb in group for x in getattr(mb, attr)], dtype=dtype, device=dev
+            )
 
         inputs = LossInputs(
             trainer_logprobs=torch.cat(logprobs),
@@ -238,14 +263,21 @@ class Engine:
         """The unsharded model state on rank 0 (empty elsewhere), on the CPU. Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
 
 def make_padding_micro_batch() -> MicroBatch:
     """A 2-token micro-batch without loss tokens: keeps FSDP collectives matched across ranks."""
     return MicroBatch(
-        input_ids=[0, 0], position_ids=[0, 1], loss_mask=[0, 0], advantages=[0.0, 0.0],
-        inference_logprobs=[0.0, 0.0], temperatures=[1.0, 1.0], seq_lens=[2],
+        input_ids=[0, 0],
+        position_ids=[0, 1],
+        loss_mask=[0, 0],
+        advantages=[0.0, 0.0],
+        inference_logprobs=[0.0, 0.0],
+        temperatures=[1.0, 1.0],
+        seq_lens=[2],
     )
 
 
@@ -257,15 +289,23 @@ def build_engine(config, world: World) -> Engine:
     if full is not None:
         from rlbus_trainer.full_offload import OptimizerInBackward
 
-        optimizer = OptimizerInBackward(model, config.optim, backend=full.backend, numa_binding=full.numa_binding)
+        optimizer = OptimizerInBackward(
+            model, config.optim, backend=full.backend, numa_binding=full.numa_binding
+        )
     else:
         optimizer = build_optimizer(config.optim, model)
         if config.model.optim_cpu_offload:
             optimizer = OptimizerStateOffload(optimizer)
     schedule = LRSchedule(config.scheduler, optimizer, config.max_steps)
-    log.info("engine_built", model=config.model.name, world_size=world.world_size,
-             num_params=sum(p.numel() for p in model.parameters()), optim=config.optim.type,
-             full_offload=full is not None, optim_cpu_offload=config.model.optim_cpu_offload)
+    log.info(
+        "engine_built",
+        model=config.model.name,
+        world_size=world.world_size,
+        num_params=sum(p.numel() for p in model.parameters()),
+        optim=config.optim.type,
+        full_offload=full is not None,
+        optim_cpu_offload=config.model.optim_cpu_offload,
+    )
     return Engine(config, world, model, optimizer, schedule)
 
 

@@ -53,7 +53,14 @@ def bind_to_numa_node() -> None:
 class OptimizerInBackward:
     """Per-parameter host optimizers stepped from gradient hooks (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, optim_config, *, backend: str = "native", numa_binding: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim_config,
+        *,
+        backend: str = "native",
+        numa_binding: bool = True,
+    ):
         assert optim_config.type in ("adamw", "sign_sgd"), optim_config.type
         if numa_binding:
             bind_to_numa_node()
@@ -65,15 +72,21 @@ class OptimizerInBackward:
             if not param.requires_grad:
                 continue
             local = _local(param.detach())
-            master = torch.empty(local.shape, dtype=torch.float32, device="cpu",
-                                 pin_memory=local.device.type == "cuda")
+            master = torch.empty(
+                local.shape,
+                dtype=torch.float32,
+                device="cpu",
+                pin_memory=local.device.type == "cuda",
+            )
             master.copy_(local)
             master = torch.nn.Parameter(master)
             opt = self._make_optimizer(master, optim_config, backend)
             opt.param_groups[0].setdefault("initial_lr", opt.param_groups[0]["lr"])
             self.optimizers.append(opt)
             self._params.append((param, master))
-            self._handles.append(param.register_post_accumulate_grad_hook(self._make_hook(param, master, opt)))
+            self._handles.append(
+                param.register_post_accumulate_grad_hook(self._make_hook(param, master, opt))
+            )
 
     @staticmethod
     def _make_optimizer(master, cfg, backend: str) -> torch.optim.Optimizer:
@@ -81,8 +94,13 @@ class OptimizerInBackward:
             return SignSGD([master], lr=cfg.lr, weight_decay=cfg.weight_decay)
         fused = backend == "native"
         return torch.optim.AdamW(
-            [master], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-            fused=fused, foreach=False if not fused else None,
+            [master],
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            fused=fused,
+            foreach=False if not fused else None,
         )
 
     def _make_hook(self, param, master, opt):

@@ -32,7 +32,9 @@ def _source_files(model_name: str, trust_remote_code: bool):
     return config, tokenizer, generation
 
 
-def hf_tensors(state_dict: dict[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
+def hf_tensors(
+    state_dict: dict[str, torch.Tensor], tie_word_embeddings: bool
+) -> dict[str, torch.Tensor]:
     """State-dict names as HF checkpoints spell them (what vLLM's loaders accept): a tied
     `lm_head.weight` is left out, tensors are contiguous and on the CPU."""
     return {
@@ -59,7 +61,11 @@ def sha256_file(path: Path) -> str:
 
 
 def write_hf_dir(
-    state_dict: dict[str, torch.Tensor], model_name: str, out_dir: Path, *, trust_remote_code: bool = False
+    state_dict: dict[str, torch.Tensor],
+    model_name: str,
+    out_dir: Path,
+    *,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Atomically write `state_dict` as an HF model directory at out_dir (replacing it)."""
     from safetensors.torch import save_file

@@ -21,8 +21,9 @@ with the signature of `default_loss` (plus the config's kwargs).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -40,7 +41,9 @@ class LossInputs:
 
 
 class LossFn(Protocol):
-    def __call__(self, inputs: LossInputs, num_global_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, inputs: LossInputs, num_global_tokens: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Return (loss to backprop, metric sums already divided by num_global_tokens)."""
 
 
@@ -109,7 +112,9 @@ def default_loss(
 def _import_function(import_path: str) -> Callable:
     module_name, sep, attr = import_path.partition(":")
     if not sep:
-        raise ValueError(f"loss.import_path must look like 'package.module:function', got {import_path!r}")
+        raise ValueError(
+            f"loss.import_path must look like 'package.module:function', got {import_path!r}"
+        )
     return getattr(importlib.import_module(module_name), attr)
 
 
@@ -119,7 +124,11 @@ def build_loss_fn(config) -> LossFn:
 
         def loss_fn(inputs, num_global_tokens):
             return default_loss(
-                inputs, num_global_tokens, mask_low=config.mask_low, mask_high=config.mask_high, kl_tau=config.kl_tau
+                inputs,
+                num_global_tokens,
+                mask_low=config.mask_low,
+                mask_high=config.mask_high,
+                kl_tau=config.kl_tau,
             )
 
         return loss_fn

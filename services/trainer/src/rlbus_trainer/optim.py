@@ -69,21 +69,33 @@ def build_optimizer(config, model: torch.nn.Module, *, fused: bool | None = None
     params = [p for _, p in named]
     if config.type == "adamw":
         opt = torch.optim.AdamW(
-            params, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
-            weight_decay=config.weight_decay, fused=fused,
+            params,
+            lr=config.lr,
+            betas=tuple(config.betas),
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            fused=fused,
         )
         return Optimizers([opt])
     if config.type == "sgd":
-        opt = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+        opt = torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
         return Optimizers([opt])
     if config.type == "sign_sgd":
         return Optimizers([SignSGD(params, lr=config.lr, weight_decay=config.weight_decay)])
     if config.type == "muon":
         muon = [p for n, p in named if _is_muon_param(n, p)]
         rest = [p for n, p in named if not _is_muon_param(n, p)]
-        opts = [torch.optim.Muon(muon, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)]
+        opts = [
+            torch.optim.Muon(
+                muon, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+            )
+        ]
         if rest:
-            opts.append(torch.optim.AdamW(rest, lr=config.adamw_lr, weight_decay=config.weight_decay))
+            opts.append(
+                torch.optim.AdamW(rest, lr=config.adamw_lr, weight_decay=config.weight_decay)
+            )
         return Optimizers(opts)
     raise AssertionError(f"unknown optimizer type {config.type}")
 
@@ -140,7 +152,9 @@ def clip_grad_norm(parameters, max_norm: float | None) -> float:
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(
+        params, max_norm if max_norm is not None else float("inf")
+    )
     if hasattr(norm, "full_tensor"):  # DTensor grads under FSDP2
         norm = norm.full_tensor()
     return float(norm)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from contextlib import nullcontext
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import structlog
@@ -39,7 +39,9 @@ def run_dir_of(config) -> Path:
     from rlbus.runs import resolve_run_dir
 
     if not (config.run.name or config.run.dir):
-        raise ValueError("trainer: run.name is not set; pass --run.name (the `rl` launcher sets it)")
+        raise ValueError(
+            "trainer: run.name is not set; pass --run.name (the `rl` launcher sets it)"
+        )
     return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
 
 
@@ -85,7 +87,9 @@ async def wait_for_batch(bus, step: int, stop: StopFlag) -> tuple[TrainBatch | N
             await asyncio.sleep(0.05)  # waiting for the other ranks to see it
 
 
-def step_metrics(result, batch: TrainBatch, wait_s: float, step_s: float, extra: dict) -> dict[str, float]:
+def step_metrics(
+    result, batch: TrainBatch, wait_s: float, step_s: float, extra: dict
+) -> dict[str, float]:
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _peak_rss_bytes()
     return {
         "loss": result.loss,
@@ -93,7 +97,8 @@ def step_metrics(result, batch: TrainBatch, wait_s: float, step_s: float, extra:
         "lr": result.lr,
         "num_tokens": float(result.num_tokens),
         "num_loss_tokens": float(result.num_loss_tokens),
-        "tokens_per_s": result.num_tokens / max(result.forward_backward_s + result.optimizer_s, 1e-9),
+        "tokens_per_s": result.num_tokens
+        / max(result.forward_backward_s + result.optimizer_s, 1e-9),
         "peak_memory_gb": peak / 1e9,
         "wait_s": wait_s,
         "forward_backward_s": result.forward_backward_s,
@@ -113,8 +118,12 @@ def _peak_rss_bytes() -> float:
 
 
 async def publish_event(bus, message) -> None:
-    await bus.publish(bus.subjects.metrics(SERVICE) if isinstance(message, events.StepMetrics)
-                      else bus.subjects.lifecycle(SERVICE), events.encoder.encode(message))
+    await bus.publish(
+        bus.subjects.metrics(SERVICE)
+        if isinstance(message, events.StepMetrics)
+        else bus.subjects.lifecycle(SERVICE),
+        events.encoder.encode(message),
+    )
 
 
 def install_signal_handlers(stop: StopFlag) -> None:
@@ -128,7 +137,9 @@ async def serve_control(bus, stop: StopFlag) -> None:
         if isinstance(request, (control.Drain, control.Stop)):
             stop.set(f"control {type(request).__name__.lower()}: {request.reason or ''}".strip())
             return control.ControlReply(ok=True, service=SERVICE, state="draining")
-        return control.ControlReply(ok=False, service=SERVICE, message=f"{type(request).__name__} is not supported")
+        return control.ControlReply(
+            ok=False, service=SERVICE, message=f"{type(request).__name__} is not supported"
+        )
 
     await bus.serve_control(SERVICE, handle)
 
@@ -148,8 +159,13 @@ async def run_async(config) -> int:
     run_id = config.bus.run_id or config.run.name
     structlog.contextvars.bind_contextvars(service=SERVICE, rank=world.rank)
     if world.is_main:
-        tracing.setup_tracing(SERVICE, run_dir=run_dir, endpoint=config.otel.endpoint,
-                              enabled=config.otel.enabled, run_id=run_id)
+        tracing.setup_tracing(
+            SERVICE,
+            run_dir=run_dir,
+            endpoint=config.otel.endpoint,
+            enabled=config.otel.enabled,
+            run_id=run_id,
+        )
     engine = build_engine(config, world)
     loss_fn = build_loss_fn(config.loss)
 
@@ -162,12 +178,16 @@ async def run_async(config) -> int:
 
     stop = StopFlag()
     install_signal_handlers(stop)
-    bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=run_dir, name=f"{SERVICE}-{world.rank}")
+    bus = await Bus.connect(
+        config.bus, run_id=run_id, storage_dir=run_dir, name=f"{SERVICE}-{world.rank}"
+    )
     publisher = build_weight_publisher(config, bus=bus, run_dir=run_dir, world=world)
     if world.is_main:
         await serve_control(bus, stop)
         await publish_event(bus, events.Lifecycle(service=SERVICE, state="started"))
-    log.info("trainer_started", run_dir=str(run_dir), next_step=last_step + 1, max_steps=config.max_steps)
+    log.info(
+        "trainer_started", run_dir=str(run_dir), next_step=last_step + 1, max_steps=config.max_steps
+    )
 
     step = last_step + 1
     while config.max_steps is None or step <= config.max_steps:
@@ -180,29 +200,51 @@ async def run_async(config) -> int:
             step += 1
             continue
         t0 = time.perf_counter()
-        with tracing.consumer_span("train_step", headers=headers) if tracing.enabled() else nullcontext():
+        with (
+            tracing.consumer_span("train_step", headers=headers)
+            if tracing.enabled()
+            else nullcontext()
+        ):
             result = await asyncio.to_thread(
-                engine.train_step, rank_micro_batches(batch, world.rank, world.world_size), loss_fn)
+                engine.train_step, rank_micro_batches(batch, world.rank, world.world_size), loss_fn
+            )
         extra: dict[str, float] = {}
-        if config.ckpt is not None and (step % config.ckpt.interval == 0 or step == config.max_steps):
+        if config.ckpt is not None and (
+            step % config.ckpt.interval == 0 or step == config.max_steps
+        ):
             c0 = time.perf_counter()
             await asyncio.to_thread(ckpt.save_checkpoint, engine, run_dir, step, {"step": step})
             if world.is_main:
                 ckpt.prune_checkpoints(run_dir, config.ckpt.keep_last, current_step=step)
             extra["ckpt_s"] = time.perf_counter() - c0
-        with (tracing.tracer().start_as_current_span("weights_publish", attributes={"weights.version": step})
-              if tracing.enabled() else nullcontext()):
+        with (
+            tracing.tracer().start_as_current_span(
+                "weights_publish", attributes={"weights.version": step}
+            )
+            if tracing.enabled()
+            else nullcontext()
+        ):
             extra.update(await publisher.publish(step, engine))
         if world.is_main:
             metrics = step_metrics(result, batch, wait_s, time.perf_counter() - t0, extra)
-            await publish_event(bus, events.StepMetrics(service=SERVICE, step=step, metrics=metrics))
-            log.info("train_step", loss=round(result.loss, 4), grad_norm=round(result.grad_norm, 3),
-                     tokens_per_s=round(metrics["tokens_per_s"]), wait_s=round(wait_s, 3))
+            await publish_event(
+                bus, events.StepMetrics(service=SERVICE, step=step, metrics=metrics)
+            )
+            log.info(
+                "train_step",
+                loss=round(result.loss, 4),
+                grad_norm=round(result.grad_norm, 3),
+                tokens_per_s=round(metrics["tokens_per_s"]),
+                wait_s=round(wait_s, 3),
+            )
         last_step = step
         step += 1
 
     if world.is_main:
-        await publish_event(bus, events.Lifecycle(service=SERVICE, state="stopped", reason=stop.reason or "max_steps"))
+        await publish_event(
+            bus,
+            events.Lifecycle(service=SERVICE, state="stopped", reason=stop.reason or "max_steps"),
+        )
     await publisher.close()
     await bus.close()
     if world.is_main:

@@ -23,7 +23,9 @@ def _run_dir(config) -> Path:
     from rlbus.runs import resolve_run_dir
 
     if not (config.run.name or config.run.dir):
-        raise ValueError("sft: run.name is not set; launch through `sft` (it names the run) or pass --run.name")
+        raise ValueError(
+            "sft: run.name is not set; launch through `sft` (it names the run) or pass --run.name"
+        )
     return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
 
 
@@ -31,7 +33,9 @@ def _num_steps(config, data) -> int:
     if config.max_steps is not None:
         return config.max_steps
     if data.num_examples is None:
-        raise ValueError("sft: the built-in reverse-text data never ends: set max_steps (--max-steps N)")
+        raise ValueError(
+            "sft: the built-in reverse-text data never ends: set max_steps (--max-steps N)"
+        )
     return max(1, data.num_examples // config.data.batch_size)
 
 
@@ -56,13 +60,27 @@ def run(config) -> Path | None:
     run_dir = _run_dir(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     structlog.contextvars.bind_contextvars(service="sft", rank=world.rank)
-    tokenizer = AutoTokenizer.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    data = SFTData(config.data.path, tokenizer, loss_roles=config.data.loss_roles,
-                   batch_size=config.data.batch_size, seed=config.seed, copy_fraction=config.data.copy_fraction)
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.model.name, trust_remote_code=config.model.trust_remote_code
+    )
+    data = SFTData(
+        config.data.path,
+        tokenizer,
+        loss_roles=config.data.loss_roles,
+        batch_size=config.data.batch_size,
+        seed=config.seed,
+        copy_fraction=config.data.copy_fraction,
+    )
     val = None
     if config.data.val_path:
-        val = SFTData(config.data.val_path, tokenizer, loss_roles=config.data.loss_roles,
-                      batch_size=config.data.batch_size, seed=config.seed, split="val")
+        val = SFTData(
+            config.data.val_path,
+            tokenizer,
+            loss_roles=config.data.loss_roles,
+            batch_size=config.data.batch_size,
+            seed=config.seed,
+            split="val",
+        )
     num_steps = _num_steps(config, data)
     engine = build_engine(config, world)
 
@@ -77,22 +95,48 @@ def run(config) -> Path | None:
     for step in range(start + 1, num_steps + 1):
         t0 = time.perf_counter()
         samples = data.batch(step)[world.rank :: world.world_size]
-        if step == start + 1 and (longest := max(len(x.input_ids) for x in samples)) > config.seq_len:
-            log.warning("sft_samples_truncated", longest=longest, seq_len=config.seq_len,
-                        fix=f"raise seq_len to at least {longest}: truncated samples lose their answers")
+        if (
+            step == start + 1
+            and (longest := max(len(x.input_ids) for x in samples)) > config.seq_len
+        ):
+            log.warning(
+                "sft_samples_truncated",
+                longest=longest,
+                seq_len=config.seq_len,
+                fix=f"raise seq_len to at least {longest}: truncated samples lose their answers",
+            )
         micro_batches = pack(samples, config.seq_len, pack=config.data.pack)
         result = engine.train_step(micro_batches, sft_loss)
         elapsed = time.perf_counter() - t0
-        record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                  "tokens_per_s": result.num_tokens / elapsed, "num_tokens": result.num_tokens,
-                  "step_time_s": elapsed, **result.metrics}
+        record = {
+            "step": step,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "tokens_per_s": result.num_tokens / elapsed,
+            "num_tokens": result.num_tokens,
+            "step_time_s": elapsed,
+            **result.metrics,
+        }
         if val is not None and (step % config.data.val_interval == 0 or step == num_steps):
             record["val_loss"] = engine.eval_loss(
-                pack(val.batch(1)[world.rank :: world.world_size], config.seq_len, pack=config.data.pack), sft_loss)
+                pack(
+                    val.batch(1)[world.rank :: world.world_size],
+                    config.seq_len,
+                    pack=config.data.pack,
+                ),
+                sft_loss,
+            )
         if world.is_main:
-            log.info("sft_step", step=step, loss=round(result.loss, 4), lr=result.lr,
-                     grad_norm=round(result.grad_norm, 3), tokens_per_s=round(record["tokens_per_s"]),
-                     **({"val_loss": round(record["val_loss"], 4)} if "val_loss" in record else {}))
+            log.info(
+                "sft_step",
+                step=step,
+                loss=round(result.loss, 4),
+                lr=result.lr,
+                grad_norm=round(result.grad_norm, 3),
+                tokens_per_s=round(record["tokens_per_s"]),
+                **({"val_loss": round(record["val_loss"], 4)} if "val_loss" in record else {}),
+            )
             _append_metrics(run_dir, config, record)
         if config.ckpt is not None and (step % config.ckpt.interval == 0 or step == num_steps):
             ckpt.save_checkpoint(engine, run_dir, step, progress={"step": step})
@@ -103,8 +147,12 @@ def run(config) -> Path | None:
     if config.save_final_model:
         state = engine.full_state_dict()
         if world.is_main:
-            out = write_hf_dir(state, config.model.name, run_dir / "model",
-                               trust_remote_code=config.model.trust_remote_code)
+            out = write_hf_dir(
+                state,
+                config.model.name,
+                run_dir / "model",
+                trust_remote_code=config.model.trust_remote_code,
+            )
             log.info("sft_model_written", path=str(out))
         dist.barrier()
     teardown_distributed()

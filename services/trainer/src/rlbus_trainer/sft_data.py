@@ -59,16 +59,21 @@ def tokenize_conversation(tokenizer, messages: list[dict], loss_roles: list[str]
     rendered = ""
     for i, message in enumerate(messages):
         if message["role"] in loss_roles:
-            header_end = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) \
-                if i else ""
-            header = header_end[len(rendered):]
+            header_end = (
+                tokenizer.apply_chat_template(
+                    messages[:i], tokenize=False, add_generation_prompt=True
+                )
+                if i
+                else ""
+            )
+            header = header_end[len(rendered) :]
             ids_h = tokenizer.encode(header, add_special_tokens=False) if header else []
             ids += ids_h
             mask += [0] * len(ids_h)
             rendered = header_end
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         assert upto.startswith(rendered), "chat template is not prefix-stable"
-        piece_ids = tokenizer.encode(upto[len(rendered):], add_special_tokens=False)
+        piece_ids = tokenizer.encode(upto[len(rendered) :], add_special_tokens=False)
         ids += piece_ids
         mask += [int(message["role"] in loss_roles)] * len(piece_ids)
         rendered = upto
@@ -78,20 +83,26 @@ def tokenize_conversation(tokenizer, messages: list[dict], loss_roles: list[str]
 def _read_conversations(path: str) -> list[list[dict]]:
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"sft data.path {path!r} does not exist: give a JSONL/Parquet file, a saved "
-                         "`datasets` directory, or the built-in 'reverse-text'")
+        raise ValueError(
+            f"sft data.path {path!r} does not exist: give a JSONL/Parquet file, a saved "
+            "`datasets` directory, or the built-in 'reverse-text'"
+        )
     if p.is_dir():
         try:
             import datasets
         except ImportError as e:
-            raise ValueError(f"data.path {path!r} is a directory: reading a saved dataset needs "
-                             "`datasets` (uv pip install datasets)") from e
+            raise ValueError(
+                f"data.path {path!r} is a directory: reading a saved dataset needs "
+                "`datasets` (uv pip install datasets)"
+            ) from e
         return [row["messages"] for row in datasets.load_from_disk(str(p))]
     if p.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
-            raise ValueError(f"data.path {path!r}: reading Parquet needs pyarrow (uv pip install pyarrow)") from e
+            raise ValueError(
+                f"data.path {path!r}: reading Parquet needs pyarrow (uv pip install pyarrow)"
+            ) from e
         return pq.read_table(p, columns=["messages"]).to_pydict()["messages"]
     with open(p) as f:
         return [json.loads(line)["messages"] for line in f if line.strip()]
@@ -101,7 +112,14 @@ class SFTData:
     """Global batches of tokenized conversations, deterministic per (seed, step)."""
 
     def __init__(
-        self, path: str, tokenizer, *, loss_roles: list[str], batch_size: int, seed: int, split: str = "train",
+        self,
+        path: str,
+        tokenizer,
+        *,
+        loss_roles: list[str],
+        batch_size: int,
+        seed: int,
+        split: str = "train",
         copy_fraction: float = 0.0,
     ):
         self.path, self.tokenizer, self.loss_roles = path, tokenizer, loss_roles
@@ -127,8 +145,10 @@ class SFTData:
     def batch(self, step: int) -> list[Tokenized]:
         """The global batch of step `step` (1-based)."""
         start = (step - 1) * self.batch_size
-        return [tokenize_conversation(self.tokenizer, self.conversation(i), self.loss_roles)
-                for i in range(start, start + self.batch_size)]
+        return [
+            tokenize_conversation(self.tokenizer, self.conversation(i), self.loss_roles)
+            for i in range(start, start + self.batch_size)
+        ]
 
 
 def pack(samples: list[Tokenized], seq_len: int, *, pack: bool = True) -> list[MicroBatch]:

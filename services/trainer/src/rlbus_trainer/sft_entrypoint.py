@@ -66,7 +66,11 @@ def plan_sft(config: SFTConfig, command: str) -> tuple[ServiceProcess, list[Path
     resolved.dry_run = False
     process = ServiceProcess(
         name="sft",
-        argv=torchrun_argv(config.num_processes, "rlbus_trainer.sft_entrypoint", config_path(run.run_dir, "sft").absolute()),
+        argv=torchrun_argv(
+            config.num_processes,
+            "rlbus_trainer.sft_entrypoint",
+            config_path(run.run_dir, "sft").absolute(),
+        ),
         log_path=log_file_path(run.run_dir, "sft"),
         cwd=Path.cwd(),
     )

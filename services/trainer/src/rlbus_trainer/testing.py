@@ -31,11 +31,21 @@ def start_ranks(tmp_path, config: dict, num_processes: int, kind: str = "sft") -
     config_file.write_text(json.dumps(config))
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_processes}",
-            str(script), kind, str(config_file)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={num_processes}",
+        str(script),
+        kind,
+        str(config_file),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     log = open(tmp_path / f"{kind}-{name}.log", "a")
-    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -89,7 +99,9 @@ def start_sft_ranks(tmp_path, config: dict, num_processes: int) -> subprocess.Po
     return start_ranks(tmp_path, config, num_processes, "sft")
 
 
-def wait_ranks(tmp_path, proc: subprocess.Popen, config: dict, kind: str = "sft", timeout_s: float = 300) -> None:
+def wait_ranks(
+    tmp_path, proc: subprocess.Popen, config: dict, kind: str = "sft", timeout_s: float = 300
+) -> None:
     """Wait for the ranks to exit 0 (killing them on timeout); the log tail on failure."""
     try:
         rc = proc.wait(timeout=timeout_s)
@@ -148,10 +160,25 @@ def make_train_batch(step: int, *, num_ranks: int = 1, num_sequences: int = 8, s
             adv += [0.0] * prompt + [advantage] * completion
             lps += [0.0] * prompt + [-math.log(300)] * completion
             seq_lens.append(n)
-        per_rank.append([MicroBatch(input_ids=ids, position_ids=pos, loss_mask=mask, advantages=adv,
-                                    inference_logprobs=lps, temperatures=[1.0] * len(ids), seq_lens=seq_lens)])
-    return TrainBatch(step=step, micro_batches=per_rank, num_samples=num_sequences * num_ranks,
-                      num_tokens=sum(len(mbs[0].input_ids) for mbs in per_rank))
+        per_rank.append(
+            [
+                MicroBatch(
+                    input_ids=ids,
+                    position_ids=pos,
+                    loss_mask=mask,
+                    advantages=adv,
+                    inference_logprobs=lps,
+                    temperatures=[1.0] * len(ids),
+                    seq_lens=seq_lens,
+                )
+            ]
+        )
+    return TrainBatch(
+        step=step,
+        micro_batches=per_rank,
+        num_samples=num_sequences * num_ranks,
+        num_tokens=sum(len(mbs[0].input_ids) for mbs in per_rank),
+    )
 
 
 def make_trainer_config(model_dir, output_dir, name: str, bus: dict, **overrides) -> dict:

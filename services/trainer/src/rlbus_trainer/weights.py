@@ -49,7 +49,11 @@ async def _announce(bus, message: weights.WeightsPublished) -> None:
     """Put the version under the weights KV key (what agents watch) and on the events stream."""
     payload = weights.encoder.encode(message)
     await bus.kv(bus.subjects.weights_bucket).put(WEIGHTS_LATEST_KEY, payload)
-    await bus.publish(bus.subjects.weights_published, payload, msg_id=f"weights-{message.version}-{message.transport}")
+    await bus.publish(
+        bus.subjects.weights_published,
+        payload,
+        msg_id=f"weights-{message.version}-{message.transport}",
+    )
 
 
 class FilesystemWeightPublisher:
@@ -65,14 +69,29 @@ class FilesystemWeightPublisher:
         state = await asyncio.to_thread(engine.full_state_dict)
         if not self.world.is_main:
             return {}
-        out = await asyncio.to_thread(write_hf_dir, state, self.config.model.name, self.root / f"step_{step}",
-                                      trust_remote_code=self.config.model.trust_remote_code)
-        files = [weights.WeightFile(name=f.name, size=f.stat().st_size, sha256=sha256_file(f))
-                 for f in sorted(out.iterdir()) if f.is_file()]
+        out = await asyncio.to_thread(
+            write_hf_dir,
+            state,
+            self.config.model.name,
+            self.root / f"step_{step}",
+            trust_remote_code=self.config.model.trust_remote_code,
+        )
+        files = [
+            weights.WeightFile(name=f.name, size=f.stat().st_size, sha256=sha256_file(f))
+            for f in sorted(out.iterdir())
+            if f.is_file()
+        ]
         t1 = time.perf_counter()
-        await _announce(self.bus, weights.WeightsPublished(
-            version=step, transport="filesystem", location=str(out.resolve()), files=files,
-            dtype=self.config.model.dtype))
+        await _announce(
+            self.bus,
+            weights.WeightsPublished(
+                version=step,
+                transport="filesystem",
+                location=str(out.resolve()),
+                files=files,
+                dtype=self.config.model.dtype,
+            ),
+        )
         await self.prune(step)
         log.info("weights_published", version=step, path=str(out), write_s=round(t1 - t0, 3))
         return {"publish_write_s": t1 - t0, "publish_s": time.perf_counter() - t0}
@@ -88,8 +107,11 @@ class FilesystemWeightPublisher:
 
     async def prune(self, newest: int) -> list[int]:
         """Delete broadcasts beyond the newest `keep_last`, except versions a replica still serves."""
-        steps = sorted(int(m.group(1)) for p in self.root.iterdir()
-                       if (m := re.fullmatch(r"step_(\d+)", p.name)) and int(m.group(1)) <= newest)
+        steps = sorted(
+            int(m.group(1))
+            for p in self.root.iterdir()
+            if (m := re.fullmatch(r"step_(\d+)", p.name)) and int(m.group(1)) <= newest
+        )
         candidates = steps[: -self.keep_last]
         if not candidates:
             return []
@@ -124,8 +146,9 @@ class _GlooSender:
 
     def __init__(self, host: str, port: int, world_size: int, timeout_s: float):
         timeout = timedelta(seconds=timeout_s)
-        self.store = torch.distributed.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
-                                                wait_for_workers=False)
+        self.store = torch.distributed.TCPStore(
+            host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
         self.group = torch.distributed.ProcessGroupGloo(self.store, 0, world_size, timeout)
         self.device = torch.device("cpu")
 
@@ -151,7 +174,9 @@ class _PyNcclSender:
 
 def send_state_dict(group, version: int, state_dict: dict[str, torch.Tensor]) -> None:
     """One version: int64 header size, JSON header [[name, dtype, shape], ...], then each tensor."""
-    entries = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state_dict.items()]
+    entries = [
+        [name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state_dict.items()
+    ]
     header = json.dumps({"version": version, "tensors": entries}).encode()
     group.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=group.device))
     group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))
@@ -162,7 +187,9 @@ def send_state_dict(group, version: int, state_dict: dict[str, torch.Tensor]) ->
 class NcclWeightPublisher:
     """Tensor-by-tensor broadcast to one inference replica (see module docstring)."""
 
-    def __init__(self, config, *, bus, run_dir: Path, world, host: str | None = None, group_size: int = 2):
+    def __init__(
+        self, config, *, bus, run_dir: Path, world, host: str | None = None, group_size: int = 2
+    ):
         self.config, self.bus, self.world = config, bus, world
         self.timeout_s = config.weight_broadcast.timeout_s
         self.host = host or _advertised_host()
@@ -181,33 +208,62 @@ class NcclWeightPublisher:
         state = await asyncio.to_thread(engine.full_state_dict)
         if not self.world.is_main:
             return {}
-        tensors = hf_tensors(state, bool(getattr(engine.model.config, "tie_word_embeddings", False)))
+        tensors = hf_tensors(
+            state, bool(getattr(engine.model.config, "tie_word_embeddings", False))
+        )
         try:
             if self.group is None:
                 sender, port = self._open_group()
                 # Announce first: the replica learns the rendezvous address from the KV key.
-                await _announce(self.bus, weights.WeightsPublished(
-                    version=step, transport="nccl", location=self.location, dtype=self.config.model.dtype))
-                self.group = await asyncio.to_thread(sender, self.host, port, self.group_size, self.timeout_s)
+                await _announce(
+                    self.bus,
+                    weights.WeightsPublished(
+                        version=step,
+                        transport="nccl",
+                        location=self.location,
+                        dtype=self.config.model.dtype,
+                    ),
+                )
+                self.group = await asyncio.to_thread(
+                    sender, self.host, port, self.group_size, self.timeout_s
+                )
             else:
-                await _announce(self.bus, weights.WeightsPublished(
-                    version=step, transport="nccl", location=self.location, dtype=self.config.model.dtype))
+                await _announce(
+                    self.bus,
+                    weights.WeightsPublished(
+                        version=step,
+                        transport="nccl",
+                        location=self.location,
+                        dtype=self.config.model.dtype,
+                    ),
+                )
             await asyncio.to_thread(send_state_dict, self.group, step, tensors)
         except Exception as error:  # a timeout or a vanished peer: report, rebuild next time
             reason = f"{type(error).__name__}: {error}"[:1000]
             log.warning("weights_broadcast_failed", version=step, reason=reason)
             self.group = None
-            await self.bus.publish(self.bus.subjects.weights_failed, weights.encoder.encode(
-                weights.WeightsFailed(version=step, replica_id="trainer", reason=reason)))
+            await self.bus.publish(
+                self.bus.subjects.weights_failed,
+                weights.encoder.encode(
+                    weights.WeightsFailed(version=step, replica_id="trainer", reason=reason)
+                ),
+            )
             return {"publish_s": time.perf_counter() - t0, "publish_failed": 1.0}
-        log.info("weights_broadcast", version=step, location=self.location, num_tensors=len(tensors))
+        log.info(
+            "weights_broadcast", version=step, location=self.location, num_tensors=len(tensors)
+        )
         return {"publish_s": time.perf_counter() - t0}
 
     async def close(self) -> None:
         if self.group is not None:
             try:  # size 0 tells the receivers the group is closing
-                await asyncio.wait_for(asyncio.to_thread(
-                    self.group.broadcast, torch.zeros(1, dtype=torch.int64, device=self.group.device)), 5)
+                await asyncio.wait_for(
+                    asyncio.to_thread(
+                        self.group.broadcast,
+                        torch.zeros(1, dtype=torch.int64, device=self.group.device),
+                    ),
+                    5,
+                )
             except Exception:
                 pass
             self.group = None

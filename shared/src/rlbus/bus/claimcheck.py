@@ -38,14 +38,18 @@ def load(storage_dir: Path | None, claim: ClaimCheck) -> bytes:
     path = Path(claim.path)
     if not path.is_absolute():
         if storage_dir is None:
-            raise ClaimCheckError(f"claim check {claim.path} needs the run's storage_dir, which this Bus lacks")
+            raise ClaimCheckError(
+                f"claim check {claim.path} needs the run's storage_dir, which this Bus lacks"
+            )
         path = storage_dir / path
     try:
         payload = path.read_bytes()
     except FileNotFoundError as error:
         raise ClaimCheckError(f"claim-check file {path} is missing") from error
     if len(payload) != claim.size:
-        raise ClaimCheckError(f"claim-check file {path} has {len(payload)} bytes, expected {claim.size}")
+        raise ClaimCheckError(
+            f"claim-check file {path} has {len(payload)} bytes, expected {claim.size}"
+        )
     digest = hashlib.sha256(payload).hexdigest()
     if digest != claim.sha256:
         raise ClaimCheckError(f"claim-check file {path} sha256 {digest} != recorded {claim.sha256}")

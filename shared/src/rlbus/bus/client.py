@@ -59,13 +59,17 @@ _encoder = msgspec.msgpack.Encoder()
 
 def encode(message: msgspec.Struct | bytes) -> bytes:
     """msgpack bytes of a wire struct (bytes pass through)."""
-    return message if isinstance(message, bytes | bytearray | memoryview) else _encoder.encode(message)
+    return (
+        message if isinstance(message, bytes | bytearray | memoryview) else _encoder.encode(message)
+    )
 
 
 class Bus:
     """A connected NATS client scoped to one run (see module docstring)."""
 
-    def __init__(self, nc, config: BusConfig, subjects: RunSubjects, storage_dir: Path | None, name: str):
+    def __init__(
+        self, nc, config: BusConfig, subjects: RunSubjects, storage_dir: Path | None, name: str
+    ):
         self.nc = nc
         self.js = nc.jetstream(timeout=config.publish_timeout_s)
         self.config = config
@@ -73,7 +77,9 @@ class Bus:
         self.storage_dir = storage_dir
         self.name = name
         server_max = nc.max_payload or config.max_payload_mb * 1024 * 1024
-        self.claim_check_bytes = min(config.claim_check_bytes or server_max, server_max - CLAIM_CHECK_MARGIN)
+        self.claim_check_bytes = min(
+            config.claim_check_bytes or server_max, server_max - CLAIM_CHECK_MARGIN
+        )
         self.step_log = StepLog(self)
         self._consumers: list[Consumer] = []
         self._leases: list[Lease] = []
@@ -138,7 +144,11 @@ class Bus:
         task.add_done_callback(self._background.discard)
 
     def stream_config(self, spec: StreamSpec) -> api.StreamConfig:
-        retention = api.RetentionPolicy.WORK_QUEUE if spec.retention == "workqueue" else api.RetentionPolicy.LIMITS
+        retention = (
+            api.RetentionPolicy.WORK_QUEUE
+            if spec.retention == "workqueue"
+            else api.RetentionPolicy.LIMITS
+        )
         return api.StreamConfig(
             name=spec.name,
             subjects=list(spec.subjects),
@@ -177,7 +187,9 @@ class Bus:
 
     async def ensure_bucket(self, spec: BucketSpec) -> None:
         await self.js.create_key_value(
-            api.KeyValueConfig(bucket=spec.name, history=spec.history, direct=True, storage=api.StorageType.FILE)
+            api.KeyValueConfig(
+                bucket=spec.name, history=spec.history, direct=True, storage=api.StorageType.FILE
+            )
         )
 
     # ---- publishing -----------------------------------------------------------------------
@@ -213,9 +225,16 @@ class Bus:
         message). An item whose ack does not come is re-published alone with the same id (so it is
         never duplicated). Acks are returned in item order. All items share one producer span.
         """
-        prepared = [(subject, *self._prepare(subject, message, msg_id, None)) for subject, message, msg_id in items]
+        prepared = [
+            (subject, *self._prepare(subject, message, msg_id, None))
+            for subject, message, msg_id in items
+        ]
         if tracing.enabled():
-            with tracing.producer_span(f"publish_many {len(prepared)}", subject=prepared[0][0] if prepared else "", headers={}):
+            with tracing.producer_span(
+                f"publish_many {len(prepared)}",
+                subject=prepared[0][0] if prepared else "",
+                headers={},
+            ):
                 for _, _, headers in prepared:
                     tracing.inject_headers(headers)
         futures = []
@@ -225,7 +244,7 @@ class Bus:
             except RETRYABLE_PUBLISH_ERRORS + (nats.js.errors.TooManyStalledMsgsError,):
                 futures.append(None)
         acks = []
-        for (subject, payload, headers), future in zip(prepared, futures):
+        for (subject, payload, headers), future in zip(prepared, futures, strict=True):
             try:
                 if future is None:
                     raise nats.errors.TimeoutError
@@ -235,7 +254,11 @@ class Bus:
         return acks
 
     def _prepare(
-        self, subject: str, message: msgspec.Struct | bytes, msg_id: str | None, headers: dict[str, str] | None
+        self,
+        subject: str,
+        message: msgspec.Struct | bytes,
+        msg_id: str | None,
+        headers: dict[str, str] | None,
     ) -> tuple[bytes, dict[str, str]]:
         """Encoded payload (claim-checked if too big) and headers with the message id."""
         payload = encode(message)
@@ -256,7 +279,9 @@ class Bus:
         log.debug("claim_check_stored", subject=subject, size=claim.size, path=claim.path)
         return claims.encoder.encode(claim)
 
-    async def _publish_with_retry(self, subject: str, payload: bytes, headers: dict, msg_ttl: float | None):
+    async def _publish_with_retry(
+        self, subject: str, payload: bytes, headers: dict, msg_ttl: float | None
+    ):
         deadline = time.monotonic() + self.config.publish_retry_s
         delay = 0.05
         while True:
@@ -277,7 +302,10 @@ class Bus:
                 if time.monotonic() + delay > deadline:
                     raise
                 log.warning(
-                    "publish_retry", subject=subject, msg_id=headers[MSG_ID_HEADER], error=type(error).__name__
+                    "publish_retry",
+                    subject=subject,
+                    msg_id=headers[MSG_ID_HEADER],
+                    error=type(error).__name__,
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -345,7 +373,9 @@ class Bus:
                 return
             try:
                 if tracing.enabled():
-                    with tracing.consumer_span(f"notify {msg.subject}", headers=headers, subject=msg.subject):
+                    with tracing.consumer_span(
+                        f"notify {msg.subject}", headers=headers, subject=msg.subject
+                    ):
                         await handler(message, headers)
                 else:
                     await handler(message, headers)
@@ -357,7 +387,9 @@ class Bus:
         self._subscriptions.append(sub)
         return sub
 
-    async def dead_letter(self, stream: str, subject: str, data: bytes, headers: dict | None, reason: str) -> None:
+    async def dead_letter(
+        self, stream: str, subject: str, data: bytes, headers: dict | None, reason: str
+    ) -> None:
         """Copy an unprocessable message to `subjects.dead(stream)` with the reason."""
         dead_headers = {
             "Rlbus-Dead-Reason": reason[:1000],
@@ -387,18 +419,34 @@ class Bus:
         wait_s: float = 0.0,
     ) -> Lease:
         """A TTL lease on `key` of `bucket`, heartbeated while held (`async with bus.lease(...)`)."""
-        lease = Lease(self, bucket, key, value, ttl_s=ttl_s, heartbeat_s=heartbeat_s, on_lost=on_lost, wait_s=wait_s)
+        lease = Lease(
+            self,
+            bucket,
+            key,
+            value,
+            ttl_s=ttl_s,
+            heartbeat_s=heartbeat_s,
+            on_lost=on_lost,
+            wait_s=wait_s,
+        )
         self._leases.append(lease)
         return lease
 
-    async def request(self, service: str, request: control.ControlRequest, *, timeout_s: float = 5.0) -> control.ControlReply:
+    async def request(
+        self, service: str, request: control.ControlRequest, *, timeout_s: float = 5.0
+    ) -> control.ControlReply:
         """Send a control request to `service` and wait for its reply."""
         headers = tracing.inject_headers({})
         deadline = time.monotonic() + timeout_s
-        while True:  # a service that is starting may not listen yet: retry "no responders" until the timeout
+        while (
+            True
+        ):  # a service that is starting may not listen yet: retry "no responders" until the timeout
             try:
                 reply = await self.nc.request(
-                    self.subjects.control(service), encode(request), timeout=max(deadline - time.monotonic(), 0.01), headers=headers
+                    self.subjects.control(service),
+                    encode(request),
+                    timeout=max(deadline - time.monotonic(), 0.01),
+                    headers=headers,
                 )
                 return control.reply_decoder.decode(reply.data)
             except nats.errors.NoRespondersError:
@@ -407,7 +455,9 @@ class Bus:
                 await asyncio.sleep(0.1)
 
     async def serve_control(
-        self, service: str, handler: Callable[[control.ControlRequest], Awaitable[control.ControlReply]]
+        self,
+        service: str,
+        handler: Callable[[control.ControlRequest], Awaitable[control.ControlReply]],
     ) -> None:
         """Answer control requests for `service` with `handler` until the bus closes."""
 
@@ -415,13 +465,17 @@ class Bus:
             try:
                 request = control.decoder.decode(msg.data)
             except msgspec.DecodeError as error:
-                reply = control.ControlReply(ok=False, service=service, message=f"undecodable request: {error}")
+                reply = control.ControlReply(
+                    ok=False, service=service, message=f"undecodable request: {error}"
+                )
             else:
                 with tracing.consumer_span(f"control {service}", headers=msg.headers):
                     reply = await handler(request)
             await msg.respond(encode(reply))
 
-        self._subscriptions.append(await self.nc.subscribe(self.subjects.control(service), cb=on_request))
+        self._subscriptions.append(
+            await self.nc.subscribe(self.subjects.control(service), cb=on_request)
+        )
         await self.nc.flush()  # the subscription is live on the server before we return
 
     async def close(self) -> None:

@@ -5,8 +5,6 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 
-import nats
-import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 
@@ -29,7 +27,9 @@ def tls_context(config: BusConfig) -> ssl.SSLContext | None:
 def connect_options(config: BusConfig, *, name: str) -> dict:
     """Keyword arguments for `nats.connect` (without the callbacks)."""
     if config.url is None:
-        raise ValueError("bus.url is unset: pass --bus.url nats://HOST:PORT (the `rl` launcher sets it)")
+        raise ValueError(
+            "bus.url is unset: pass --bus.url nats://HOST:PORT (the `rl` launcher sets it)"
+        )
     options: dict = dict(
         servers=[config.url],
         name=name,
@@ -60,7 +60,11 @@ def connect_options(config: BusConfig, *, name: str) -> dict:
 
 def is_auth_error(error: BaseException) -> bool:
     text = str(error).lower()
-    return "authorization" in text or "authentication" in text or "auth" in type(error).__name__.lower()
+    return (
+        "authorization" in text
+        or "authentication" in text
+        or "auth" in type(error).__name__.lower()
+    )
 
 
 async def open_connection(

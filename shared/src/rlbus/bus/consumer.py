@@ -170,7 +170,12 @@ class Consumer(Generic[T]):
             await self.subscribe()
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
         self._workers = [asyncio.create_task(self._worker()) for _ in range(self.concurrency)]
-        log.info("consumer_started", stream=self.stream, durable=self.durable, concurrency=self.concurrency)
+        log.info(
+            "consumer_started",
+            stream=self.stream,
+            durable=self.durable,
+            concurrency=self.concurrency,
+        )
         # Fetch only when at least half a batch of handler slots is free (fewer, bigger fetches).
         min_free = max(1, min(self.batch, self.concurrency) // 2)
         while not self._stopping:
@@ -213,7 +218,9 @@ class Consumer(Generic[T]):
                 log.warning("consumer_connection_closed", stream=self.stream, durable=self.durable)
                 await asyncio.sleep(self.fetch_timeout_s)
         except Exception as error:  # server restart, JetStream briefly unavailable, ...
-            log.warning("consumer_fetch_failed", stream=self.stream, durable=self.durable, error=repr(error))
+            log.warning(
+                "consumer_fetch_failed", stream=self.stream, durable=self.durable, error=repr(error)
+            )
             await asyncio.sleep(min(self.fetch_timeout_s, 0.5))
             if isinstance(error, nats.js.errors.ServiceUnavailableError | nats.js.errors.APIError):
                 await self._recover()
@@ -238,12 +245,16 @@ class Consumer(Generic[T]):
         self._unsettled.add(delivery)
         try:
             if tracing.enabled():
-                with tracing.consumer_span(f"process {msg.subject}", headers=headers, subject=msg.subject):
+                with tracing.consumer_span(
+                    f"process {msg.subject}", headers=headers, subject=msg.subject
+                ):
                     await self.handler(delivery)
             else:
                 await self.handler(delivery)
         except Exception as error:
-            log.exception("handler_failed", stream=self.stream, msg_id=delivery.msg_id, error=repr(error))
+            log.exception(
+                "handler_failed", stream=self.stream, msg_id=delivery.msg_id, error=repr(error)
+            )
             if not delivery.settled:
                 await self._settle_quietly(delivery.nak(self.nak_delay_s))
         else:
@@ -297,7 +308,9 @@ class Consumer(Generic[T]):
             for worker in pending:
                 worker.cancel()
             if pending:
-                log.warning("consumer_handlers_cancelled", stream=self.stream, num_cancelled=len(pending))
+                log.warning(
+                    "consumer_handlers_cancelled", stream=self.stream, num_cancelled=len(pending)
+                )
                 await asyncio.gather(*pending, return_exceptions=True)
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
@@ -306,7 +319,12 @@ class Consumer(Generic[T]):
                 await self._sub.unsubscribe()
             except Exception:
                 pass
-        log.info("consumer_stopped", stream=self.stream, durable=self.durable, num_handled=self.num_handled)
+        log.info(
+            "consumer_stopped",
+            stream=self.stream,
+            durable=self.durable,
+            num_handled=self.num_handled,
+        )
 
     async def __aenter__(self) -> "Consumer[T]":
         await self.subscribe()

@@ -76,7 +76,9 @@ class KV:
         """Write unconditionally; returns the new revision."""
         return await (await self.handle()).put(key, _encode(value))
 
-    async def create(self, key: str, value: msgspec.Struct | bytes, *, ttl_s: int | None = None) -> int:
+    async def create(
+        self, key: str, value: msgspec.Struct | bytes, *, ttl_s: int | None = None
+    ) -> int:
         """Write only if `key` is absent (optionally with a per-key TTL); `CasMismatch` otherwise."""
         try:
             return await (await self.handle()).create(key, _encode(value), msg_ttl=ttl_s)
@@ -100,7 +102,11 @@ class KV:
             return []
 
     async def watch(
-        self, key: str = ">", decoder: msgspec.msgpack.Decoder | None = None, *, initial: bool = True
+        self,
+        key: str = ">",
+        decoder: msgspec.msgpack.Decoder | None = None,
+        *,
+        initial: bool = True,
     ) -> AsyncIterator[Entry]:
         """Yield entries as they change (current values first when `initial`); deletes have value None."""
         kv = await self.handle()
@@ -176,7 +182,9 @@ class Lease:
                 break
             except CasMismatch as error:
                 if time.monotonic() >= deadline:
-                    raise LeaseHeld(f"lease {self.bucket}/{self.key} is held by another holder") from error
+                    raise LeaseHeld(
+                        f"lease {self.bucket}/{self.key} is held by another holder"
+                    ) from error
                 await asyncio.sleep(min(0.5, self.ttl_s / 4))
         self.lost.clear()
         self._task = asyncio.create_task(self._heartbeat())
@@ -208,9 +216,15 @@ class Lease:
                 if error.err_code in WRONG_LAST_SEQUENCE_CODES:
                     await self._mark_lost("revision changed (expired or taken over)")
                     return
-                log.warning("lease_heartbeat_failed", bucket=self.bucket, key=self.key, error=repr(error))
-            except Exception as error:  # disconnected: keep trying; expiry shows up as a wrong revision
-                log.warning("lease_heartbeat_failed", bucket=self.bucket, key=self.key, error=repr(error))
+                log.warning(
+                    "lease_heartbeat_failed", bucket=self.bucket, key=self.key, error=repr(error)
+                )
+            except (
+                Exception
+            ) as error:  # disconnected: keep trying; expiry shows up as a wrong revision
+                log.warning(
+                    "lease_heartbeat_failed", bucket=self.bucket, key=self.key, error=repr(error)
+                )
 
     async def _mark_lost(self, reason: str) -> None:
         log.warning("lease_lost", bucket=self.bucket, key=self.key, reason=reason)

@@ -179,7 +179,9 @@ class NatsServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nats-server not healthy after {timeout_s}s; see {self.log_file}")
+                raise TimeoutError(
+                    f"nats-server not healthy after {timeout_s}s; see {self.log_file}"
+                )
             time.sleep(0.02)
 
     def is_running(self) -> bool:
@@ -228,9 +230,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store", required=True, help="store directory (kept across restarts)")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 to expose)")
     parser.add_argument("--port", type=int, default=4222, help="client port (0: a free port)")
-    parser.add_argument("--http-port", type=int, default=8222, help="monitoring port (0: a free port)")
+    parser.add_argument(
+        "--http-port", type=int, default=8222, help="monitoring port (0: a free port)"
+    )
     parser.add_argument("--max-payload-mb", type=int, default=8, help="max message payload in MiB")
-    parser.add_argument("--token", default=os.environ.get("RLBUS_NATS_TOKEN"), help="require this auth token")
+    parser.add_argument(
+        "--token", default=os.environ.get("RLBUS_NATS_TOKEN"), help="require this auth token"
+    )
     args = parser.parse_args(argv)
     server = NatsServer(
         args.store,
@@ -240,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         max_payload_mb=args.max_payload_mb,
         token=args.token,
     )
+
     # The server runs in its own session (a terminal's Ctrl-C reaches only us): forward SIGTERM
     # and SIGINT as a graceful stop so it never outlives this command.
     def raise_exit(signum, frame):
@@ -249,7 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, raise_exit)
     try:
         server.start()
-        print(f"nats-server ready: {server.url} (monitoring {server.monitor_url}, store {server.store_dir})", flush=True)
+        print(
+            f"nats-server ready: {server.url} (monitoring {server.monitor_url}, store {server.store_dir})",
+            flush=True,
+        )
         assert server.process is not None
         server.process.wait()
     finally:

@@ -39,7 +39,9 @@ class StepLog:
             log.info("batch_already_stored", step=batch.step)
             return False
         subjects = self.bus.subjects
-        ack = await self.bus.publish(subjects.batch(batch.step), batch, msg_id=subjects.batch_msg_id(batch.step))
+        ack = await self.bus.publish(
+            subjects.batch(batch.step), batch, msg_id=subjects.batch_msg_id(batch.step)
+        )
         return not ack.duplicate
 
     async def get(self, step: int, *, timeout_s: float | None = None) -> batches.TrainBatch:
@@ -67,7 +69,7 @@ class StepLog:
                     raise StepNotFound(f"no batch for step {step} within {timeout_s}s")
             try:
                 await asyncio.wait_for(self._arrived.wait(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def read(self, step: int) -> batches.TrainBatch | None:
@@ -75,7 +77,9 @@ class StepLog:
         raw = await self._raw(step)
         if raw is None:
             return None
-        return batches.decoder.decode(self.bus.decode_payload(raw.data or b"", dict(raw.headers or {})))
+        return batches.decoder.decode(
+            self.bus.decode_payload(raw.data or b"", dict(raw.headers or {}))
+        )
 
     async def exists(self, step: int) -> bool:
         return await self._raw(step) is not None
@@ -83,17 +87,21 @@ class StepLog:
     async def last_step(self) -> int | None:
         """Highest step stored in the log (None when empty)."""
         subjects = self.bus.subjects
-        info = await self.bus.js.stream_info(subjects.batches_stream, subjects_filter=subjects.batches_all)
+        info = await self.bus.js.stream_info(
+            subjects.batches_stream, subjects_filter=subjects.batches_all
+        )
         steps = [int(subject.rsplit(".", 1)[1]) for subject in (info.state.subjects or {})]
         return max(steps) if steps else None
 
     async def _raw(self, step: int):
         subjects = self.bus.subjects
         try:
-            return await self.bus.js.get_last_msg(subjects.batches_stream, subjects.batch(step), direct=True)
+            return await self.bus.js.get_last_msg(
+                subjects.batches_stream, subjects.batch(step), direct=True
+            )
         except nats.js.errors.NotFoundError:
             return None
-        except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError) as error:
+        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as error:
             log.warning("step_log_read_retry", step=step, error=type(error).__name__)
             return None
 

@@ -80,7 +80,9 @@ def known_flag_paths(cls: type[BaseModel], prefix: str = "") -> list[str]:
     paths: list[str] = []
     for name, finfo in cls.model_fields.items():
         for spelling in _field_names(name, finfo):
-            path = f"{prefix}.{spelling.replace('_', '-')}" if prefix else spelling.replace("_", "-")
+            path = (
+                f"{prefix}.{spelling.replace('_', '-')}" if prefix else spelling.replace("_", "-")
+            )
             variants = _model_variants(finfo.annotation)
             annotation = _strip_annotated(finfo.annotation)
             is_plain_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
@@ -149,7 +151,9 @@ def suggest_flag(unknown: str, known: list[str]) -> str | None:
     """The closest known flag: first among siblings (same parent path), then among all flags."""
     parent, _, leaf = unknown.rpartition(".")
     siblings = [k for k in known if k.rpartition(".")[0] == parent]
-    match = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.6)
+    match = difflib.get_close_matches(
+        leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.6
+    )
     if match:
         return f"{parent}.{match[0]}" if parent else match[0]
     match = difflib.get_close_matches(unknown, known, n=1, cutoff=0.6)
@@ -179,14 +183,18 @@ def format_validation_error(cls: type[BaseModel], error: ValidationError) -> str
     return "\n".join(lines)
 
 
-def exit_with_config_error(message: str, title: str = "Config error", code: int = EXIT_CONFIG_ERROR) -> NoReturn:
+def exit_with_config_error(
+    message: str, title: str = "Config error", code: int = EXIT_CONFIG_ERROR
+) -> NoReturn:
     """Print `message` in a box on stderr and exit with `code`, without a traceback."""
     from rich.console import Console
     from rich.panel import Panel
     from rich.text import Text
 
     console = Console(stderr=True, highlight=False)
-    console.print(Panel(Text(message), title=title, title_align="left", border_style="red", expand=False))
+    console.print(
+        Panel(Text(message), title=title, title_align="left", border_style="red", expand=False)
+    )
     sys.exit(code)
 
 
@@ -219,7 +227,7 @@ def _field_docstrings(cls: type) -> dict[str, str]:
         node = _class_nodes(base.__module__).get(base.__name__)
         if node is None:
             continue
-        for stmt, following in zip(node.body, node.body[1:]):
+        for stmt, following in zip(node.body, node.body[1:], strict=False):
             if (
                 isinstance(stmt, ast.AnnAssign)
                 and isinstance(stmt.target, ast.Name)
@@ -248,7 +256,9 @@ def _model_paths(cls: type[BaseModel], prefix: str = "") -> set[str]:
     for name, finfo in cls.model_fields.items():
         variants = _model_variants(finfo.annotation)
         for spelling in _field_names(name, finfo):
-            path = f"{prefix}.{spelling.replace('_', '-')}" if prefix else spelling.replace("_", "-")
+            path = (
+                f"{prefix}.{spelling.replace('_', '-')}" if prefix else spelling.replace("_", "-")
+            )
             if variants:
                 paths.add(path)
             for variant in variants:
@@ -336,14 +346,20 @@ def config_to_toml(config: BaseModel, *, exclude_unset: bool = False) -> str:
     `exclude_unset`: only what was set explicitly, i.e. from files, flags or code)."""
     import tomli_w
 
-    return tomli_w.dumps(_none_as_string(config.model_dump(mode="json", exclude_unset=exclude_unset)))
+    return tomli_w.dumps(
+        _none_as_string(config.model_dump(mode="json", exclude_unset=exclude_unset))
+    )
 
 
 # --- the loader --------------------------------------------------------------------------------
 
 
 def parse_cli(
-    cls: type[T], args: list[str] | None = None, *, prog: str | None = None, description: str | None = None
+    cls: type[T],
+    args: list[str] | None = None,
+    *,
+    prog: str | None = None,
+    description: str | None = None,
 ) -> T:
     """Parse `@ file` references and `--flags` into a validated `cls`; on a user error print a
     box and exit 2. `--help` prints the panels and exits 0; `--print-config` prints TOML and exits 0."""
@@ -355,7 +371,9 @@ def parse_cli(
     args = _hoist_root_files(args, _model_paths(cls))
     args = _snake_case_file_targets(_expand_bool_union_toggles(args, _bool_union_paths(cls)))
     try:
-        config = cli(cls, args=args, prog=prog, description=description or (cls.__doc__ or "").strip())
+        config = cli(
+            cls, args=args, prog=prog, description=description or (cls.__doc__ or "").strip()
+        )
     except ConfigFileError as error:
         cause = error.__cause__
         if isinstance(cause, ValidationError):

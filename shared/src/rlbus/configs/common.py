@@ -1,6 +1,5 @@
 """Config pieces shared by several services: model, run directory, checkpoints, monitors, logs."""
 
-from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field

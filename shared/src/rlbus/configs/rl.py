@@ -145,10 +145,19 @@ class RLConfig(BaseConfig):
         push_down(self.inference.vllm, "dtype", self.model.dtype)
         push_down(self.inference.vllm, "max_model_len", self.seq_len)
         for field in ("bus", "weight_broadcast", "log", "otel", "output_dir"):
-            push_down(self.inference, field, getattr(self, field).model_copy(deep=True)
-                      if isinstance(getattr(self, field), BaseModel) else getattr(self, field))
+            push_down(
+                self.inference,
+                field,
+                getattr(self, field).model_copy(deep=True)
+                if isinstance(getattr(self, field), BaseModel)
+                else getattr(self, field),
+            )
         if self.run.name is not None:
-            push_down(self.inference, "run_dir", str(resolve_run_dir(self.output_dir, self.run.name, self.run.dir)))
+            push_down(
+                self.inference,
+                "run_dir",
+                str(resolve_run_dir(self.output_dir, self.run.name, self.run.dir)),
+            )
 
     def env_ids(self) -> list[str]:
         """Environment ids of the run (for the run name)."""

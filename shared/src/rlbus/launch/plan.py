@@ -25,10 +25,15 @@ from pydantic import BaseModel
 
 from rlbus.configs import InferenceConfig, RLConfig
 from rlbus.launch.cpus import (
-    bind_inference_env, bind_trainer, host_has_gpus, plan_cpus, under_taskset, usable_cores,
+    bind_inference_env,
+    bind_trainer,
+    host_has_gpus,
+    plan_cpus,
+    under_taskset,
+    usable_cores,
 )
-from rlbus.launch.supervisor import ServiceProcess
 from rlbus.launch.scripts import config_path
+from rlbus.launch.supervisor import ServiceProcess
 from rlbus.obs.logging import log_file_path
 
 NATS_STORE_DIR = "nats"
@@ -160,14 +165,19 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     launch.configs.update(services)
     processes.append(
         ServiceProcess(
-            name="monitor", argv=monitor_argv(config, run_dir), log_path=log_file_path(run_dir, "monitor"), cwd=Path.cwd()
+            name="monitor",
+            argv=monitor_argv(config, run_dir),
+            log_path=log_file_path(run_dir, "monitor"),
+            cwd=Path.cwd(),
         )
     )
     cpus = None
     if config.deployment.cpu_binding != "off" and not host_has_gpus():
-        cpus = plan_cpus(usable_cores(), config.deployment.num_infer_replicas, config.deployment.num_train_gpus)
+        cpus = plan_cpus(
+            usable_cores(), config.deployment.num_infer_replicas, config.deployment.num_train_gpus
+        )
     replica_index = 0
-    for name, service in services.items():
+    for name in services:
         path = config_path(run_dir, name).absolute()
         env: dict[str, str] = {}
         if name == "trainer":
@@ -184,7 +194,9 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
                     argv = under_taskset(argv, cpus.inference[replica_index])
             replica_index += 1
         processes.append(
-            ServiceProcess(name=name, argv=argv, log_path=log_file_path(run_dir, name), env=env, cwd=Path.cwd())
+            ServiceProcess(
+                name=name, argv=argv, log_path=log_file_path(run_dir, name), env=env, cwd=Path.cwd()
+            )
         )
     # inference first, then orchestrator, then trainer (DESIGN.md); nats and the monitor (a
     # durable consumer, so it misses nothing) before all of them; stopping goes in reverse.

@@ -74,9 +74,9 @@ LAG_HISTOGRAM_PREFIX = "off_policy_lag/"
 def mean_lag(row: dict[str, Any]) -> float | None:
     """Mean off-policy lag of the step's samples (None without a lag histogram)."""
     counts = {
-        int(key[len(LAG_HISTOGRAM_PREFIX):]): value
+        int(key[len(LAG_HISTOGRAM_PREFIX) :]): value
         for key, value in row.items()
-        if key.startswith(LAG_HISTOGRAM_PREFIX) and key[len(LAG_HISTOGRAM_PREFIX):].isdigit()
+        if key.startswith(LAG_HISTOGRAM_PREFIX) and key[len(LAG_HISTOGRAM_PREFIX) :].isdigit()
     }
     total = sum(counts.values())
     return sum(lag * n for lag, n in counts.items()) / total if total else None
@@ -89,7 +89,7 @@ def replica_versions(steps: dict[int, dict[str, Any]]) -> dict[str, int]:
     for row in steps.values():
         for key, value in row.items():
             if key.startswith(APPLIED_PREFIX):
-                replica = key[len(APPLIED_PREFIX):]
+                replica = key[len(APPLIED_PREFIX) :]
                 versions[replica] = max(versions.get(replica, -1), int(value))
     return versions
 
@@ -136,13 +136,17 @@ class Progress:
             from rich.live import Live
 
             self._console = Console()
-            self._live = Live(self._panel(None), console=self._console, refresh_per_second=2, transient=True)
+            self._live = Live(
+                self._panel(None), console=self._console, refresh_per_second=2, transient=True
+            )
             self._live.start()
 
     def _panel(self, latest: str | None):
         from rich.panel import Panel
 
-        body = latest or "waiting for the first step (services are starting; logs in <run_dir>/logs/)"
+        body = (
+            latest or "waiting for the first step (services are starting; logs in <run_dir>/logs/)"
+        )
         return Panel(body, title="rl: " + ", ".join(self.services), expand=False)
 
     def emit(self, line: str) -> None:
@@ -158,7 +162,11 @@ class Progress:
         latest = None
         for step in sorted(self.tail.steps):
             row = self.tail.steps[step]
-            if step in self.printed or step < 0 or not (is_complete(row) or (final and has_step_metrics(row))):
+            if (
+                step in self.printed
+                or step < 0
+                or not (is_complete(row) or (final and has_step_metrics(row)))
+            ):
                 continue
             line = step_line(step, row, replicas)
             self.emit(line)

@@ -60,7 +60,10 @@ def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
         json_console=config.log.json_console,
     )
     if run.resuming and not run.save_checkpoints:
-        log.warning("resume_without_ckpt", hint="the run loads its checkpoint but saves no new ones: add [ckpt]")
+        log.warning(
+            "resume_without_ckpt",
+            hint="the run loads its checkpoint but saves no new ones: add [ckpt]",
+        )
     launch = build_rl_launch(config, run.run_dir)
     launch.config_files, launch.script_files = write_launch(
         run.run_dir, launch.configs, launch.processes, command, launch.files
@@ -101,14 +104,18 @@ def drain_over_bus(launch: Launch, services: list[str], timeout_s: float = 5.0) 
             bus = await asyncio.wait_for(
                 Bus.connect(bus_config, run_id=run_id, name="rl-launcher", ensure=False), timeout_s
             )
-        except Exception as error:  # noqa: BLE001 - the bus may be the thing that died
+        except Exception as error:
             return {name: f"no bus ({type(error).__name__})" for name in services}
         try:
             for name in services:
                 try:
-                    reply = await bus.request(name, control.Drain(reason="launcher"), timeout_s=timeout_s)
-                    outcomes[name] = reply.state or ("ok" if reply.ok else reply.message or "refused")
-                except Exception as error:  # noqa: BLE001
+                    reply = await bus.request(
+                        name, control.Drain(reason="launcher"), timeout_s=timeout_s
+                    )
+                    outcomes[name] = reply.state or (
+                        "ok" if reply.ok else reply.message or "refused"
+                    )
+                except Exception as error:
                     outcomes[name] = f"no answer ({type(error).__name__})"
         finally:
             await bus.close()
@@ -117,11 +124,15 @@ def drain_over_bus(launch: Launch, services: list[str], timeout_s: float = 5.0) 
     return asyncio.run(drain_all())
 
 
-def drain_and_wait(launch: Launch, supervisor: Supervisor, skip: str | None = None, wait_s: float = 30.0) -> None:
+def drain_and_wait(
+    launch: Launch, supervisor: Supervisor, skip: str | None = None, wait_s: float = 30.0
+) -> None:
     """Drain the running orchestrator/trainer over the bus and give them `wait_s` to exit by
     themselves (the trainer finishes its step); `stop_all` then signals whatever is left."""
     running = [
-        s.name for s in supervisor.services if s.name in DRAINED_SERVICES and s.name != skip and s.poll() is None
+        s.name
+        for s in supervisor.services
+        if s.name in DRAINED_SERVICES and s.name != skip and s.poll() is None
     ]
     embedded_nats_gone = launch.config.bus.url is None and not any(
         s.name == "nats" and s.poll() is None for s in supervisor.services
@@ -213,7 +224,9 @@ def point_latest(run_dir: Path) -> None:
     `outputs/latest/logs/trainer.log` always shows the newest launch. Never replaces a real file."""
     link = run_dir.parent / LATEST_LINK
     if link.exists() and not link.is_symlink():
-        log.warning("latest_link_skipped", path=str(link), reason="a real file or directory has that name")
+        log.warning(
+            "latest_link_skipped", path=str(link), reason="a real file or directory has that name"
+        )
         return
     tmp = run_dir.parent / f".{LATEST_LINK}.{os.getpid()}"
     try:

@@ -11,7 +11,7 @@ The launcher starts the very same argv lists, so running the scripts later repea
 """
 
 import shlex
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -55,7 +55,7 @@ def render_process_script(process: ServiceProcess, command: str) -> str:
     """A bash script that repeats one process's launch: same directory, environment and argv."""
     lines = [
         "#!/usr/bin/env bash",
-        f"# {process.name}: written by `{command}` at {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC.",
+        f"# {process.name}: written by `{command}` at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC.",
         "# Running it starts this process exactly as the launcher does.",
         "set -euo pipefail",
     ]
@@ -80,7 +80,7 @@ def render_launch_all(processes: list[ServiceProcess], command: str) -> str:
         "  # last started first: SIGTERM each process group, give it 20 s, then SIGKILL the group",
         "  for ((i=${#pids[@]}-1; i>=0; i--)); do",
         '    kill -TERM -- "-${pids[i]}" 2>/dev/null || continue',
-        "    for _ in $(seq 200); do kill -0 -- \"-${pids[i]}\" 2>/dev/null || break; sleep 0.1; done",
+        '    for _ in $(seq 200); do kill -0 -- "-${pids[i]}" 2>/dev/null || break; sleep 0.1; done',
         '    kill -KILL -- "-${pids[i]}" 2>/dev/null',
         "  done",
         "  wait",

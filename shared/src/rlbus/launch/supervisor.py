@@ -114,7 +114,9 @@ class Supervisor:
         self.services.append(service)
         return service
 
-    def first_failure(self, expected_to_exit: set[str] = frozenset()) -> tuple[ServiceProcess, int] | None:
+    def first_failure(
+        self, expected_to_exit: set[str] = frozenset()
+    ) -> tuple[ServiceProcess, int] | None:
         """The first service that exited, unless it is one that may exit (exit 0 only)."""
         for service in self.services:
             code = service.poll()

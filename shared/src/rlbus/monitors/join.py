@@ -45,7 +45,9 @@ class StepJoiner:
         row.services.add(event.service)
         return self.ready()
 
-    def add_weights(self, event: WeightsApplied | WeightsFailed, token: Any = None) -> list[tuple[dict, list]]:
+    def add_weights(
+        self, event: WeightsApplied | WeightsFailed, token: Any = None
+    ) -> list[tuple[dict, list]]:
         """A weights ack goes into the row of the step that published its version, or, when that
         row is already written (acks usually arrive after the trainer's metrics), into the next
         row, so no step is written twice. `weights/applied/<replica>` holds the version applied."""
@@ -55,7 +57,9 @@ class StepJoiner:
             row.values["weights/num_applied"] = row.values.get("weights/num_applied", 0) + 1
             key = f"weights/applied/{event.replica_id}"
             row.values[key] = max(row.values.get(key, -1), event.version)
-            row.values["weights/apply_s"] = max(row.values.get("weights/apply_s", 0.0), event.duration_s)
+            row.values["weights/apply_s"] = max(
+                row.values.get("weights/apply_s", 0.0), event.duration_s
+            )
         else:
             row.values["weights/num_failed"] = row.values.get("weights/num_failed", 0) + 1
         return self.ready()

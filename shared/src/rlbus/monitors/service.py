@@ -25,7 +25,11 @@ def build_sinks(config: RLConfig, run_dir: Path) -> list:
     if config.monitors.file is not None:
         sinks.append(JsonlSink(run_dir / config.monitors.file.path))
     if config.monitors.wandb is not None:
-        sinks.append(WandbSink(config.monitors.wandb, config.run.name or run_dir.name, run_dir, config.model_dump()))
+        sinks.append(
+            WandbSink(
+                config.monitors.wandb, config.run.name or run_dir.name, run_dir, config.model_dump()
+            )
+        )
     return sinks
 
 
@@ -45,7 +49,9 @@ class Monitor:
             await self.write(self.joiner.add_weights(event, delivery))
         else:
             if isinstance(event, Lifecycle):
-                log.info("service_lifecycle", of=event.service, state=event.state, reason=event.reason)
+                log.info(
+                    "service_lifecycle", of=event.service, state=event.state, reason=event.reason
+                )
             await delivery.ack()
 
     async def write(self, rows) -> None:

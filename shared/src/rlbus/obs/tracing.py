@@ -40,7 +40,10 @@ class JsonlSpanExporter:
     def export(self, spans: Sequence) -> "object":
         from opentelemetry.sdk.trace.export import SpanExportResult
 
-        lines = [json.dumps(json.loads(span.to_json(indent=None)), separators=(",", ":")) for span in spans]
+        lines = [
+            json.dumps(json.loads(span.to_json(indent=None)), separators=(",", ":"))
+            for span in spans
+        ]
         with self._lock, open(self.path, "a") as out:
             out.write("".join(line + "\n" for line in lines))
         return SpanExportResult.SUCCESS
@@ -80,8 +83,10 @@ def setup_tracing(
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        endpoint = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        endpoint = (
+            endpoint
+            or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         )
         if endpoint:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -109,7 +114,9 @@ def shutdown_tracing() -> None:
 
 def enabled() -> bool:
     """Whether spans are recorded (a real provider is installed); the bus skips span work otherwise."""
-    return _provider is not None or not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return _provider is not None or not isinstance(
+        trace.get_tracer_provider(), trace.ProxyTracerProvider
+    )
 
 
 def tracer() -> trace.Tracer:
@@ -135,12 +142,16 @@ def link_from_headers(headers: Mapping[str, str] | None) -> Link | None:
 
 
 @contextmanager
-def producer_span(name: str, *, subject: str, headers: dict[str, str], msg_id: str | None = None) -> Iterator[Span]:
+def producer_span(
+    name: str, *, subject: str, headers: dict[str, str], msg_id: str | None = None
+) -> Iterator[Span]:
     """A PRODUCER span around a publish; its context is injected into `headers`."""
     attributes = {"messaging.system": "nats", "messaging.destination.name": subject}
     if msg_id is not None:
         attributes["messaging.message.id"] = msg_id
-    with tracer().start_as_current_span(name, kind=SpanKind.PRODUCER, attributes=attributes) as span:
+    with tracer().start_as_current_span(
+        name, kind=SpanKind.PRODUCER, attributes=attributes
+    ) as span:
         inject_headers(headers)
         yield span
 

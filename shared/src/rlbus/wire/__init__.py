@@ -12,7 +12,17 @@ One module per message family, each a set of `msgspec.Struct`s plus a module-lev
 (`rlbus.bus`) moves the encoded bytes; it never needs to know which struct they hold.
 """
 
-from rlbus.wire import batches, claims, control, events, replicas, rollouts, subjects, tasks, weights
+from rlbus.wire import (
+    batches,
+    claims,
+    control,
+    events,
+    replicas,
+    rollouts,
+    subjects,
+    tasks,
+    weights,
+)
 from rlbus.wire.subjects import RunSubjects
 
 __all__ = [

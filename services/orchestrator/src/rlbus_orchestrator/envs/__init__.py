@@ -1,10 +1,25 @@
 """Environments: the interface, the built-ins and the lookup by id (see `base` and `registry`)."""
 
-from rlbus_orchestrator.envs.base import ChatClient, ChatTurn, Environment, Split, merge_turns, sample_from_turns
+from rlbus_orchestrator.envs.base import (
+    ChatClient,
+    ChatTurn,
+    Environment,
+    Split,
+    merge_turns,
+    sample_from_turns,
+)
 from rlbus_orchestrator.envs.registry import EnvironmentNotFoundError, load_environment
 from rlbus_orchestrator.envs.reverse_text import ReverseTextEnv, reverse_reward
 
 __all__ = [
-    "ChatClient", "ChatTurn", "Environment", "EnvironmentNotFoundError", "ReverseTextEnv", "Split",
-    "load_environment", "merge_turns", "reverse_reward", "sample_from_turns",
+    "ChatClient",
+    "ChatTurn",
+    "Environment",
+    "EnvironmentNotFoundError",
+    "ReverseTextEnv",
+    "Split",
+    "load_environment",
+    "merge_turns",
+    "reverse_reward",
+    "sample_from_turns",
 ]

@@ -58,7 +58,9 @@ class Environment(Protocol):
         """The `index`-th problem of `split` (deterministic)."""
         ...
 
-    async def run_episode(self, client: ChatClient, problem: Problem, sampling: SamplingArgs) -> RolloutSample:
+    async def run_episode(
+        self, client: ChatClient, problem: Problem, sampling: SamplingArgs
+    ) -> RolloutSample:
         """Play one episode and score it."""
         ...
 
@@ -88,7 +90,7 @@ def merge_turns(turns: list[ChatTurn]) -> tuple[list[int], list[int], list[float
                     "multi-turn prompt does not extend the previous turn's tokens; the chat template "
                     "must render earlier turns unchanged for token-level training"
                 )
-            extra = turn.prompt_token_ids[len(seen):]
+            extra = turn.prompt_token_ids[len(seen) :]
             ids += extra
             logprobs += [0.0] * len(extra)
             mask += [0] * len(extra)

@@ -37,7 +37,11 @@ def module_name(env_id: str) -> str:
 
 def install_hint(env_id: str) -> str:
     """The command that installs the environment package named `env_id`."""
-    local = [p for p in (Path("environments") / env_id, Path("environments") / module_name(env_id)) if p.is_dir()]
+    local = [
+        p
+        for p in (Path("environments") / env_id, Path("environments") / module_name(env_id))
+        if p.is_dir()
+    ]
     if local:
         return (
             f"`uv sync --package rlbus --package {env_id}` (it is a workspace member under {local[0]}; "

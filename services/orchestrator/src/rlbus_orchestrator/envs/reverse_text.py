@@ -19,7 +19,6 @@ import time
 
 from rlbus.wire.rollouts import RolloutSample
 from rlbus.wire.tasks import ChatMessage, Problem, SamplingArgs
-
 from rlbus_orchestrator.envs.base import ChatClient, Split, problem_messages, sample_from_turns
 
 SYSTEM_PROMPT = "Reverse the text character by character."
@@ -33,7 +32,10 @@ def make_text(rng: random.Random, min_len: int, max_len: int, alphabet: str) -> 
 
 def make_messages(text: str) -> list[ChatMessage]:
     """The chat prompt asking to reverse `text`."""
-    return [ChatMessage(role="system", content=SYSTEM_PROMPT), ChatMessage(role="user", content=text)]
+    return [
+        ChatMessage(role="system", content=SYSTEM_PROMPT),
+        ChatMessage(role="user", content=text),
+    ]
 
 
 def reverse_reward(answer: str, text: str) -> float:
@@ -57,7 +59,9 @@ class ReverseTextEnv:
         seed: int = 0,
     ):
         if not 1 <= min_len <= max_len:
-            raise ValueError(f"reverse-text: need 1 <= min_len <= max_len, got min_len={min_len} max_len={max_len}")
+            raise ValueError(
+                f"reverse-text: need 1 <= min_len <= max_len, got min_len={min_len} max_len={max_len}"
+            )
         if not alphabet:
             raise ValueError("reverse-text: alphabet must not be empty")
         self.min_len, self.max_len, self.alphabet = min_len, max_len, alphabet
@@ -77,12 +81,18 @@ class ReverseTextEnv:
         text = self.text(split, index)
         return Problem(messages=make_messages(text), answer=text[::-1], info={"text": text})
 
-    async def run_episode(self, client: ChatClient, problem: Problem, sampling: SamplingArgs) -> RolloutSample:
+    async def run_episode(
+        self, client: ChatClient, problem: Problem, sampling: SamplingArgs
+    ) -> RolloutSample:
         turn = await client.chat(problem_messages(problem), sampling)
         started = time.perf_counter()
         answer = turn.text.strip()
         reward = reverse_reward(answer, problem.info["text"])
         turn.timings["score"] = time.perf_counter() - started
         return sample_from_turns(
-            [turn], reward=reward, reward_components={"lcs_ratio": reward}, sampling=sampling, completion_text=answer
+            [turn],
+            reward=reward,
+            reward_components={"lcs_ratio": reward},
+            sampling=sampling,
+            completion_text=answer,
         )

@@ -19,7 +19,6 @@ from typing import Any
 
 from rlbus.wire.rollouts import RolloutSample
 from rlbus.wire.tasks import ChatMessage, Problem, SamplingArgs
-
 from rlbus_orchestrator.envs.base import ChatClient, Split, problem_messages, sample_from_turns
 
 
@@ -63,7 +62,9 @@ class VerifiersAdapter:
         self.system_prompt = getattr(env, "system_prompt", None)
         rubric = getattr(env, "rubric", None)
         if rubric is None or not getattr(rubric, "funcs", None):
-            raise ValueError(f"environment {env_id!r}: load_environment() returned an object without rubric.funcs")
+            raise ValueError(
+                f"environment {env_id!r}: load_environment() returned an object without rubric.funcs"
+            )
         self.funcs = list(rubric.funcs)
         self.weights = list(getattr(rubric, "weights", None) or [1.0] * len(self.funcs))
 
@@ -74,7 +75,9 @@ class VerifiersAdapter:
         rows = _dataset(self.env, split)
         return _row_problem(dict(rows[index % len(rows)]), self.system_prompt)
 
-    async def run_episode(self, client: ChatClient, problem: Problem, sampling: SamplingArgs) -> RolloutSample:
+    async def run_episode(
+        self, client: ChatClient, problem: Problem, sampling: SamplingArgs
+    ) -> RolloutSample:
         prompt = problem_messages(problem)
         turn = await client.chat(prompt, sampling)
         started = time.perf_counter()
@@ -87,6 +90,10 @@ class VerifiersAdapter:
             "text": turn.text,
         }
         components = {f.__name__: await _call_reward(f, available) for f in self.funcs}
-        reward = sum(w * components[f.__name__] for f, w in zip(self.funcs, self.weights, strict=True))
+        reward = sum(
+            w * components[f.__name__] for f, w in zip(self.funcs, self.weights, strict=True)
+        )
         turn.timings["score"] = time.perf_counter() - started
-        return sample_from_turns([turn], reward=reward, reward_components=components, sampling=sampling)
+        return sample_from_turns(
+            [turn], reward=reward, reward_components=components, sampling=sampling
+        )
