@@ -15,7 +15,6 @@ workers as separate `orchestrator --role worker` processes (wall time then inclu
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,11 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rlbus.netutil import free_port
 
 
 def serve_fake(port: int, latency_ms: float, completion_tokens: int) -> None:

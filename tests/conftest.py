@@ -7,6 +7,7 @@
   (cheaper; give each test its own run id, which `bus` and `make_bus` do).
 - `bus`: a connected `rlbus.bus.Bus` on `nats_server` with a unique run id and `tmp_path` as the
   claim-check storage.
+- `free_ports`: `free_ports(n)` gives n distinct free loopback ports.
 - `make_bus`: `await make_bus(server=None, run_id=None, **config_overrides)` for more clients
   (several workers of one run); all are closed at teardown.
 """
@@ -16,8 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from rlbus import netutil
 from rlbus.bus import Bus, NatsServer
 from rlbus.configs.bus import BusConfig
+
+
+@pytest.fixture
+def free_ports():
+    """`free_ports(n)`: n distinct free loopback ports (the one place tests get ports from)."""
+    return netutil.free_ports
 
 
 def start_nats_server(store_dir: Path, **kwargs) -> NatsServer:

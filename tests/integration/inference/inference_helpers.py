@@ -16,7 +16,7 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlbus.bus import free_port
+from rlbus.netutil import free_ports
 from rlbus.wire.weights import WeightFile, WeightsPublished
 
 PROMPT = [{"role": "user", "content": "Hi"}]
@@ -175,7 +175,7 @@ def start_replica(
     bus_args: list[str],
     timeout_s: float = 300.0,
 ) -> Replica:
-    port, backend_port = free_port(), free_port()
+    port, backend_port = free_ports(2)
     log_path = run_dir / f"{replica_id}.out"
     run_dir.mkdir(parents=True, exist_ok=True)
     command = [

@@ -28,8 +28,9 @@ from inference_helpers import (
 )
 from safetensors.torch import load_file
 
-from rlbus.bus import Bus, free_port
+from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
+from rlbus.netutil import free_ports
 from rlbus.wire import replicas, weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 
@@ -282,7 +283,7 @@ def check_broadcast_updates_weights(run, make_sender_group) -> None:
     for name in state_dict:  # a version different from what is loaded (version 1)
         if "down_proj" in name:
             state_dict[name] = state_dict[name] * -1
-    port = free_port()
+    (port,) = free_ports(1)
     holder = {}
     thread = threading.Thread(target=lambda: holder.update(group=make_sender_group(port)))
     thread.start()

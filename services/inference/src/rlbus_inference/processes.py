@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import httpx
 import structlog
 
 from rlbus.configs.inference import InferenceConfig
+from rlbus.netutil import free_port
 
 log = structlog.get_logger()
 
@@ -94,13 +94,6 @@ def engine_command(config: InferenceConfig) -> list[str]:
         WORKER_EXTENSION,
         *args,
     ]
-
-
-def free_port() -> int:
-    """A currently free loopback TCP port."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def engine_env(*, initial_version: int, router_facing_port: int) -> dict[str, str]:

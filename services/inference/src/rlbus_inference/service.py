@@ -25,6 +25,7 @@ from pathlib import Path
 import structlog
 
 from rlbus.configs.inference import InferenceConfig
+from rlbus.netutil import free_port
 from rlbus_inference import processes
 
 log = structlog.get_logger()
@@ -66,7 +67,7 @@ async def serve(config: InferenceConfig) -> None:
     logs = logs_dir(config)
     engine = router = None
     background = None
-    router_facing_port = processes.free_port()
+    router_facing_port = free_port()
     try:
         engine = processes.start(
             "engine",

@@ -17,7 +17,6 @@ ranks, so each rank's loss is multiplied by the world size to turn that average 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from rlbus.netutil import free_port
 from rlbus.wire.batches import MicroBatch
 from rlbus_trainer.loss import LossInputs, block_causal_mask, token_logprobs_and_entropy
 from rlbus_trainer.optim import (
@@ -52,12 +52,6 @@ class World:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup_distributed() -> World:
     """Join torchrun's process group (or make a 1-rank one when started without torchrun)."""
     if not dist.is_initialized():
@@ -67,7 +61,7 @@ def setup_distributed() -> World:
                 WORLD_SIZE="1",
                 LOCAL_RANK="0",
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()),
+                MASTER_PORT=str(free_port()),
             )
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

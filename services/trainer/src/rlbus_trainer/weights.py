@@ -31,6 +31,7 @@ from typing import Protocol
 import structlog
 import torch
 
+from rlbus.netutil import free_port
 from rlbus.wire import replicas, weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_trainer.hf_dir import hf_tensors, sha256_file, write_hf_dir
@@ -135,12 +136,6 @@ def _advertised_host() -> str:
         return "127.0.0.1"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class _GlooSender:
     """Rank 0 of a private gloo group (own TCPStore), leaving the default group alone."""
 
@@ -198,7 +193,7 @@ class NcclWeightPublisher:
         self.location: str | None = None
 
     def _open_group(self):
-        port = _free_port()
+        port = free_port("")  # all interfaces: replicas on other hosts join this store
         self.location = f"{self.host}:{port}"
         sender = _PyNcclSender if torch.cuda.is_available() else _GlooSender
         return sender, port

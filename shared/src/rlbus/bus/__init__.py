@@ -23,7 +23,7 @@ from rlbus.bus.errors import (
     StepNotFound,
 )
 from rlbus.bus.kv import KV, Entry, Lease
-from rlbus.bus.server import NatsServer, free_port
+from rlbus.bus.server import NatsServer
 from rlbus.bus.steplog import StepLog
 
 __all__ = [
@@ -43,5 +43,4 @@ __all__ = [
     "StepLog",
     "StepNotFound",
     "encode",
-    "free_port",
 ]

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +26,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from rlbus.netutil import free_ports
+
 if TYPE_CHECKING:
     from rlbus.configs.bus import BusConfig
 
 log = structlog.get_logger()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def nats_server_binary() -> str:
@@ -81,8 +75,9 @@ class NatsServer:
         assert not (token and user), "token and user/password auth are exclusive"
         self.store_dir = Path(store_dir)
         self.host = host
-        self.port = port or free_port(host)
-        self.http_port = http_port or free_port(host)
+        picked = free_ports(2, host)
+        self.port = port or picked[0]
+        self.http_port = http_port or picked[1]
         self.max_payload_mb = max_payload_mb
         self.token = token
         self.user = user

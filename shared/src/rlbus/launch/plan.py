@@ -102,12 +102,13 @@ def monitor_argv(config: RLConfig, run_dir: Path) -> list[str]:
 def pick_free_inference_ports(replica: InferenceConfig, user: InferenceConfig) -> None:
     """Ports the user did not set are picked free now (and written into the config), so two runs
     on one machine never fight over 8000/8100; ports set by file or flag are kept."""
-    from rlbus.bus.server import free_port
+    from rlbus.netutil import free_ports
 
+    port, backend_port = free_ports(2)
     if "port" not in user.server.model_fields_set:
-        replica.server.port = free_port()
+        replica.server.port = port
     if "backend_port" not in user.model_fields_set:
-        replica.backend_port = free_port()
+        replica.backend_port = backend_port
 
 
 def inference_replicas(config: RLConfig) -> dict[str, InferenceConfig]:
