@@ -9,17 +9,14 @@ Nothing is consumed, so a trainer restarted from checkpoint K simply reads K+1, 
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import nats.errors
 import nats.js.errors
 import structlog
 
+from rlbus.bus.core import BusCore
 from rlbus.bus.errors import StepNotFound
 from rlbus.wire import batches
-
-if TYPE_CHECKING:
-    from rlbus.bus.client import Bus
 
 log = structlog.get_logger()
 
@@ -27,7 +24,7 @@ log = structlog.get_logger()
 class StepLog:
     """Read/write access to the run's batches stream (see module docstring)."""
 
-    def __init__(self, bus: "Bus", poll_s: float = 0.5):
+    def __init__(self, bus: BusCore, poll_s: float = 0.5):
         self.bus = bus
         self.poll_s = poll_s
         self._arrived = asyncio.Event()
