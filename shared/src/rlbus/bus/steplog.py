@@ -20,6 +20,8 @@ from rlbus.wire import batches
 
 log = structlog.get_logger()
 
+TRANSIENT_READ_ERRORS = (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError)
+
 
 class StepLog:
     """Read/write access to the run's batches stream (see module docstring)."""
@@ -54,7 +56,11 @@ class StepLog:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._arrived.clear()
-            raw = await self._raw(step)
+            try:
+                raw = await self._raw(step)
+            except TRANSIENT_READ_ERRORS as error:  # waiting anyway: try again next round
+                log.warning("step_log_read_retry", step=step, error=type(error).__name__)
+                raw = None
             if raw is not None:
                 headers = dict(raw.headers or {})
                 payload = self.bus.decode_payload(raw.data or b"", headers)
@@ -70,7 +76,8 @@ class StepLog:
                 pass
 
     async def read(self, step: int) -> batches.TrainBatch | None:
-        """Step `step`'s batch if stored, else None (no waiting)."""
+        """Step `step`'s batch if stored, else None (no waiting). A read that gets no answer
+        raises (a timeout is not "absent": the coordinator would rebuild a stored step)."""
         raw = await self._raw(step)
         if raw is None:
             return None
@@ -97,9 +104,6 @@ class StepLog:
                 subjects.batches_stream, subjects.batch(step), direct=True
             )
         except nats.js.errors.NotFoundError:
-            return None
-        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as error:
-            log.warning("step_log_read_retry", step=step, error=type(error).__name__)
             return None
 
     async def _subscribe(self) -> None:
