@@ -72,7 +72,6 @@ async def run_once(server, url: str, model: str, num_workers: int, args) -> dict
     from rlbus.bus import Bus
     from rlbus.configs.bus import BusConfig
     from rlbus.configs.orchestrator import OrchestratorConfig
-    from rlbus.wire import batches as batches_wire
     from rlbus_orchestrator.service import serve
 
     run_id = f"bench_{uuid.uuid4().hex[:6]}"
@@ -138,10 +137,7 @@ async def run_once(server, url: str, model: str, num_workers: int, args) -> dict
     bus = await Bus.connect(bus_config, run_id=run_id, name="bench")
     metrics = []
     for step in range(1, args.steps + 1):
-        msg = await bus.js.get_last_msg(bus.subjects.batches_stream, bus.subjects.batch(step))
-        metrics.append(
-            batches_wire.decoder.decode(bus.decode_payload(msg.data, msg.headers)).metrics
-        )
+        metrics.append((await bus.step_log.read(step)).metrics)
     await bus.close()
     skip = metrics[1:] or metrics  # step 1 includes start-up
     return {

@@ -122,13 +122,22 @@ async def test_kv_watch_sees_current_and_new_values(bus):
 
 
 async def test_second_lease_holder_is_refused(bus):
-    async with bus.lease(bus.subjects.leases_bucket, "coordinator", b"a", ttl_s=5) as lease:
+    async with bus.lease(bus.subjects.replicas_bucket, "coordinator", b"a", ttl_s=5) as lease:
         assert lease.held
         with pytest.raises(LeaseHeld):
-            await bus.lease(bus.subjects.leases_bucket, "coordinator", b"b", ttl_s=5).acquire()
+            await bus.lease(bus.subjects.replicas_bucket, "coordinator", b"b", ttl_s=5).acquire()
     # released on exit: another holder can take it at once
-    async with bus.lease(bus.subjects.leases_bucket, "coordinator", b"b", ttl_s=5) as lease:
+    async with bus.lease(bus.subjects.replicas_bucket, "coordinator", b"b", ttl_s=5) as lease:
         assert lease.held
+
+
+async def test_every_bucket_takes_per_key_ttls(bus):
+    """No bucket needs a TTL switch (BucketSpec has none): a key with a TTL expires in any of them."""
+    for bucket in (spec.name for spec in bus.subjects.buckets()):
+        await bus.kv(bucket).create("short-lived", b"x", ttl_s=1)
+    await asyncio.sleep(2.5)
+    for bucket in (spec.name for spec in bus.subjects.buckets()):
+        assert await bus.kv(bucket).get("short-lived") is None, bucket
 
 
 async def test_control_request_gets_the_service_reply(bus, make_bus):

@@ -6,7 +6,7 @@ import asyncio
 
 async def test_updates_concurrent_with_heartbeats_keep_the_lease(bus):
     async with bus.lease(
-        bus.subjects.leases_bucket, "replica", b"v0", ttl_s=1, heartbeat_s=0.01
+        bus.subjects.replicas_bucket, "replica", b"v0", ttl_s=1, heartbeat_s=0.01
     ) as lease:
         for round_ in range(20):
             await asyncio.gather(*(lease.update(f"v{round_}-{i}".encode()) for i in range(5)))

@@ -153,9 +153,7 @@ def test_update_weights_rejects_bad_requests_with_reason(run):
 async def test_replica_registers_in_registry(run):
     bus = await connect(run)
     try:
-        entry = await bus.kv(bus.subjects.replicas_bucket).get("replica-a", replicas.decoder)
-        assert entry is not None
-        info = entry.value
+        info = (await registered(bus))["replica-a"]
         assert info.base_url == run["replica"].router_url + "/v1"
         assert info.admin_url == run["replica"].engine_url
         assert info.model == str(run["base"])
@@ -182,7 +180,7 @@ async def test_published_weights_are_applied_and_output_matches_transformers(run
         assert isinstance(event, weights.WeightsApplied)
         assert (event.version, event.replica_id) == (1, "replica-a")
         await asyncio.sleep(1.0)  # the lease update follows the event
-        info = (await bus.kv(bus.subjects.replicas_bucket).get("replica-a", replicas.decoder)).value
+        info = (await registered(bus))["replica-a"]
         assert info.weights_version == 1
     finally:
         await bus.close()
@@ -318,17 +316,16 @@ def check_broadcast_updates_weights(run, make_sender_group) -> None:
 @pytest.mark.slow
 async def test_second_replica_registers_and_kill9_expires_its_lease(run):
     bus = await connect(run)
-    registry = bus.kv(bus.subjects.replicas_bucket)
     second = await asyncio.to_thread(
         start_replica, run["base"], run["run_dir"], replica_id="replica-b", bus_args=run["bus_args"]
     )
     try:
-        keys = await wait_for_keys(registry, lambda keys: {"replica-a", "replica-b"} <= keys, 30)
+        keys = await wait_for_keys(bus, lambda keys: {"replica-a", "replica-b"} <= keys, 30)
         assert {"replica-a", "replica-b"} <= keys
         children = second.child_pids()  # engine and router, each leading its process group
         assert len(children) == 2
         second.kill()  # kill -9: no withdrawal, the lease (TTL 3 s) must expire
-        keys = await wait_for_keys(registry, lambda keys: "replica-b" not in keys, 20)
+        keys = await wait_for_keys(bus, lambda keys: "replica-b" not in keys, 20)
         assert "replica-a" in keys
         # its router and engine (EngineCore included) die with it, leaving no orphans
         for pgid in children:
@@ -348,10 +345,15 @@ def _group_gone(pgid: int) -> bool:
         return True
 
 
-async def wait_for_keys(registry, predicate, timeout_s: float) -> set[str]:
+async def registered(bus: Bus) -> dict[str, replicas.ReplicaInfo]:
+    """The replica registry by replica id, read the way the orchestrator and trainer read it."""
+    return {info.replica_id: info for info in await bus.read_replicas()}
+
+
+async def wait_for_keys(bus: Bus, predicate, timeout_s: float) -> set[str]:
     deadline = time.monotonic() + timeout_s
     while True:
-        keys = set(await registry.keys())
+        keys = set(await registered(bus))
         if predicate(keys) or time.monotonic() > deadline:
             return keys
         await asyncio.sleep(0.5)

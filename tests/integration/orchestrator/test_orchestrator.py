@@ -10,12 +10,10 @@ import time
 import uuid
 
 import pytest
-from nats.js.errors import NotFoundError
 
 from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
-from rlbus.wire import batches as batches_wire
 from rlbus.wire import rollouts as rollouts_wire
 from rlbus.wire.tasks import SamplingArgs, Task
 from rlbus_orchestrator.envs import ReverseTextEnv
@@ -88,17 +86,9 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-async def read_batch(bus: Bus, step: int):
-    try:
-        msg = await bus.js.get_last_msg(bus.subjects.batches_stream, bus.subjects.batch(step))
-    except NotFoundError:
-        return None
-    return batches_wire.decoder.decode(bus.decode_payload(msg.data, msg.headers))
-
-
 async def wait_for_batch(bus: Bus, step: int, timeout_s: float, procs=()):
     deadline = time.monotonic() + timeout_s
-    while (batch := await read_batch(bus, step)) is None:
+    while (batch := await bus.step_log.read(step)) is None:
         for p in procs:
             assert p.poll() is None, f"orchestrator process exited with {p.returncode}"
         assert time.monotonic() < deadline, f"no batch for step {step} within {timeout_s}s"
@@ -122,7 +112,7 @@ async def test_tasks_become_rollouts_and_step_batches_with_aligned_fields(
     bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=tmp_path / run_id, name="test")
     try:
         for step in (1, 2):
-            batch = await read_batch(bus, step)
+            batch = await bus.step_log.read(step)
             assert batch is not None and batch.step == step
             assert batch.num_samples == 8 and len(batch.task_ids) == 2
             assert len(batch.micro_batches) == 2
@@ -153,10 +143,10 @@ async def test_tasks_become_rollouts_and_step_batches_with_aligned_fields(
             assert (
                 batch.metrics[f"off_policy_lag/{step - 1}"] == 8
             )  # no trainer: version 0 throughout
-        assert set((await read_batch(bus, 1)).task_ids).isdisjoint(
-            (await read_batch(bus, 2)).task_ids
+        assert set((await bus.step_log.read(1)).task_ids).isdisjoint(
+            (await bus.step_log.read(2)).task_ids
         )
-        assert await read_batch(bus, 3) is None
+        assert await bus.step_log.read(3) is None
     finally:
         await bus.close()
 
@@ -176,11 +166,11 @@ async def test_coordinator_killed_and_restarted_continues_without_duplicate_step
         await wait_for_batch(bus, 6, 120, [worker])
         coordinator.wait(30)
         assert coordinator.returncode == 0
-        batches = [await read_batch(bus, step) for step in range(1, 7)]
+        batches = [await bus.step_log.read(step) for step in range(1, 7)]
         assert [b.step for b in batches] == [1, 2, 3, 4, 5, 6]
         task_ids = [t for b in batches for t in b.task_ids]
         assert len(task_ids) == len(set(task_ids)), "a rollout was trained twice"
-        assert await read_batch(bus, 7) is None
+        assert await bus.step_log.read(7) is None
     finally:
         stop(coordinator)
         stop(worker)
@@ -255,7 +245,7 @@ async def test_async_level_zero_waits_for_applied_weights_before_the_next_step(
     try:
         await wait_for_batch(bus, 1, 120)
         await asyncio.sleep(3)
-        assert await read_batch(bus, 2) is None, "step 2 must wait for weights version 1"
+        assert await bus.step_log.read(2) is None, "step 2 must wait for weights version 1"
         applied = weights_wire.WeightsApplied(version=1, replica_id="replica-a")
         await bus.publish(bus.subjects.weights_applied, weights_wire.encoder.encode(applied))
         batch = await wait_for_batch(bus, 2, 120)

@@ -49,13 +49,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import structlog
-from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
+from rlbus.bus.kv import KV
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
-from rlbus.wire import batches as batches_wire
 from rlbus.wire import rollouts as rollouts_wire
 from rlbus.wire.batches import TrainBatch
 from rlbus.wire.events import StepMetrics
@@ -151,16 +150,12 @@ class Coordinator:
 
     # ---- state ---------------------------------------------------------------------------
 
-    async def state_kv(self):
-        return await self.bus.js.key_value(self.bus.subjects.state_bucket)
+    def state_kv(self) -> KV:
+        return self.bus.kv(self.bus.subjects.state_bucket)
 
     async def load_state(self) -> None:
-        kv = await self.state_kv()
-        try:
-            entry = await kv.get(STATE_KEY)
-            self.state = CoordinatorState.decode(entry.value)
-        except KeyNotFoundError:
-            self.state = CoordinatorState()
+        entry = await self.state_kv().get(STATE_KEY)
+        self.state = CoordinatorState.decode(entry.value) if entry else CoordinatorState()
         await self.adopt_published_batches()
         if self.state.publishing:
             await self.publish_tasks(self.state.publishing)
@@ -172,21 +167,11 @@ class Coordinator:
         )
 
     async def save_state(self) -> None:
-        kv = await self.state_kv()
-        await kv.put(STATE_KEY, self.state.encode())
-
-    async def read_batch(self, step: int) -> TrainBatch | None:
-        try:
-            msg = await self.bus.js.get_last_msg(
-                self.bus.subjects.batches_stream, self.bus.subjects.batch(step)
-            )
-        except NotFoundError:
-            return None
-        return batches_wire.decoder.decode(self.bus.decode_payload(msg.data, msg.headers))
+        await self.state_kv().put(STATE_KEY, self.state.encode())
 
     async def adopt_published_batches(self) -> None:
         """Steps published before a crash but not recorded in the state: mark their tasks consumed."""
-        while (batch := await self.read_batch(self.state.next_step)) is not None:
+        while (batch := await self.bus.step_log.read(self.state.next_step)) is not None:
             for task_id in batch.task_ids:
                 self.state.outstanding.pop(task_id, None)
             log.warning("coordinator_adopted_published_batch", step=batch.step)
@@ -269,9 +254,7 @@ class Coordinator:
     # ---- weights -------------------------------------------------------------------------
 
     async def newest_applied_version(self) -> int:
-        from rlbus_orchestrator.worker import read_registry
-
-        infos = await read_registry(self.bus)
+        infos = await self.bus.read_replicas()
         return max((i.weights_version for i in infos), default=self.applied_version)
 
     def on_weights_applied(self, version: int) -> None:
@@ -284,16 +267,13 @@ class Coordinator:
         """Core subscription to `weights.applied` events: reacts faster than the registry poll."""
         from rlbus.wire import weights as weights_wire
 
-        async def on_msg(msg) -> None:
-            try:
-                event = weights_wire.decoder.decode(self.bus.decode_payload(msg.data, msg.headers))
-            except Exception as error:
-                log.warning("weights_event_undecodable", error=repr(error))
-                return
+        async def on_event(event, headers) -> None:  # the bus logs and skips undecodable ones
             if isinstance(event, weights_wire.WeightsApplied):
                 self.on_weights_applied(event.version)
 
-        return await self.bus.nc.subscribe(self.bus.subjects.weights_applied, cb=on_msg)
+        return await self.bus.subscribe(
+            self.bus.subjects.weights_applied, weights_wire.decoder, on_event
+        )
 
     async def watch_weights(self) -> None:
         subscription = await self.subscribe_weights_applied()

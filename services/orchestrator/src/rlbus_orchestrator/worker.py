@@ -25,12 +25,10 @@ import uuid
 
 import httpx
 import structlog
-from nats.js.errors import NoKeysError
 
 from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
 from rlbus.obs import tracing
-from rlbus.wire import replicas as replicas_wire
 from rlbus.wire import tasks as tasks_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus.wire.tasks import Task
@@ -56,24 +54,6 @@ class EnvCache:
         return self._envs[key]
 
 
-async def read_registry(bus: Bus) -> list[replicas_wire.ReplicaInfo]:
-    """Every replica lease currently in the registry."""
-    kv = await bus.js.key_value(bus.subjects.replicas_bucket)
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
-    infos = []
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except Exception:  # expired between keys() and get()
-            continue
-        if entry.value:
-            infos.append(replicas_wire.decoder.decode(entry.value))
-    return infos
-
-
 async def refresh_replicas(
     bus: Bus, pool: ReplicaPool, static_urls: list[str], model: str, stop: asyncio.Event
 ) -> None:
@@ -83,7 +63,7 @@ async def refresh_replicas(
             pool.update(static_replicas(static_urls, model))
         else:
             try:
-                pool.update(await read_registry(bus))
+                pool.update(await bus.read_replicas())
             except Exception as error:
                 log.warning("replica_registry_read_failed", error=repr(error))
         try:

@@ -32,7 +32,7 @@ import structlog
 import torch
 
 from rlbus.netutil import free_port
-from rlbus.wire import replicas, weights
+from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_trainer.hf_dir import hf_tensors, sha256_file, write_hf_dir
 
@@ -98,13 +98,7 @@ class FilesystemWeightPublisher:
         return {"publish_write_s": t1 - t0, "publish_s": time.perf_counter() - t0}
 
     async def versions_in_use(self) -> set[int]:
-        kv = self.bus.kv(self.bus.subjects.replicas_bucket)
-        used = set()
-        for key in await kv.keys():
-            entry = await kv.get(key, replicas.decoder)
-            if entry is not None and entry.value is not None:
-                used.add(entry.value.weights_version)
-        return used
+        return {info.weights_version for info in await self.bus.read_replicas()}
 
     async def prune(self, newest: int) -> list[int]:
         """Delete broadcasts beyond the newest `keep_last`, except versions a replica still serves."""

@@ -1,8 +1,9 @@
 """The NATS JetStream layer: the only code in rlbus that touches nats-py.
 
-- `Bus` (client.py): connect, ensure topology, publish / publish_many (msg id, trace headers,
-  claim check, retries), consumers, live subscriptions, step log, KV, leases, control
-  request/reply.
+- `BusCore` (core.py): ensure topology, publish / publish_many (msg id, trace headers, claim
+  check, retries), payload decoding, dead letters. Imports none of the modules below.
+- `Bus` (client.py): a `BusCore` plus connect, consumers, live subscriptions, step log, KV,
+  leases, control request/reply and the replica registry (`read_replicas`).
 - `Consumer` / `Delivery` (consumer.py): pull-consume runner with ack/nak/term/in_progress.
 - `StepLog` (steplog.py): train batches keyed by step.
 - `KV` / `Lease` (kv.py): bucket wrappers and TTL leases with heartbeats.
@@ -11,8 +12,9 @@
 See docs/bus.md for usage.
 """
 
-from rlbus.bus.client import Bus, encode
+from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Consumer, Delivery
+from rlbus.bus.core import BusCore, encode
 from rlbus.bus.errors import (
     BusAuthError,
     BusConnectError,
@@ -29,6 +31,7 @@ from rlbus.bus.steplog import StepLog
 __all__ = [
     "KV",
     "Bus",
+    "BusCore",
     "BusAuthError",
     "BusConnectError",
     "BusError",

@@ -8,7 +8,8 @@
 How it behaves:
 - at most `concurrency` handlers run at once; each fetch asks only for free slots;
 - fetch timeouts (both `nats.errors.TimeoutError` and the builtin `asyncio.TimeoutError`, see
-  FACTS.md) just loop; connection trouble is logged and retried; a vanished consumer is re-ensured;
+  docs/bus.md, "NATS facts") just loop; connection trouble is logged and retried; a vanished
+  consumer is re-ensured;
 - every delivered but unsettled message (running, or kept by a handler with `auto_ack=False`, e.g.
   rollouts acked only once their batch is stored) gets `in_progress()` every third of AckWait, so
   JetStream does not redeliver work that is still being done;
@@ -20,19 +21,17 @@ How it behaves:
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
 
+from rlbus.bus.core import MSG_ID_HEADER, BusCore
 from rlbus.bus.errors import ClaimCheckError
 from rlbus.obs import tracing
 from rlbus.wire.subjects import ConsumerSpec
-
-if TYPE_CHECKING:
-    from rlbus.bus.client import Bus
 
 log = structlog.get_logger()
 
@@ -61,7 +60,7 @@ class Delivery(Generic[T]):
 
     @property
     def msg_id(self) -> str | None:
-        return self.headers.get("Nats-Msg-Id")
+        return self.headers.get(MSG_ID_HEADER)
 
     @property
     def num_delivered(self) -> int:
@@ -105,7 +104,7 @@ class Consumer(Generic[T]):
 
     def __init__(
         self,
-        bus: "Bus",
+        bus: BusCore,
         stream: str,
         durable: str,
         decoder: msgspec.msgpack.Decoder,

@@ -3,27 +3,25 @@
 `KV` wraps a JetStream KV bucket: get / put / create / compare-and-set update / delete / keys /
 watch, with optional msgspec decoding. `Lease` holds a key with a per-key TTL (e.g. an inference
 replica's registry entry): `create(msg_ttl)` acquires it, and a heartbeat republishes the value
-with the TTL header and `Nats-Expected-Last-Subject-Sequence` (FACTS.md: `kv.update()` drops the
-TTL). When a heartbeat finds another revision (the key expired, or someone else took it), the
-lease is lost: `lease.lost` is set and `on_lost` runs. Observers learn about expiry with
-`KV.watch_presence()` (polling: TTL expiry writes no marker unless limit markers are on, which we
-keep off for lease buckets).
+with the TTL header and `Nats-Expected-Last-Subject-Sequence` (docs/bus.md, "NATS facts":
+`kv.update()` drops the TTL). When a heartbeat finds another revision (the key expired, or
+someone else took it), the lease is lost: `lease.lost` is set and `on_lost` runs. Observers learn
+about expiry with `KV.watch_presence()` (polling: TTL expiry writes no marker unless limit markers
+are on, which we keep off for lease buckets).
 """
 
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
 
+from rlbus.bus.core import BusCore, encode
 from rlbus.bus.errors import CasMismatch, LeaseHeld
-
-if TYPE_CHECKING:
-    from rlbus.bus.client import Bus
 
 log = structlog.get_logger()
 
@@ -40,14 +38,10 @@ class Entry(NamedTuple):
     operation: str | None = None
 
 
-def _encode(value: msgspec.Struct | bytes) -> bytes:
-    return value if isinstance(value, bytes) else msgspec.msgpack.encode(value)
-
-
 class KV:
     """One KV bucket of the run (see module docstring)."""
 
-    def __init__(self, bus: "Bus", bucket: str):
+    def __init__(self, bus: BusCore, bucket: str):
         self.bus = bus
         self.bucket = bucket
         self._kv = None
@@ -74,21 +68,21 @@ class KV:
 
     async def put(self, key: str, value: msgspec.Struct | bytes) -> int:
         """Write unconditionally; returns the new revision."""
-        return await (await self.handle()).put(key, _encode(value))
+        return await (await self.handle()).put(key, encode(value))
 
     async def create(
         self, key: str, value: msgspec.Struct | bytes, *, ttl_s: int | None = None
     ) -> int:
         """Write only if `key` is absent (optionally with a per-key TTL); `CasMismatch` otherwise."""
         try:
-            return await (await self.handle()).create(key, _encode(value), msg_ttl=ttl_s)
+            return await (await self.handle()).create(key, encode(value), msg_ttl=ttl_s)
         except nats.js.errors.KeyWrongLastSequenceError as error:
             raise CasMismatch(f"{self.bucket}/{key} already exists") from error
 
     async def update(self, key: str, value: msgspec.Struct | bytes, *, revision: int) -> int:
         """Compare-and-set: write only if the key is still at `revision`; `CasMismatch` otherwise."""
         try:
-            return await (await self.handle()).update(key, _encode(value), last=revision)
+            return await (await self.handle()).update(key, encode(value), last=revision)
         except nats.js.errors.KeyWrongLastSequenceError as error:
             raise CasMismatch(f"{self.bucket}/{key} is no longer at revision {revision}") from error
 
@@ -141,7 +135,7 @@ class Lease:
 
     def __init__(
         self,
-        bus: "Bus",
+        bus: BusCore,
         bucket: str,
         key: str,
         value: msgspec.Struct | bytes,
@@ -157,7 +151,7 @@ class Lease:
         self.kv = KV(bus, bucket)
         self.bucket = bucket
         self.key = key
-        self.value = _encode(value)
+        self.value = encode(value)
         self.ttl_s = int(ttl_s)
         self.heartbeat_s = heartbeat_s or self.ttl_s / 3
         self.on_lost = on_lost
@@ -193,7 +187,7 @@ class Lease:
 
     async def update(self, value: msgspec.Struct | bytes) -> None:
         """Replace the held value, keeping the TTL."""
-        self.value = _encode(value)
+        self.value = encode(value)
         await self._renew()
 
     async def _renew(self) -> None:

@@ -9,25 +9,24 @@ Nothing is consumed, so a trainer restarted from checkpoint K simply reads K+1, 
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import nats.errors
 import nats.js.errors
 import structlog
 
+from rlbus.bus.core import BusCore
 from rlbus.bus.errors import StepNotFound
 from rlbus.wire import batches
 
-if TYPE_CHECKING:
-    from rlbus.bus.client import Bus
-
 log = structlog.get_logger()
+
+TRANSIENT_READ_ERRORS = (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError)
 
 
 class StepLog:
     """Read/write access to the run's batches stream (see module docstring)."""
 
-    def __init__(self, bus: "Bus", poll_s: float = 0.5):
+    def __init__(self, bus: BusCore, poll_s: float = 0.5):
         self.bus = bus
         self.poll_s = poll_s
         self._arrived = asyncio.Event()
@@ -57,7 +56,11 @@ class StepLog:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._arrived.clear()
-            raw = await self._raw(step)
+            try:
+                raw = await self._raw(step)
+            except TRANSIENT_READ_ERRORS as error:  # waiting anyway: try again next round
+                log.warning("step_log_read_retry", step=step, error=type(error).__name__)
+                raw = None
             if raw is not None:
                 headers = dict(raw.headers or {})
                 payload = self.bus.decode_payload(raw.data or b"", headers)
@@ -73,7 +76,8 @@ class StepLog:
                 pass
 
     async def read(self, step: int) -> batches.TrainBatch | None:
-        """Step `step`'s batch if stored, else None (no waiting)."""
+        """Step `step`'s batch if stored, else None (no waiting). A read that gets no answer
+        raises (a timeout is not "absent": the coordinator would rebuild a stored step)."""
         raw = await self._raw(step)
         if raw is None:
             return None
@@ -100,9 +104,6 @@ class StepLog:
                 subjects.batches_stream, subjects.batch(step), direct=True
             )
         except nats.js.errors.NotFoundError:
-            return None
-        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as error:
-            log.warning("step_log_read_retry", step=step, error=type(error).__name__)
             return None
 
     async def _subscribe(self) -> None:

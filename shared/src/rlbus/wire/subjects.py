@@ -14,7 +14,6 @@ names are spelled; `rlbus.bus` creates the streams, consumers and buckets listed
 | dead      | `rlbus.<run>.dead.<stream>`        | `RLBUS_<run>_DEAD`       | limits     | -                     |
 | weights   | KV key `latest`                    | `rlbus_<run>_weights`    | KV         | (watch)               |
 | replicas  | KV key `<replica_id>` (TTL lease)  | `rlbus_<run>_replicas`   | KV + TTL   | (watch / keys)        |
-| leases    | KV key `<name>` (TTL lease)        | `rlbus_<run>_leases`     | KV + TTL   | -                     |
 | state     | KV key `<name>` (e.g. `trainer`)   | `rlbus_<run>_state`      | KV         | (watch)               |
 | control   | `rlbus.<run>.control.<service>`    | core NATS request/reply  | -          | -                     |
 """
@@ -58,11 +57,11 @@ class ConsumerSpec:
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """A KV bucket; `ttl` buckets allow per-key TTL (leases)."""
+    """A KV bucket. Every bucket accepts per-key TTLs (leases): nats-py creates each KV stream
+    with `allow_msg_ttl` on (docs/bus.md, "Lease"), so there is no per-bucket switch."""
 
     name: str
     history: int = 1
-    ttl: bool = False
 
 
 class RunSubjects:
@@ -94,7 +93,6 @@ class RunSubjects:
         # KV buckets
         self.weights_bucket = f"{lower}_weights"
         self.replicas_bucket = f"{lower}_replicas"
-        self.leases_bucket = f"{lower}_leases"
         self.state_bucket = f"{lower}_state"
 
     def batch(self, step: int) -> str:
@@ -137,7 +135,6 @@ class RunSubjects:
     def buckets(self) -> list[BucketSpec]:
         return [
             BucketSpec(self.weights_bucket, history=8),
-            BucketSpec(self.replicas_bucket, ttl=True),
-            BucketSpec(self.leases_bucket, ttl=True),
+            BucketSpec(self.replicas_bucket),
             BucketSpec(self.state_bucket, history=4),
         ]

@@ -1,0 +1,54 @@
+"""The coordinator's state, batch adoption and weights tracking through the bus facade, on a real
+nats-server (no inference replica needed)."""
+
+import asyncio
+
+from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.wire import replicas, weights
+from rlbus.wire.batches import TrainBatch
+from rlbus_orchestrator.coordinator import STATE_KEY, Coordinator, CoordinatorState
+
+
+def make_coordinator(bus) -> Coordinator:
+    return Coordinator(bus, OrchestratorConfig(batch_size=2, group_size=2, seq_len=64))
+
+
+async def test_restart_adopts_a_batch_stored_before_the_crash_and_saves_the_state(bus):
+    state = CoordinatorState(next_step=1, cursor=2, outstanding={"train-0": 0, "train-1": 1})
+    await bus.kv(bus.subjects.state_bucket).put(STATE_KEY, state.encode())
+    await bus.publish(
+        bus.subjects.batch(1),
+        TrainBatch(step=1, micro_batches=[[]], task_ids=["train-0"]),
+        msg_id=bus.subjects.batch_msg_id(1),
+    )
+    coordinator = make_coordinator(bus)
+    await coordinator.load_state()
+    assert (coordinator.state.next_step, coordinator.state.outstanding) == (2, {"train-1": 1})
+    saved = await bus.kv(bus.subjects.state_bucket).get(STATE_KEY)
+    assert CoordinatorState.decode(saved.value) == coordinator.state
+
+
+async def test_fresh_run_starts_at_step_one(bus):
+    coordinator = make_coordinator(bus)
+    await coordinator.load_state()
+    assert coordinator.state == CoordinatorState()
+
+
+async def test_applied_weights_are_seen_by_event_and_by_registry(bus, make_bus):
+    coordinator = make_coordinator(bus)
+    subscription = await coordinator.subscribe_weights_applied()
+    replica_bus = await make_bus(name="inference")
+    applied = weights.WeightsApplied(version=3, replica_id="r0")
+    await replica_bus.publish(replica_bus.subjects.weights_applied, weights.encoder.encode(applied))
+    for _ in range(50):
+        if coordinator.applied_version == 3:
+            break
+        await asyncio.sleep(0.1)
+    assert coordinator.applied_version == 3
+    await subscription.unsubscribe()
+
+    info = replicas.ReplicaInfo(
+        replica_id="r0", base_url="http://r0/v1", model="m", weights_version=5
+    )
+    await replica_bus.kv(replica_bus.subjects.replicas_bucket).put("r0", info)
+    assert await coordinator.newest_applied_version() == 5
