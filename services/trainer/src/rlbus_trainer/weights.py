@@ -5,15 +5,16 @@
 
 - `FilesystemWeightPublisher`: rank 0 writes `<run_dir>/broadcasts/step_N/` (HF safetensors +
   config + tokenizer, temp dir + fsync + rename; hf_dir.py), then puts a `WeightsPublished` with
-  each file's sha256 under the weights KV key `latest` and on the weights-published subject.
+  each file's sha256 (`rlbus.checksums.weight_files`) under the weights KV key `latest` and on
+  the weights-published subject.
   Broadcasts beyond the newest `keep_last` that no replica serves any more are pruned.
 - `NcclWeightPublisher`: rank 0 hosts a broadcast group with one inference replica (TCPStore at
   host:port, announced as `location` in the weights KV key: the rendezvous goes over the bus),
   then sends the version tensor by tensor with the protocol of `rlbus.broadcast` (int64 header
   size, JSON header, tensors in header order; size 0 closes the group), the same module the
-  inference workers receive with. gloo on CPU (testable here), vLLM's PyNccl on CUDA. Every collective runs under `timeout_s`; a failure
-  is published as `WeightsFailed(replica_id="trainer")` and the group is rebuilt next time,
-  never a hang.
+  inference workers receive with. gloo on CPU (testable here), vLLM's PyNccl on CUDA. Every
+  collective runs under `timeout_s`; a failure is published as `WeightsFailed(replica_id=
+  "trainer")` and the group is rebuilt next time, never a hang.
 """
 
 from __future__ import annotations
