@@ -273,11 +273,9 @@ def test_broadcast_over_nccl_updates_weights(run):
 def check_broadcast_updates_weights(run, make_sender_group) -> None:
     """Join the replica to a group whose rank 0 is this test, send a version, check it serves it."""
     engine = run["replica"].engine_url
-    weights_dir = run["run_dir"] / "broadcasts" / "step_1"
-    state_dict = load_file(str(weights_dir / "model.safetensors"))
-    for name in state_dict:  # a version different from what is loaded (version 1)
-        if "down_proj" in name:
-            state_dict[name] = state_dict[name] * -1
+    # Its own seed: differs from whatever the other tests left loaded (base or step_1, seed 3).
+    sent_dir = make_changed_weights(run["base"], run["root"] / "broadcast-sent", seed=7)
+    state_dict = load_file(str(sent_dir / "model.safetensors"))
     (port,) = free_ports(1)
     holder = {}
     thread = threading.Thread(target=lambda: holder.update(group=make_sender_group(port)))
