@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import signal
@@ -16,6 +15,7 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlbus.checksums import sha256_file
 from rlbus.netutil import free_ports
 from rlbus.wire.weights import WeightFile, WeightsPublished
 
@@ -97,13 +97,9 @@ def make_lora_adapter(
     return out_dir
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def make_published(version: int, weights_dir: Path, **overrides) -> WeightsPublished:
     files = [
-        WeightFile(name=p.name, size=p.stat().st_size, sha256=sha256(p))
+        WeightFile(name=p.name, size=p.stat().st_size, sha256=sha256_file(p))
         for p in sorted(weights_dir.glob("*.safetensors"))
     ]
     fields = dict(version=version, transport="filesystem", location=str(weights_dir), files=files)

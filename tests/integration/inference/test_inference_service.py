@@ -28,6 +28,7 @@ from inference_helpers import (
 )
 from safetensors.torch import load_file
 
+from rlbus import broadcast
 from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
 from rlbus.netutil import free_ports
@@ -246,12 +247,10 @@ def test_lora_adapter_load_and_reload_changes_output(run):
 
 def test_broadcast_over_gloo_updates_weights(run):
     """The test plays trainer rank 0 of a 2-rank gloo group (the nccl transport's CPU twin)."""
-    from rlbus_inference.broadcast import GlooBroadcastGroup
-
     if torch.cuda.is_available():
         pytest.skip("a CUDA engine joins with NCCL: see the gpu variant below")
     check_broadcast_updates_weights(
-        run, lambda port: GlooBroadcastGroup("127.0.0.1", port, 0, 2, timeout_s=60)
+        run, lambda port: broadcast.GlooGroup("127.0.0.1", port, 0, 2, timeout_s=60)
     )
 
 
@@ -261,11 +260,9 @@ def test_broadcast_over_gloo_updates_weights(run):
     reason="NCCL needs the trainer rank and the vLLM worker on different GPUs",
 )
 def test_broadcast_over_nccl_updates_weights(run):
-    from rlbus_inference.broadcast import NcclBroadcastGroup
-
     check_broadcast_updates_weights(
         run,
-        lambda port: NcclBroadcastGroup(
+        lambda port: broadcast.NcclGroup(
             "127.0.0.1", port, 0, 2, 60, device=torch.device("cuda", torch.cuda.device_count() - 1)
         ),
     )
@@ -273,14 +270,10 @@ def test_broadcast_over_nccl_updates_weights(run):
 
 def check_broadcast_updates_weights(run, make_sender_group) -> None:
     """Join the replica to a group whose rank 0 is this test, send a version, check it serves it."""
-    from rlbus_inference.broadcast import send_state_dict
-
     engine = run["replica"].engine_url
-    weights_dir = run["run_dir"] / "broadcasts" / "step_1"
-    state_dict = load_file(str(weights_dir / "model.safetensors"))
-    for name in state_dict:  # a version different from what is loaded (version 1)
-        if "down_proj" in name:
-            state_dict[name] = state_dict[name] * -1
+    # Its own seed: differs from whatever the other tests left loaded (base or step_1, seed 3).
+    sent_dir = make_changed_weights(run["base"], run["root"] / "broadcast-sent", seed=7)
+    state_dict = load_file(str(sent_dir / "model.safetensors"))
     (port,) = free_ports(1)
     holder = {}
     thread = threading.Thread(target=lambda: holder.update(group=make_sender_group(port)))
@@ -301,7 +294,9 @@ def check_broadcast_updates_weights(run, make_sender_group) -> None:
     assert joined.json()["ranks"] == [1]
 
     before = completion_tokens(chat(run["replica"].router_url, str(run["base"])))
-    sender = threading.Thread(target=send_state_dict, args=(holder["group"], 5, state_dict))
+    sender = threading.Thread(
+        target=broadcast.send_state_dict, args=(holder["group"], 5, state_dict)
+    )
     sender.start()
     updated = httpx.post(
         engine + "/update_weights", json={"version": 5, "source": "broadcast"}, timeout=120

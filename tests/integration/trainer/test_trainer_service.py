@@ -8,10 +8,10 @@ import time
 import pytest
 from transformers import AutoModelForCausalLM
 
+from rlbus.checksums import sha256_file
 from rlbus.wire import events, weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_trainer.ckpt import complete_steps
-from rlbus_trainer.hf_dir import sha256_file
 from rlbus_trainer.testing import (
     descendants,
     kill_tree,

@@ -1,19 +1,20 @@
-"""Weight publishers against a real nats-server: the nccl path over gloo (receiver = the inference
-protocol) and its timeout; the filesystem path's checksums and pruning of unused versions."""
+"""Weight publishers against a real nats-server: the nccl path over gloo (receiver = the
+inference side of `rlbus.broadcast`) and its timeout; the filesystem path's checksums and pruning
+of unused versions."""
 
 import asyncio
 import json
 import time
-from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
 
+from rlbus import broadcast
+from rlbus.checksums import sha256_file
 from rlbus.configs.trainer import TrainerConfig
 from rlbus.wire import replicas, weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_trainer.engine import World
-from rlbus_trainer.hf_dir import sha256_file
 from rlbus_trainer.tiny_model import build_tiny_model
 from rlbus_trainer.weights import FilesystemWeightPublisher, NcclWeightPublisher
 
@@ -27,22 +28,10 @@ def make_engine(state: dict[str, torch.Tensor], tied=True):
 
 def receive_one_version(host: str, port: int, out: dict) -> None:
     """The inference side of the broadcast protocol: rank 1 of 2."""
-    store = torch.distributed.TCPStore(
-        host, port, 2, is_master=False, timeout=timedelta(seconds=30)
-    )
-    group = torch.distributed.ProcessGroupGloo(store, 1, 2, timedelta(seconds=30))
-
-    def bcast(t):
-        group.broadcast(t, 0).wait()
-        return t
-
-    size = bcast(torch.zeros(1, dtype=torch.int64))
-    header = json.loads(bytes(bcast(torch.zeros(int(size), dtype=torch.uint8)).tolist()))
-    out["version"] = header["version"]
-    out["tensors"] = {
-        name: bcast(torch.empty(shape, dtype=getattr(torch, dtype)))
-        for name, dtype, shape in header["tensors"]
-    }
+    group = broadcast.open_group(host, port, 1, 2, 30, torch.device("cpu"))
+    header = broadcast.receive_header(group)
+    out["version"] = header.version
+    out["tensors"] = dict(broadcast.receive_tensors(group, header))
 
 
 async def latest(bus):

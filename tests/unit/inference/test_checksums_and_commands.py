@@ -1,44 +1,11 @@
-"""Unit tests of the inference service's pure parts: checksums, child commands, registry entries."""
-
-from pathlib import Path
-
-import pytest
+"""Unit tests of the inference service's pure parts: child commands, registry entries."""
 
 from rlbus.configs.inference import InferenceConfig
 from rlbus_inference import processes, replica
-from rlbus_inference.checksums import ChecksumMismatch, sha256_file, verify_weights_dir
-
-
-def make_weights_dir(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    weights = tmp_path / "step_1"
-    weights.mkdir()
-    (weights / "model.safetensors").write_bytes(b"tensor bytes" * 100)
-    (weights / "config.json").write_text("{}")
-    return weights, {p.name: sha256_file(p) for p in weights.iterdir()}
 
 
 def make_config(**overrides) -> InferenceConfig:
     return InferenceConfig(**overrides)
-
-
-def test_verify_weights_dir_accepts_matching_checksums(tmp_path):
-    weights, expected = make_weights_dir(tmp_path)
-    verify_weights_dir(weights, expected)
-
-
-def test_verify_weights_dir_refuses_a_changed_file(tmp_path):
-    weights, expected = make_weights_dir(tmp_path)
-    with open(weights / "model.safetensors", "r+b") as f:
-        f.write(b"X")
-    with pytest.raises(ChecksumMismatch, match="model.safetensors"):
-        verify_weights_dir(weights, expected)
-
-
-def test_verify_weights_dir_refuses_a_missing_file(tmp_path):
-    weights, expected = make_weights_dir(tmp_path)
-    (weights / "config.json").unlink()
-    with pytest.raises(ChecksumMismatch, match="missing"):
-        verify_weights_dir(weights, expected)
 
 
 def test_engine_command_passes_vllm_options_and_worker_extension():

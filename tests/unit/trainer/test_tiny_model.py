@@ -1,19 +1,14 @@
 """The tiny model every service tests against: builds offline, reloads, renders ChatML, is deterministic."""
 
-import hashlib
-
 import pytest
 
+from rlbus.checksums import sha256_file
 from rlbus_trainer.tiny_model import IM_END, build_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-def sha256_of(path):
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_tiny_model_reloads_offline_with_auto_classes(tiny_model_dir, monkeypatch):
@@ -52,9 +47,9 @@ def test_tiny_model_chat_template_renders_chatml_and_round_trips(tiny_model_dir)
 def test_tiny_model_is_deterministic_given_seed(tiny_model_dir, tmp_path):
     same = build_tiny_model(tmp_path / "same", seed=0)
     other = build_tiny_model(tmp_path / "other", seed=1)
-    ref = sha256_of(tiny_model_dir / "model.safetensors")
-    assert sha256_of(same / "model.safetensors") == ref
-    assert sha256_of(other / "model.safetensors") != ref
+    ref = sha256_file(tiny_model_dir / "model.safetensors")
+    assert sha256_file(same / "model.safetensors") == ref
+    assert sha256_file(other / "model.safetensors") != ref
 
 
 def test_tiny_model_cli_writes_directory(tmp_path):

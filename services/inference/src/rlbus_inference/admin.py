@@ -38,9 +38,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from rlbus_inference.checksums import ChecksumMismatch, safetensors_files, verify_weights_dir
+from rlbus.checksums import ChecksumMismatch, verify_files
+from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
+from rlbus_inference.worker import safetensors_files
 
-WEIGHTS_VERSION_HEADER = "X-Rlbus-Weights-Version"
 INITIAL_VERSION_ENV = "RLBUS_INITIAL_WEIGHTS_VERSION"
 ROUTER_PORT_ENV = "RLBUS_ROUTER_FACING_PORT"
 # Paths the router must never reach (ours and vLLM's own control paths).
@@ -177,7 +178,7 @@ async def update_weights(request: Request, body: UpdateWeightsRequest) -> JSONRe
         if reason := _check_weights_dir(body):
             return _error(HTTPStatus.BAD_REQUEST, reason)
         try:
-            await asyncio.to_thread(verify_weights_dir, Path(body.path), body.sha256)
+            await asyncio.to_thread(verify_files, Path(body.path), body.sha256)
         except ChecksumMismatch as e:
             state.last_error = str(e)
             return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"refused: {e}")

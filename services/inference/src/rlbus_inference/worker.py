@@ -12,6 +12,14 @@ import time
 from pathlib import Path
 
 
+def safetensors_files(weights_dir: Path) -> list[Path]:
+    """The `*.safetensors` files of a weights directory, sorted; raises if there are none."""
+    files = sorted(Path(weights_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {weights_dir}")
+    return files
+
+
 class RlbusWorkerExtension:
     """Load weights from a safetensors directory or from a trainer broadcast."""
 
@@ -32,8 +40,6 @@ class RlbusWorkerExtension:
         """Load every `*.safetensors` file of `weights_dir` into the running model, in place."""
         from safetensors.torch import safe_open
 
-        from rlbus_inference.checksums import safetensors_files
-
         start = time.perf_counter()
         num_tensors = 0
 
@@ -52,10 +58,10 @@ class RlbusWorkerExtension:
         self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float
     ) -> int:
         """Join the trainer's broadcast group as rank `rank_offset + local rank`; returns the rank."""
-        from rlbus_inference.broadcast import make_group
+        from rlbus.broadcast import open_group
 
         rank = rank_offset + self.rank  # type: ignore[attr-defined]
-        self._rlbus_group = make_group(
+        self._rlbus_group = open_group(
             host,
             port,
             rank,
@@ -67,7 +73,7 @@ class RlbusWorkerExtension:
 
     def rlbus_receive_broadcast(self) -> dict:
         """Receive one version from the broadcast group and load it tensor by tensor."""
-        from rlbus_inference.broadcast import receive_header, receive_tensors
+        from rlbus.broadcast import receive_header, receive_tensors
 
         group = getattr(self, "_rlbus_group", None)
         if group is None:
@@ -79,7 +85,7 @@ class RlbusWorkerExtension:
             return {"version": None, "closed": True}
         self._rlbus_reload(receive_tensors(group, header))
         return {
-            "version": header["version"],
-            "num_tensors": len(header["tensors"]),
+            "version": header.version,
+            "num_tensors": len(header.tensors),
             "seconds": time.perf_counter() - start,
         }

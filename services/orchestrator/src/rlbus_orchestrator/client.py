@@ -18,10 +18,10 @@ import structlog
 
 from rlbus.wire.replicas import ReplicaInfo
 from rlbus.wire.tasks import SamplingArgs
+from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
 from rlbus_orchestrator.envs.base import ChatTurn
 
 log = structlog.get_logger()
-WEIGHTS_VERSION_HEADER = "x-rlbus-weights-version"
 
 
 class NoReplicaError(RuntimeError):

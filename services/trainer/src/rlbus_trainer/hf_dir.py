@@ -7,7 +7,6 @@ then the directory is renamed into place, so a reader never sees a half-written 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from functools import lru_cache
@@ -50,14 +49,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_hf_dir(

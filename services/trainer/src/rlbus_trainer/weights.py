@@ -5,36 +5,37 @@
 
 - `FilesystemWeightPublisher`: rank 0 writes `<run_dir>/broadcasts/step_N/` (HF safetensors +
   config + tokenizer, temp dir + fsync + rename; hf_dir.py), then puts a `WeightsPublished` with
-  each file's sha256 under the weights KV key `latest` and on the weights-published subject.
+  each file's sha256 (`rlbus.checksums.weight_files`) under the weights KV key `latest` and on
+  the weights-published subject.
   Broadcasts beyond the newest `keep_last` that no replica serves any more are pruned.
 - `NcclWeightPublisher`: rank 0 hosts a broadcast group with one inference replica (TCPStore at
   host:port, announced as `location` in the weights KV key: the rendezvous goes over the bus),
-  then sends the version tensor by tensor with the protocol of rlbus_inference/broadcast.py
-  (int64 header size, JSON header, tensors in header order; size 0 closes the group). gloo on
-  CPU (testable here), vLLM's PyNccl on CUDA. Every collective runs under `timeout_s`; a failure
-  is published as `WeightsFailed(replica_id="trainer")` and the group is rebuilt next time,
-  never a hang.
+  then sends the version tensor by tensor with the protocol of `rlbus.broadcast` (int64 header
+  size, JSON header, tensors in header order; size 0 closes the group), the same module the
+  inference workers receive with. gloo on CPU (testable here), vLLM's PyNccl on CUDA. Every
+  collective runs under `timeout_s`; a failure is published as `WeightsFailed(replica_id=
+  "trainer")` and the group is rebuilt next time, never a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import shutil
 import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
 import structlog
 import torch
 
+from rlbus import broadcast
+from rlbus.checksums import weight_files
 from rlbus.netutil import free_port
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
-from rlbus_trainer.hf_dir import hf_tensors, sha256_file, write_hf_dir
+from rlbus_trainer.hf_dir import hf_tensors, write_hf_dir
 
 log = structlog.get_logger()
 
@@ -77,11 +78,7 @@ class FilesystemWeightPublisher:
             self.root / f"step_{step}",
             trust_remote_code=self.config.model.trust_remote_code,
         )
-        files = [
-            weights.WeightFile(name=f.name, size=f.stat().st_size, sha256=sha256_file(f))
-            for f in sorted(out.iterdir())
-            if f.is_file()
-        ]
+        files = await asyncio.to_thread(weight_files, out)
         t1 = time.perf_counter()
         await _announce(
             self.bus,
@@ -130,47 +127,11 @@ def _advertised_host() -> str:
         return "127.0.0.1"
 
 
-class _GlooSender:
-    """Rank 0 of a private gloo group (own TCPStore), leaving the default group alone."""
-
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float):
-        timeout = timedelta(seconds=timeout_s)
-        self.store = torch.distributed.TCPStore(
-            host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
-        self.group = torch.distributed.ProcessGroupGloo(self.store, 0, world_size, timeout)
-        self.device = torch.device("cpu")
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        self.group.broadcast(tensor, 0).wait()
-
-
-class _PyNcclSender:
-    """Rank 0 through vLLM's PyNcclCommunicator (CUDA), as the inference workers use it."""
-
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float):
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
-        pg = StatelessProcessGroup.create(host, port, 0, world_size, store_timeout=int(timeout_s))
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.comm = PyNcclCommunicator(pg, device=self.device)
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        self.comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-        torch.cuda.current_stream().synchronize()
-
-
-def send_state_dict(group, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-    """One version: int64 header size, JSON header [[name, dtype, shape], ...], then each tensor."""
-    entries = [
-        [name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in state_dict.items()
-    ]
-    header = json.dumps({"version": version, "tensors": entries}).encode()
-    group.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=group.device))
-    group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(group.device))
-    for name, _, _ in entries:
-        group.broadcast(state_dict[name].detach().contiguous().to(group.device))
+def _sender_device() -> torch.device:
+    """The device rank 0 broadcasts from: NCCL from the current GPU, else gloo on the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class NcclWeightPublisher:
@@ -186,11 +147,32 @@ class NcclWeightPublisher:
         self.group = None
         self.location: str | None = None
 
-    def _open_group(self):
+    async def _open_group(self, step: int) -> None:
+        """Host a new group on a free port and announce it (its first version) on the bus."""
         port = free_port("")  # all interfaces: replicas on other hosts join this store
         self.location = f"{self.host}:{port}"
-        sender = _PyNcclSender if torch.cuda.is_available() else _GlooSender
-        return sender, port
+        # Announce first: the replica learns the rendezvous address from the KV key.
+        await self._announce(step)
+        self.group = await asyncio.to_thread(
+            broadcast.open_group,
+            self.host,
+            port,
+            0,
+            self.group_size,
+            self.timeout_s,
+            _sender_device(),
+        )
+
+    async def _announce(self, step: int) -> None:
+        await _announce(
+            self.bus,
+            weights.WeightsPublished(
+                version=step,
+                transport="nccl",
+                location=self.location,
+                dtype=self.config.model.dtype,
+            ),
+        )
 
     async def publish(self, step: int, engine) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -202,31 +184,10 @@ class NcclWeightPublisher:
         )
         try:
             if self.group is None:
-                sender, port = self._open_group()
-                # Announce first: the replica learns the rendezvous address from the KV key.
-                await _announce(
-                    self.bus,
-                    weights.WeightsPublished(
-                        version=step,
-                        transport="nccl",
-                        location=self.location,
-                        dtype=self.config.model.dtype,
-                    ),
-                )
-                self.group = await asyncio.to_thread(
-                    sender, self.host, port, self.group_size, self.timeout_s
-                )
+                await self._open_group(step)
             else:
-                await _announce(
-                    self.bus,
-                    weights.WeightsPublished(
-                        version=step,
-                        transport="nccl",
-                        location=self.location,
-                        dtype=self.config.model.dtype,
-                    ),
-                )
-            await asyncio.to_thread(send_state_dict, self.group, step, tensors)
+                await self._announce(step)
+            await asyncio.to_thread(broadcast.send_state_dict, self.group, step, tensors)
         except Exception as error:  # a timeout or a vanished peer: report, rebuild next time
             reason = f"{type(error).__name__}: {error}"[:1000]
             log.warning("weights_broadcast_failed", version=step, reason=reason)
@@ -245,14 +206,8 @@ class NcclWeightPublisher:
 
     async def close(self) -> None:
         if self.group is not None:
-            try:  # size 0 tells the receivers the group is closing
-                await asyncio.wait_for(
-                    asyncio.to_thread(
-                        self.group.broadcast,
-                        torch.zeros(1, dtype=torch.int64, device=self.group.device),
-                    ),
-                    5,
-                )
+            try:  # best effort: a receiver that is already gone must not block shutdown
+                await asyncio.wait_for(asyncio.to_thread(broadcast.send_close, self.group), 5)
             except Exception:
                 pass
             self.group = None

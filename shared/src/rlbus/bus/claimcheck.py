@@ -7,11 +7,11 @@ back and verifies size and checksum; a mismatch raises `ClaimCheckError` (the co
 the message to the dead-letter subject; the step log raises to its caller).
 """
 
-import hashlib
 import os
 from pathlib import Path
 
 from rlbus.bus.errors import ClaimCheckError
+from rlbus.checksums import sha256_bytes
 from rlbus.wire.claims import ClaimCheck
 
 CLAIM_HEADER = "Rlbus-Claim-Check"
@@ -19,7 +19,7 @@ CLAIM_HEADER = "Rlbus-Claim-Check"
 
 def store(storage_dir: Path, subject: str, payload: bytes) -> ClaimCheck:
     """Write `payload` under the run's storage and return its claim check."""
-    digest = hashlib.sha256(payload).hexdigest()
+    digest = sha256_bytes(payload)
     relative = Path("claims") / subject / f"{digest}.bin"
     path = storage_dir / relative
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,7 @@ def load(storage_dir: Path | None, claim: ClaimCheck) -> bytes:
         raise ClaimCheckError(
             f"claim-check file {path} has {len(payload)} bytes, expected {claim.size}"
         )
-    digest = hashlib.sha256(payload).hexdigest()
+    digest = sha256_bytes(payload)
     if digest != claim.sha256:
         raise ClaimCheckError(f"claim-check file {path} sha256 {digest} != recorded {claim.sha256}")
     return payload

@@ -6,6 +6,9 @@
 - `WeightsApplied` / `WeightsFailed`: sender an inference replica's weight agent, on
   `subjects.weights_applied` / `subjects.weights_failed` (events stream); receivers: orchestrator,
   trainer (pruning old broadcasts), monitors.
+- `WEIGHTS_VERSION_HEADER`: not a bus message but the same contract over HTTP: every response of
+  an inference engine carries the version it was produced with (decimal int); sender the
+  inference admin middleware, receiver the orchestrator's inference client.
 """
 
 from typing import Literal
@@ -13,6 +16,8 @@ from typing import Literal
 import msgspec
 
 from rlbus.wire.base import Message, now
+
+WEIGHTS_VERSION_HEADER = "X-Rlbus-Weights-Version"
 
 
 class WeightFile(msgspec.Struct, kw_only=True):
