@@ -55,19 +55,18 @@ class World:
 def setup_distributed() -> World:
     """Join torchrun's process group (or make a 1-rank one when started without torchrun)."""
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(
-                RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_RANK="0",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()),
-            )
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("cpu:gloo,cuda:nccl")
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
         else:
-            dist.init_process_group("gloo")
+            # A 1-rank group through an explicit address, not RANK/MASTER_* in os.environ: those
+            # would leak into every process this one starts later and make an `sft` or `trainer`
+            # child believe it runs under torchrun.
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+            )
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
