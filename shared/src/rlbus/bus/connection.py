@@ -40,7 +40,7 @@ def connect_options(config: BusConfig, *, name: str) -> dict:
         allow_reconnect=False,
         max_reconnect_attempts=1,
         reconnect_time_wait=config.reconnect_wait_s,
-        # Buffer while disconnected: at least two maximum-size messages (FACTS: default is 2 MiB).
+        # Buffer while disconnected: at least two maximum-size messages (docs/facts.md: default 2 MiB).
         pending_size=max(2 * config.max_payload_mb, 16) * 1024 * 1024,
         ping_interval=config.ping_interval_s,
         max_outstanding_pings=3,

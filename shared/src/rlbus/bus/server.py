@@ -128,7 +128,7 @@ class NatsServer:
             "lame_duck_grace_period": "0s",
             "jetstream": {"store_dir": str(self.store_dir / "jetstream")},
         }
-        if self.sync_always:  # fsync every write (FACTS.md: ~3-8x slower publishes)
+        if self.sync_always:  # fsync every write (docs/facts.md: ~3-8x slower publishes)
             config["jetstream"]["sync_interval"] = "always"
         if self.tls_cert:
             tls = {"cert_file": str(self.tls_cert), "key_file": str(self.tls_key)}
