@@ -142,7 +142,7 @@ def test_renamed_field_alias_and_legacy_key_remap_still_work(tmp_path):
     assert (
         from_file["monitors"]["wandb"]["project"] == "legacy"
     )  # [wandb] moved to [monitors.wandb]
-    assert from_file["trainer"]["monitors"]["wandb"]["project"] == "legacy"  # and pushed down
+    assert "monitors" not in from_file["trainer"]  # only the monitor process reads them
     assert from_flags["ckpt"]["keep_last"] == 3
     assert from_flags["monitors"]["wandb"]["project"] == "legacy-flag"
 
@@ -324,3 +324,13 @@ def test_root_file_after_a_plain_flag_is_still_a_root_file(tmp_path):
         config["clean"] is True and config["seq_len"] == 128
     )  # flags beat files wherever they stand
     assert config["max_steps"] == 12  # files still merge left to right
+
+
+def test_wandb_monitor_without_the_wandb_package_is_a_config_error(tmp_path):
+    for command in ("rl", "sft"):
+        result = run_command(command, "--monitors.wandb", "--dry-run", cwd=tmp_path)
+
+        assert result.returncode == 2, result.stderr
+        assert "wandb is not installed" in error_text(result)
+        assert "--monitors.wandb" in error_text(result) and "Traceback" not in result.stderr
+        assert not (tmp_path / "outputs").exists()  # refused before anything was written

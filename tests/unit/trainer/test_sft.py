@@ -156,3 +156,49 @@ def test_full_offload_sft_checkpoints_and_resumes(tiny_model, tmp_path):
     metrics = read_metrics(tmp_path / "out" / "offload")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert metrics[2]["loss"] < metrics[0]["loss"]
+
+
+class FakeWandb:
+    """Stands in for the wandb package (not installed here): records what the sink sends."""
+
+    def __init__(self):
+        self.init_kwargs: dict = {}
+        self.logged: list[tuple[dict, int]] = []
+        self.finished = False
+
+    def init(self, **kwargs):
+        self.init_kwargs = kwargs
+        return self
+
+    def log(self, values, step):
+        self.logged.append((values, step))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_sft_logs_every_step_to_wandb_when_monitors_wandb_is_set(tiny_model, tmp_path, monkeypatch):
+    import sys
+
+    from rlbus_trainer.sft import run
+
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    config = SFTConfig.model_validate(
+        make_sft_config(
+            tiny_model,
+            tmp_path / "out",
+            "wb",
+            max_steps=2,
+            save_final_model=False,
+            monitors={"wandb": {"project": "p", "offline": True, "tags": ["t"]}},
+        )
+    )
+
+    run(config)
+
+    assert wandb.init_kwargs["project"] == "p" and wandb.init_kwargs["mode"] == "offline"
+    assert wandb.init_kwargs["name"] == "wb" and wandb.init_kwargs["tags"] == ["t"]
+    assert [step for _, step in wandb.logged] == [1, 2]
+    assert all("loss" in values for values, _ in wandb.logged) and wandb.finished
+    assert [m["step"] for m in read_metrics(tmp_path / "out" / "wb")] == [1, 2]  # file sink too

@@ -10,7 +10,6 @@ run, writes the resolved config and starts torchrun, whose ranks call `run(confi
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -39,18 +38,12 @@ def _num_steps(config, data) -> int:
     return max(1, data.num_examples // config.data.batch_size)
 
 
-def _append_metrics(run_dir: Path, config, record: dict) -> None:
-    if config.monitors.file is None:
-        return
-    with open(run_dir / config.monitors.file.path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def run(config) -> Path | None:
     """Train per `config` (an SFTConfig) on this rank; returns the final model dir on rank 0."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from rlbus.monitors.sinks import build_sinks
     from rlbus_trainer import ckpt
     from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
     from rlbus_trainer.hf_dir import write_hf_dir
@@ -91,6 +84,12 @@ def run(config) -> Path | None:
             ckpt.load_checkpoint(engine, run_dir, step)
             start = step
     log.info("sft_started", run_dir=str(run_dir), start_step=start, num_steps=num_steps)
+    # Rank 0 writes the step rows: metrics.jsonl and, with --monitors.wandb, wandb.
+    sinks = (
+        build_sinks(config.monitors, config.run.name or run_dir.name, run_dir, config.model_dump())
+        if world.is_main
+        else []
+    )
 
     for step in range(start + 1, num_steps + 1):
         t0 = time.perf_counter()
@@ -137,12 +136,15 @@ def run(config) -> Path | None:
                 tokens_per_s=round(record["tokens_per_s"]),
                 **({"val_loss": round(record["val_loss"], 4)} if "val_loss" in record else {}),
             )
-            _append_metrics(run_dir, config, record)
+        for sink in sinks:
+            sink.write(record)
         if config.ckpt is not None and (step % config.ckpt.interval == 0 or step == num_steps):
             ckpt.save_checkpoint(engine, run_dir, step, progress={"step": step})
             if world.is_main:
                 ckpt.prune_checkpoints(run_dir, config.ckpt.keep_last, current_step=step)
 
+    for sink in sinks:
+        sink.close()
     out = None
     if config.save_final_model:
         state = engine.full_state_dict()

@@ -31,6 +31,7 @@ from rlbus.launch.entry import (
 from rlbus.launch.plan import torchrun_argv
 from rlbus.launch.scripts import config_path, describe_written, write_launch
 from rlbus.launch.supervisor import ServiceProcess
+from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import log_file_path, setup_logging
 from rlbus.runs import sft_run_name
 
@@ -96,6 +97,7 @@ def launch(process: ServiceProcess) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(SFTConfig, argv, prog="sft")
+    check_sinks_installed(config.monitors)
     if under_torchrun():
         run_rank(config)
         return

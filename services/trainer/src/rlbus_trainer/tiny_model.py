@@ -6,7 +6,7 @@ tokenizer (256 byte tokens, no merges) plus the ChatML special tokens and a Chat
 so that both transformers' `apply_chat_template` and vLLM's chat endpoint work.
 
 The default sizes (hidden 128, 2 layers, 4 heads x head_dim 32, FFN 384, vocab 300) are the ones
-that learned reverse-text fastest on 2 CPU cores (handbook FACTS.md); head_dim >= 32 because
+that learned reverse-text fastest on 2 CPU cores (docs/facts.md); head_dim >= 32 because
 vLLM's CPU attention kernel rejects 16. The same seed gives byte-identical safetensors.
 """
 

@@ -41,7 +41,7 @@ def connect_options(config: BusConfig, *, name: str) -> dict:
         max_reconnect_attempts=1,
         reconnect_time_wait=config.reconnect_wait_s,
         # Buffer while disconnected: at least two maximum-size messages (the default is 2 MiB:
-        # docs/bus.md, "NATS facts").
+        # docs/facts.md).
         pending_size=max(2 * config.max_payload_mb, 16) * 1024 * 1024,
         ping_interval=config.ping_interval_s,
         max_outstanding_pings=3,

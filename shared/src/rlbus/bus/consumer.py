@@ -8,7 +8,7 @@
 How it behaves:
 - at most `concurrency` handlers run at once; each fetch asks only for free slots;
 - fetch timeouts (both `nats.errors.TimeoutError` and the builtin `asyncio.TimeoutError`, see
-  docs/bus.md, "NATS facts") just loop; connection trouble is logged and retried; a vanished
+  docs/facts.md) just loop; connection trouble is logged and retried; a vanished
   consumer is re-ensured;
 - every delivered but unsettled message (running, or kept by a handler with `auto_ack=False`, e.g.
   rollouts acked only once their batch is stored) gets `in_progress()` every third of AckWait, so

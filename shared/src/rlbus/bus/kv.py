@@ -3,7 +3,7 @@
 `KV` wraps a JetStream KV bucket: get / put / create / compare-and-set update / delete / keys /
 watch, with optional msgspec decoding. `Lease` holds a key with a per-key TTL (e.g. an inference
 replica's registry entry): `create(msg_ttl)` acquires it, and a heartbeat republishes the value
-with the TTL header and `Nats-Expected-Last-Subject-Sequence` (docs/bus.md, "NATS facts":
+with the TTL header and `Nats-Expected-Last-Subject-Sequence` (docs/facts.md:
 `kv.update()` drops the TTL). When a heartbeat finds another revision (the key expired, or
 someone else took it), the lease is lost: `lease.lost` is set and `on_lost` runs. Observers learn
 about expiry with `KV.watch_presence()` (polling: TTL expiry writes no marker unless limit markers

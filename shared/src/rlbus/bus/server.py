@@ -128,7 +128,7 @@ class NatsServer:
             "lame_duck_grace_period": "0s",
             "jetstream": {"store_dir": str(self.store_dir / "jetstream")},
         }
-        # fsync every write (docs/bus.md, "NATS facts": ~3-8x slower publishes)
+        # fsync every write (docs/facts.md: ~3-8x slower publishes)
         if self.sync_always:
             config["jetstream"]["sync_interval"] = "always"
         if self.tls_cert:

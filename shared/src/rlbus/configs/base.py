@@ -11,6 +11,8 @@ says why each piece exists):
   discriminator tag into error locations: `--trainer.optim.muon.lr` -> `--trainer.optim.lr`) and
   "did you mean" compares whole dotted paths, including fields inside optional sub-configs and
   union variants;
+- space-separated list values (`--monitors.wandb.tags a b`) also work inside optional
+  sub-configs and union variants, where pydantic_config alone takes one value;
 - bad JSON values and every other loader error end in the same box, exit code 2, no traceback;
 - `--print-config` prints the resolved config as TOML and exits.
 """
@@ -327,6 +329,56 @@ def _expand_bool_union_toggles(args: list[str], paths: set[str]) -> list[str]:
     return out
 
 
+def _is_scalar_list(annotation: Any) -> bool:
+    """`list[T]` or `list[T] | None` with T not a sub-config."""
+    inner = _strip_annotated(annotation)
+    if get_origin(inner) in (Union, types.UnionType):
+        non_none = [a for a in get_args(inner) if a is not type(None)]
+        inner = non_none[0] if len(non_none) == 1 else None
+    if get_origin(inner) is not list:
+        return False
+    item = get_args(inner)[0] if get_args(inner) else None
+    return not (isinstance(item, type) and issubclass(item, BaseModel))
+
+
+def _variant_list_paths(cls: type[BaseModel], prefix: str = "", inside: bool = False) -> set[str]:
+    """Flag paths of scalar-list fields that lie inside an optional sub-config or a union
+    variant: pydantic_config gives those flags one value only (`--monitors.wandb.tags a b`
+    fails on `b`), while plain sub-configs take space-separated values."""
+    paths: set[str] = set()
+    for name, finfo in cls.model_fields.items():
+        path = f"{prefix}.{name.replace('_', '-')}" if prefix else name.replace("_", "-")
+        if inside and _is_scalar_list(finfo.annotation):
+            paths.add(path)
+        annotation = _strip_annotated(finfo.annotation)
+        is_plain_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        for variant in _model_variants(finfo.annotation):
+            paths |= _variant_list_paths(variant, path, inside or not is_plain_model)
+    return paths
+
+
+def _list_values_as_json(args: list[str], paths: set[str]) -> list[str]:
+    """`--x.tags a b` -> `--x.tags '["a", "b"]'` for the paths above, so the values reach the
+    field as one list; a value that is already JSON is kept. A list ends at the next `--flag`
+    or `@` file, as it does in plain sub-configs."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        out.append(token)
+        i += 1
+        if not (token.startswith("--") and token[2:] in paths):
+            continue
+        if i < len(args) and args[i].startswith("["):
+            continue
+        values: list[str] = []
+        while i < len(args) and not args[i].startswith(("--", "@")):
+            values.append(args[i])
+            i += 1
+        out.append(json.dumps(values))
+    return out
+
+
 # --- TOML output -------------------------------------------------------------------------------
 
 
@@ -370,6 +422,7 @@ def parse_cli(
     args = [a for a in args if a != PRINT_CONFIG_FLAG]
     args = _hoist_root_files(args, _model_paths(cls))
     args = _snake_case_file_targets(_expand_bool_union_toggles(args, _bool_union_paths(cls)))
+    args = _list_values_as_json(args, _variant_list_paths(cls))
     try:
         config = cli(
             cls, args=args, prog=prog, description=description or (cls.__doc__ or "").strip()

@@ -1,10 +1,13 @@
-"""Config pieces shared by several services: model, run directory, checkpoints, monitors, logs."""
+"""Config pieces shared by several services: model, run directory, checkpoints, monitors, logs,
+and the blocks of top-level fields every runnable config inherits (`ServiceConfig`,
+`RunnableConfig`, `TrainingRunConfig`)."""
 
 from typing import Literal
 
 from pydantic import AliasChoices, Field
 
 from rlbus.configs.base import BaseConfig
+from rlbus.configs.bus import BusConfig
 
 
 class ModelConfig(BaseConfig):
@@ -136,7 +139,55 @@ class DeploymentConfig(BaseConfig):
     compute threads and the trainer. `off`: leave placement to the OS."""
 
 
+class ServiceConfig(BaseConfig):
+    """The fields of every command that runs a service: its bus, logging and tracing."""
+
+    bus: BusConfig = BusConfig()
+    """NATS bus (`rl` starts an embedded server unless bus.url is set)."""
+
+    log: LogConfig = LogConfig()
+    """Logging."""
+
+    otel: OtelConfig = OtelConfig()
+    """Tracing."""
+
+
+class RunnableConfig(ServiceConfig):
+    """A service that names its run directory `<output_dir>/<run.dir or run.name>` itself."""
+
+    output_dir: str = "outputs"
+    """Directory that groups runs."""
+
+    run: RunConfig = RunConfig()
+    """Run naming: `<output_dir>/<run.dir or run.name>`."""
+
+
+class TrainingRunConfig(RunnableConfig):
+    """A run that trains (`rl`, `trainer`, `sft`): it cleans, resumes, checkpoints and publishes
+    weights, and can be planned without starting anything."""
+
+    clean: bool = False
+    """Wipe this run's directory (only it) before starting."""
+
+    resume: ResumeConfig | None = None
+    """Resume the named run (bare `--resume`: latest checkpoint; `--resume.step N`)."""
+
+    ckpt: CkptConfig | None = None
+    """Checkpointing (without it a resumed run loads but saves no new checkpoints)."""
+
+    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
+    """How new weights reach inference (filesystem | nccl)."""
+
+    dry_run: bool = False
+    """Write resolved configs and one launch script per process into the run directory; start nothing."""
+
+
+SHARED_BLOCKS: tuple[type[ServiceConfig], ...] = (TrainingRunConfig, RunnableConfig, ServiceConfig)
+"""The shared blocks, most specific first."""
+
+
 __all__ = [
+    "SHARED_BLOCKS",
     "CkptConfig",
     "DeploymentConfig",
     "FileMonitorConfig",
@@ -146,6 +197,9 @@ __all__ = [
     "OtelConfig",
     "ResumeConfig",
     "RunConfig",
+    "RunnableConfig",
+    "ServiceConfig",
+    "TrainingRunConfig",
     "WandbMonitorConfig",
     "WeightBroadcastConfig",
 ]

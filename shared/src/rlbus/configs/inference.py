@@ -5,8 +5,7 @@ from typing import Any
 from pydantic import ConfigDict, Field
 
 from rlbus.configs.base import BaseConfig
-from rlbus.configs.bus import BusConfig
-from rlbus.configs.common import LogConfig, OtelConfig, WeightBroadcastConfig
+from rlbus.configs.common import ServiceConfig, WeightBroadcastConfig
 
 
 class VLLMConfig(BaseConfig):
@@ -50,8 +49,11 @@ class ServerConfig(BaseConfig):
     """Client-facing router port (OpenAI API)."""
 
 
-class InferenceConfig(BaseConfig):
-    """The inference service: one vLLM engine, its router, its weight agent and replica lease."""
+class InferenceConfig(ServiceConfig):
+    """The inference service: one vLLM engine, its router, its weight agent and replica lease.
+    Without bus.url the weight agent and the lease are off."""
+
+    # Bus, logging, tracing: the ServiceConfig block (`rl` pushes its own values down).
 
     server: ServerConfig = ServerConfig()
     """Router."""
@@ -68,23 +70,12 @@ class InferenceConfig(BaseConfig):
     lease_ttl_s: int = Field(5, ge=1)
     """Replica lease TTL; the heartbeat renews it at a third of this."""
 
-    output_dir: str = "outputs"
-    """Directory that groups runs."""
-
     run_dir: str | None = None
-    """Run directory (set by the launcher; holds broadcasts and logs)."""
+    """Run directory, given whole (`rl` sets it to the run's; holds broadcasts and logs). A replica
+    only joins a run: it never names one, so it has no output_dir/run.name of its own."""
 
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
     """How new weights arrive."""
-
-    bus: BusConfig = BusConfig()
-    """NATS bus (the weight agent and the lease are off without bus.url)."""
-
-    log: LogConfig = LogConfig()
-    """Logging."""
-
-    otel: OtelConfig = OtelConfig()
-    """Tracing."""
 
     def vllm_cli_args(self) -> list[str]:
         """The vLLM server flags for the `vllm.*` options (known and pass-through)."""

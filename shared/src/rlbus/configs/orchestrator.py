@@ -5,14 +5,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from rlbus.configs.base import BaseConfig
-from rlbus.configs.bus import BusConfig
-from rlbus.configs.common import (
-    LogConfig,
-    ModelConfig,
-    MonitorsConfig,
-    OtelConfig,
-    RunConfig,
-)
+from rlbus.configs.common import ModelConfig, RunnableConfig
 
 
 class SamplingConfig(BaseConfig):
@@ -57,8 +50,11 @@ class EvalConfig(BaseConfig):
     """Greedy decoding (otherwise the training sampling args)."""
 
 
-class OrchestratorConfig(BaseConfig):
+class OrchestratorConfig(RunnableConfig):
     """The orchestrator: task coordinator, rollout workers, advantages, batch assembly."""
+
+    # Run directory, bus, logging, tracing: the RunnableConfig block (`rl` pushes its own values
+    # down). Step metrics go on the bus; `rl`'s monitor process writes them (RLConfig.monitors).
 
     role: Literal["all", "coordinator", "worker"] = "all"
     """`all`: coordinator with in-process workers; `worker`: standalone rollout workers."""
@@ -116,21 +112,3 @@ class OrchestratorConfig(BaseConfig):
 
     eval: EvalConfig | None = None
     """Evaluation (off unless set)."""
-
-    output_dir: str = "outputs"
-    """Directory that groups runs."""
-
-    run: RunConfig = RunConfig()
-    """Run naming."""
-
-    bus: BusConfig = BusConfig()
-    """NATS bus."""
-
-    monitors: MonitorsConfig = MonitorsConfig()
-    """Metric sinks."""
-
-    log: LogConfig = LogConfig()
-    """Logging."""
-
-    otel: OtelConfig = OtelConfig()
-    """Tracing."""

@@ -9,18 +9,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from rlbus.configs.base import BaseConfig
-from rlbus.configs.bus import BusConfig
 from rlbus.configs.common import (
-    CkptConfig,
+    SHARED_BLOCKS,
     DeploymentConfig,
-    LogConfig,
     ModelConfig,
     MonitorsConfig,
-    OtelConfig,
-    ResumeConfig,
-    RunConfig,
-    WeightBroadcastConfig,
+    ServiceConfig,
+    TrainingRunConfig,
 )
 from rlbus.configs.inference import InferenceConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
@@ -45,8 +40,28 @@ def push_down_model(target: BaseModel, field: str, source: BaseModel) -> None:
             push_down(sub, name, getattr(source, name))
 
 
-class RLConfig(BaseConfig):
+LAUNCHER_ONLY_FIELDS = ("dry_run",)
+"""Shared-block fields the `rl` launcher acts on itself and never pushes down."""
+
+
+def push_down_block(target: ServiceConfig, source: "RLConfig") -> None:
+    """Push every field of the shared block `target` inherits (TrainingRunConfig,
+    RunnableConfig or ServiceConfig) from `source`, each service getting its own copy."""
+    block = next(b for b in SHARED_BLOCKS if isinstance(target, b))
+    for field in block.model_fields:
+        if field in LAUNCHER_ONLY_FIELDS:
+            continue
+        value = getattr(source, field)
+        push_down(
+            target, field, value.model_copy(deep=True) if isinstance(value, BaseModel) else value
+        )
+
+
+class RLConfig(TrainingRunConfig):
     """Asynchronous RL: inference + orchestrator + trainer over a NATS JetStream bus."""
+
+    # Run directory, bus, logging, tracing, clean/resume/ckpt/weight_broadcast/dry_run: the
+    # TrainingRunConfig block, pushed down to the services below.
 
     model: ModelConfig = ModelConfig()
     """Model trained and served (pushed down to every service)."""
@@ -57,41 +72,11 @@ class RLConfig(BaseConfig):
     max_steps: int | None = Field(None, ge=1)
     """Training steps (None: until stopped)."""
 
-    output_dir: str = "outputs"
-    """Directory that groups runs."""
-
-    run: RunConfig = RunConfig()
-    """Run naming: `<output_dir>/<run.dir or run.name>`."""
-
-    clean: bool = False
-    """Wipe this run's directory (only it) before starting."""
-
-    resume: ResumeConfig | None = None
-    """Resume the named run (bare `--resume`: latest checkpoint; `--resume.step N`)."""
-
-    ckpt: CkptConfig | None = None
-    """Checkpointing (without it a resumed run loads but saves no new checkpoints)."""
-
-    bus: BusConfig = BusConfig()
-    """NATS bus (embedded server unless bus.url is set)."""
-
-    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
-    """Weight transport (filesystem | nccl)."""
-
     monitors: MonitorsConfig = MonitorsConfig()
-    """Metric sinks."""
+    """Metric sinks (the monitor process joins every service's step metrics into them)."""
 
     deployment: DeploymentConfig = DeploymentConfig()
     """Where the services run."""
-
-    log: LogConfig = LogConfig()
-    """Logging."""
-
-    otel: OtelConfig = OtelConfig()
-    """Tracing."""
-
-    dry_run: bool = False
-    """Write resolved configs and one launch script per process into the run directory; start nothing."""
 
     trainer: TrainerConfig = TrainerConfig()
     """Trainer service."""
@@ -130,28 +115,19 @@ class RLConfig(BaseConfig):
     def push_shared_values_down(self) -> None:
         """Copy the shared values into the service configs, except where a service sets its own.
         Idempotent: called on validation and again once the launcher has named the run."""
+        for service in (self.trainer, self.orchestrator, self.inference):
+            push_down_block(service, self)
         for service in (self.trainer, self.orchestrator):
             push_down_model(service, "model", self.model)
-            for field in ("seq_len", "max_steps", "output_dir"):
+            for field in ("seq_len", "max_steps"):
                 push_down(service, field, getattr(self, field))
-            for field in ("run", "bus", "monitors", "log", "otel"):
-                push_down(service, field, getattr(self, field).model_copy(deep=True))
-        for field in ("resume", "ckpt", "weight_broadcast", "clean"):
-            push_down(self.trainer, field, getattr(self, field))
         push_down(self.orchestrator, "num_train_ranks", self.deployment.num_train_gpus)
         push_down(self.inference.vllm, "model", self.model.name)
         # The engine samples in the trainer's dtype: vLLM's "auto" downcasts a float32 checkpoint
         # to bfloat16 on CPU, and the sampled tokens' logprobs would then disagree with the trainer's.
         push_down(self.inference.vllm, "dtype", self.model.dtype)
         push_down(self.inference.vllm, "max_model_len", self.seq_len)
-        for field in ("bus", "weight_broadcast", "log", "otel", "output_dir"):
-            push_down(
-                self.inference,
-                field,
-                getattr(self, field).model_copy(deep=True)
-                if isinstance(getattr(self, field), BaseModel)
-                else getattr(self, field),
-            )
+        push_down(self.inference, "weight_broadcast", self.weight_broadcast.model_copy(deep=True))
         if self.run.name is not None:
             push_down(
                 self.inference,

@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlbus.configs.base import BaseConfig
+from rlbus.configs.common import MonitorsConfig
 from rlbus.configs.trainer import TrainerConfig
 
 
@@ -52,6 +53,10 @@ class SFTConfig(TrainerConfig):
 
     num_processes: int = Field(1, ge=1)
     """Processes launched by torchrun (one per GPU; on CPU, gloo ranks)."""
+
+    monitors: MonitorsConfig = MonitorsConfig()
+    """Metric sinks for the step metrics (rank 0 writes them): metrics.jsonl, and wandb with
+    `--monitors.wandb` (needs the wandb package)."""
 
     save_final_model: bool = True
     """Write an HF model directory `<run_dir>/model/` at the end."""

@@ -5,17 +5,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from rlbus.configs.base import BaseConfig
-from rlbus.configs.bus import BusConfig
-from rlbus.configs.common import (
-    CkptConfig,
-    LogConfig,
-    ModelConfig,
-    MonitorsConfig,
-    OtelConfig,
-    ResumeConfig,
-    RunConfig,
-    WeightBroadcastConfig,
-)
+from rlbus.configs.common import ModelConfig, TrainingRunConfig
 
 
 class FullOffloadConfig(BaseConfig):
@@ -180,8 +170,11 @@ class CustomLossConfig(BaseConfig):
 LossConfig = Annotated[DefaultLossConfig | CustomLossConfig, Field(discriminator="type")]
 
 
-class TrainerConfig(BaseConfig):
+class TrainerConfig(TrainingRunConfig):
     """The trainer service: consumes step batches, trains, checkpoints, publishes weights."""
+
+    # Run directory, bus, logging, tracing, clean/resume/ckpt/weight_broadcast/dry_run: the
+    # TrainingRunConfig block (`rl` pushes its own values down).
 
     model: TrainerModelConfig = TrainerModelConfig()
     """Model to train."""
@@ -208,39 +201,6 @@ class TrainerConfig(BaseConfig):
 
     seed: int = 0
     """Seed for torch and data order."""
-
-    output_dir: str = "outputs"
-    """Directory that groups runs."""
-
-    run: RunConfig = RunConfig()
-    """Run naming."""
-
-    clean: bool = False
-    """Wipe the run directory before starting."""
-
-    resume: ResumeConfig | None = None
-    """Resume from a checkpoint (bare `--resume`: latest; `--resume.step N`)."""
-
-    ckpt: CkptConfig | None = None
-    """Checkpointing (off unless set)."""
-
-    weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
-    """How new weights reach inference."""
-
-    bus: BusConfig = BusConfig()
-    """NATS bus."""
-
-    monitors: MonitorsConfig = MonitorsConfig()
-    """Metric sinks."""
-
-    log: LogConfig = LogConfig()
-    """Logging."""
-
-    otel: OtelConfig = OtelConfig()
-    """Tracing."""
-
-    dry_run: bool = False
-    """Write resolved configs and scripts, start nothing."""
 
     @model_validator(mode="after")
     def _full_offload_rules(self):

@@ -25,6 +25,7 @@ from rlbus.launch.plan import Launch, build_rl_launch
 from rlbus.launch.progress import Progress
 from rlbus.launch.scripts import describe_written, write_launch
 from rlbus.launch.supervisor import Supervisor
+from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import setup_logging
 from rlbus.runs import rl_run_name
 
@@ -239,6 +240,7 @@ def point_latest(run_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(RLConfig, argv, prog="rl")
+    check_sinks_installed(config.monitors)
     launch = plan_rl(config, command="rl " + " ".join(sys.argv[1:] if argv is None else argv))
     if config.dry_run:
         print(describe_written(launch.run_dir, launch.config_files, launch.script_files))

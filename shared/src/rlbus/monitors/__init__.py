@@ -10,6 +10,6 @@ had not written yet. `python -m rlbus.monitors @ <run_dir>/configs/rl.toml` runs
 """
 
 from rlbus.monitors.join import StepJoiner
-from rlbus.monitors.sinks import JsonlSink, WandbSink
+from rlbus.monitors.sinks import JsonlSink, WandbSink, build_sinks, check_sinks_installed
 
-__all__ = ["JsonlSink", "StepJoiner", "WandbSink"]
+__all__ = ["JsonlSink", "StepJoiner", "WandbSink", "build_sinks", "check_sinks_installed"]

@@ -2,14 +2,13 @@
 
 import asyncio
 import signal
-from pathlib import Path
 
 import structlog
 
 from rlbus.bus import Bus
 from rlbus.configs import RLConfig
 from rlbus.monitors.join import StepJoiner
-from rlbus.monitors.sinks import JsonlSink, WandbSink
+from rlbus.monitors.sinks import build_sinks
 from rlbus.runs import resolve_run_dir
 from rlbus.wire import events
 from rlbus.wire.events import Lifecycle, StepMetrics
@@ -18,19 +17,6 @@ from rlbus.wire.weights import WeightsApplied, WeightsFailed
 log = structlog.get_logger()
 
 MONITOR_DURABLE = "monitor"
-
-
-def build_sinks(config: RLConfig, run_dir: Path) -> list:
-    sinks: list = []
-    if config.monitors.file is not None:
-        sinks.append(JsonlSink(run_dir / config.monitors.file.path))
-    if config.monitors.wandb is not None:
-        sinks.append(
-            WandbSink(
-                config.monitors.wandb, config.run.name or run_dir.name, run_dir, config.model_dump()
-            )
-        )
-    return sinks
 
 
 class Monitor:
@@ -71,7 +57,9 @@ class Monitor:
 async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
     run_dir = resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
     bus = await Bus.connect(config.bus, storage_dir=run_dir, name="monitor")
-    monitor = Monitor(build_sinks(config, run_dir))
+    monitor = Monitor(
+        build_sinks(config.monitors, config.run.name or run_dir.name, run_dir, config.model_dump())
+    )
     subjects = bus.subjects
     consumer = bus.consumer(
         subjects.events_stream,

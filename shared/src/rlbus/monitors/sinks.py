@@ -1,11 +1,17 @@
-"""Where joined step rows go."""
+"""Where step rows go: the sinks of a `monitors` config (`rl`'s monitor process, `sft`'s rank 0)."""
 
+import importlib.util
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from rlbus.configs.common import WandbMonitorConfig
+from rlbus.configs.common import MonitorsConfig, WandbMonitorConfig
+
+WANDB_MISSING = (
+    "monitors.wandb is enabled but wandb is not installed: `uv pip install wandb` "
+    "(or `uv sync --group wandb`), or drop --monitors.wandb"
+)
 
 
 class JsonlSink:
@@ -32,10 +38,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError as exc:
-            raise RuntimeError(
-                "monitors.wandb is enabled but wandb is not installed: `uv pip install wandb` "
-                "(or `uv sync --group wandb`), or drop --monitors.wandb"
-            ) from exc
+            raise RuntimeError(WANDB_MISSING) from exc
         self._run = wandb.init(
             project=config.project,
             entity=config.entity,
@@ -54,3 +57,24 @@ class WandbSink:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def check_sinks_installed(monitors: MonitorsConfig) -> None:
+    """Called by the launchers before anything starts: an enabled sink whose package is missing
+    is a config error naming the flag, not a traceback in a service's log later."""
+    if monitors.wandb is not None and importlib.util.find_spec("wandb") is None:
+        from rlbus.configs.base import exit_with_config_error
+
+        exit_with_config_error(WANDB_MISSING)
+
+
+def build_sinks(
+    monitors: MonitorsConfig, run_name: str, run_dir: Path, run_config: dict[str, Any]
+) -> list[JsonlSink | WandbSink]:
+    """The sinks `monitors` enables; `run_config` is what wandb records as the run's config."""
+    sinks: list[JsonlSink | WandbSink] = []
+    if monitors.file is not None:
+        sinks.append(JsonlSink(run_dir / monitors.file.path))
+    if monitors.wandb is not None:
+        sinks.append(WandbSink(monitors.wandb, run_name, run_dir, run_config))
+    return sinks
