@@ -20,13 +20,13 @@ import structlog
 
 from rlbus.configs import RLConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
-from rlbus.launch.entry import prepare_run_dir_or_exit
 from rlbus.launch.plan import Launch, build_rl_launch
 from rlbus.launch.progress import Progress
 from rlbus.launch.scripts import describe_written, write_launch
 from rlbus.launch.supervisor import Supervisor
 from rlbus.obs.logging import setup_logging
-from rlbus.runs import rl_run_name
+from rlbus.runs import prepare_run_dir_or_exit, rl_run_name
+from rlbus.runtime import EXIT_SIGNAL_BASE, Terminated, raise_terminated
 
 log = structlog.get_logger()
 
@@ -71,16 +71,8 @@ def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
     return launch
 
 
-class Terminated(Exception):
-    """SIGTERM reached the launcher (raised from the signal handler, like KeyboardInterrupt)."""
-
-
-def raise_terminated(signum, frame) -> None:
-    raise Terminated()
-
-
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
+EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + signal.SIGINT
+EXIT_TERMINATED = EXIT_SIGNAL_BASE + signal.SIGTERM
 DRAINED_SERVICES = ("orchestrator", "trainer")
 """Services that answer a control `Drain` (finish the step in hand, then exit), in drain order."""
 
