@@ -81,8 +81,9 @@ log = structlog.get_logger()
 
 STATE_KEY = "orchestrator"
 WEIGHTS_POLL_S = 1.0
-DRAIN_TIMEOUT_S = 60.0
-"""How long a drain waits for the rollouts in flight (the `rl` launcher SIGTERMs after 30 s)."""
+DRAIN_TIMEOUT_S = 20.0
+"""How long a drain waits for the rollouts in flight (less than the 30 s the `rl` launcher gives
+a drain before it signals)."""
 DRAIN_POLL_S = 0.2
 
 

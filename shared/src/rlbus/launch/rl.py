@@ -75,10 +75,15 @@ EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + signal.SIGINT
 EXIT_TERMINATED = EXIT_SIGNAL_BASE + signal.SIGTERM
 DRAINED_SERVICES = ("orchestrator", "trainer")
 """Services that answer a control `Drain` (finish the step in hand, then exit), in drain order."""
+STOPPED_AFTER_FAILURE = frozenset({"orchestrator"})
+"""After a failure these get `Stop`, not `Drain`: their in-flight rollouts may never come back."""
 
 
-def drain_over_bus(launch: Launch, services: list[str], timeout_s: float = 5.0) -> dict[str, str]:
-    """Ask each service to drain (control request over the bus); returns service -> outcome.
+def drain_over_bus(
+    launch: Launch, services: list[str], *, failed: bool = False, timeout_s: float = 5.0
+) -> dict[str, str]:
+    """Ask each service to drain (or, after a failure, the orchestrator to stop) over the bus;
+    returns service -> outcome.
 
     Best effort: a service that is gone or does not answer gets the signals of `stop_all` anyway.
     """
@@ -101,9 +106,9 @@ def drain_over_bus(launch: Launch, services: list[str], timeout_s: float = 5.0) 
         try:
             for name in services:
                 try:
-                    reply = await bus.request(
-                        name, control.Drain(reason="launcher"), timeout_s=timeout_s
-                    )
+                    stop = failed and name in STOPPED_AFTER_FAILURE
+                    request = (control.Stop if stop else control.Drain)(reason="launcher")
+                    reply = await bus.request(name, request, timeout_s=timeout_s)
                     outcomes[name] = reply.state or (
                         "ok" if reply.ok else reply.message or "refused"
                     )
@@ -120,7 +125,8 @@ def drain_and_wait(
     launch: Launch, supervisor: Supervisor, skip: str | None = None, wait_s: float = 30.0
 ) -> None:
     """Drain the running orchestrator/trainer over the bus and give them `wait_s` to exit by
-    themselves (the trainer finishes its step); `stop_all` then signals whatever is left."""
+    themselves (the trainer finishes its step); `stop_all` then signals whatever is left.
+    `skip` is the service that failed, if any (the orchestrator is then stopped, not drained)."""
     running = [
         s.name
         for s in supervisor.services
@@ -131,7 +137,7 @@ def drain_and_wait(
     )
     if not running or embedded_nats_gone:
         return
-    outcomes = drain_over_bus(launch, running)
+    outcomes = drain_over_bus(launch, running, failed=skip is not None)
     log.info("drain_requested", **outcomes)
     deadline = time.monotonic() + wait_s
     waiting = [s for s in supervisor.services if s.name in running]
