@@ -49,18 +49,23 @@ async def wait_until(predicate, timeout_s=240.0):
         await asyncio.sleep(0.1)
 
 
+async def trainer_run(make_bus, nats_server, tmp_path, name: str, **overrides):
+    """(a client bus, the trainer config) of a fresh run on the tiny model."""
+    model = build_tiny_model(tmp_path / "tiny")
+    bus = await make_bus()
+    bus_cfg = {"url": nats_server.url, "token": nats_server.token, "run_id": bus.subjects.run_id}
+    return bus, make_trainer_config(model, tmp_path / "out", name, bus_cfg, **overrides)
+
+
 @pytest.mark.slow
 async def test_trainer_trains_checkpoints_publishes_and_resumes_after_kill(
     make_bus, nats_server, tmp_path
 ):
-    model = build_tiny_model(tmp_path / "tiny")
-    bus = await make_bus()
-    bus_cfg = {"url": nats_server.url, "token": nats_server.token, "run_id": bus.subjects.run_id}
-    config = make_trainer_config(
-        model,
-        tmp_path / "out",
+    bus, config = await trainer_run(
+        make_bus,
+        nats_server,
+        tmp_path,
         "rl",
-        bus_cfg,
         max_steps=6,
         ckpt={"interval": 2, "keep_last": 2},
         weight_broadcast={"keep_last": 2},
@@ -143,10 +148,7 @@ async def test_a_drain_request_ends_the_trainer_after_the_step_in_hand_with_exit
 ):
     from rlbus.wire import control
 
-    model = build_tiny_model(tmp_path / "tiny")
-    bus = await make_bus()
-    bus_cfg = {"url": nats_server.url, "token": nats_server.token, "run_id": bus.subjects.run_id}
-    config = make_trainer_config(model, tmp_path / "out", "drain", bus_cfg, max_steps=None)
+    bus, config = await trainer_run(make_bus, nats_server, tmp_path, "drain", max_steps=None)
     for step in (1, 2):
         await bus.step_log.publish(make_train_batch(step))
 

@@ -4,8 +4,9 @@ Same engine as RL (model, FSDP2, optimizer, offload, checkpoints), fed from loca
 the bus: step s trains on examples [(s-1)*batch_size, s*batch_size) of the data (sft_data.py),
 split round-robin over ranks and packed into rows of seq_len. Validation loss every
 `data.val_interval` steps when `data.val_path` is set. At the end rank 0 writes `<run_dir>/model/`,
-an HF directory that `inference` and `rl` load. The `sft` command (sft_entrypoint.py) names the
-run, writes the resolved config and starts torchrun, whose ranks call `run(config)`.
+an HF directory that `inference` and `rl` load. The `sft` command (rlbus.launch.sft) names the
+run, writes the resolved config and starts torchrun, whose ranks (sft_entrypoint.py) call
+`run(config)`.
 """
 
 from __future__ import annotations
