@@ -193,3 +193,33 @@ def test_no_service_imports_the_launchers():
         for path in (REPO / "services").rglob("*.py")
     }
     assert {path: names for path, names in offenders.items() if names} == {}
+
+
+FOREIGN_LOOP = """
+import asyncio
+from rlbus.obs.logging import setup_logging
+from rlbus.runtime import terminate_on_failure
+
+setup_logging("engine", json_console=True)
+
+async def listener():
+    raise OSError("address already in use")
+
+async def server():  # an event loop the shell does not own, like vLLM's API server
+    terminate_on_failure(asyncio.get_running_loop().create_task(listener()), "router_listener")
+    await asyncio.sleep(30)
+
+asyncio.run(server())
+"""
+
+
+def test_a_failed_task_in_a_foreign_loop_terminates_the_process_with_one_line(tmp_path):
+    script = tmp_path / "engine.py"
+    script.write_text(FOREIGN_LOOP)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=30
+    )
+
+    assert result.returncode == -signal.SIGTERM
+    (line,) = [e for e in events(result.stderr) if e["level"] == "error"]
+    assert line["task"] == "router_listener" and "address already in use" in line["error"]

@@ -334,6 +334,25 @@ class TaskSupervisor:
             self.raise_if_failed()
 
 
+def terminate_on_failure(task: asyncio.Task, name: str) -> None:
+    """For a task in an event loop the shell does not own (vLLM's API server): if it raises, log
+    the one `service_task_failed` line and SIGTERM this process, so its parent sees it end."""
+
+    def on_done(done: asyncio.Task) -> None:
+        if done.cancelled() or done.exception() is None:
+            return
+        error = done.exception()
+        log.error(
+            "service_task_failed",
+            task=name,
+            error=f"{type(error).__name__}: {error}",
+            where=where(error),
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    task.add_done_callback(on_done)
+
+
 def where(error: BaseException) -> str:
     """`file:line in function` of the frame that raised (the log line stays one line)."""
     frames = traceback.extract_tb(error.__traceback__)

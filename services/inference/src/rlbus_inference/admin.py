@@ -38,6 +38,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from rlbus.runtime import terminate_on_failure
 from rlbus_inference.checksums import ChecksumMismatch, safetensors_files, verify_weights_dir
 
 WEIGHTS_VERSION_HEADER = "X-Rlbus-Weights-Version"
@@ -345,4 +346,8 @@ class RlbusAdminPlugin:
         if port := os.environ.get(ROUTER_PORT_ENV):
             # The router-facing listener: same app, same event loop, loopback only.
             server = _NoSignalServer.make(self.app, "127.0.0.1", int(port))
-            state.rlbus.router_listener = asyncio.get_running_loop().create_task(server.serve())
+            listener = asyncio.get_running_loop().create_task(server.serve())
+            # A listener that cannot serve (port taken) must end the engine, not leave the
+            # router talking to nothing.
+            terminate_on_failure(listener, "router_listener")
+            state.rlbus.router_listener = listener
