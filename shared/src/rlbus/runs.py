@@ -208,11 +208,16 @@ def prepare_run_dir(
 # ---- the run of a service's config (`output_dir`, `run`, `bus.run_id`) --------------------------
 
 
+def run_dir_of(config: Any) -> Path:
+    """`<output_dir>/<run.dir or run.name>` of a config with `output_dir` and `run`."""
+    return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+
+
 def ensure_run_name(config: Any, service: str) -> Path:
     """Give a config with `output_dir` and `run` a run name when it has none; return its run dir."""
     if config.run.name is None:
         config.run.name = standalone_run_name(service, config.model.name)
-    return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+    return run_dir_of(config)
 
 
 def require_run_dir(config: Any, service: str) -> Path:
@@ -221,7 +226,7 @@ def require_run_dir(config: Any, service: str) -> Path:
         raise RunDirError(
             f"{service}: run.name is not set; pass --run.name (the `rl` and `sft` launchers set it)"
         )
-    return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+    return run_dir_of(config)
 
 
 def run_id_of(

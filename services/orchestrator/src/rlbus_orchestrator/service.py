@@ -48,7 +48,7 @@ def run(config: OrchestratorConfig) -> None:
 async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -> None:
     """The service body; without `state` (tests, benchmarks) it runs until `max_steps`."""
     from rlbus.bus.client import Bus
-    from rlbus.runs import resolve_run_dir
+    from rlbus.runs import run_dir_of
     from rlbus.wire.events import Lifecycle
     from rlbus_orchestrator.coordinator import Coordinator
     from rlbus_orchestrator.envs import load_environment
@@ -57,11 +57,7 @@ async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -
     for env in config.env:
         load_environment(env.id, env.args)
     run_id = run_id_of(config)
-    run_dir = (
-        resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
-        if config.run.name
-        else None
-    )
+    run_dir = run_dir_of(config) if config.run.name else None
     state = state or ServiceState("orchestrator")
     bus = await Bus.connect(
         config.bus, run_id=run_id, storage_dir=run_dir, name=f"orchestrator-{config.role}"

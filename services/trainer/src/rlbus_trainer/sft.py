@@ -20,16 +20,6 @@ import structlog
 log = structlog.get_logger()
 
 
-def _run_dir(config) -> Path:
-    from rlbus.runs import resolve_run_dir
-
-    if not (config.run.name or config.run.dir):
-        raise ValueError(
-            "sft: run.name is not set; launch through `sft` (it names the run) or pass --run.name"
-        )
-    return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
-
-
 def _num_steps(config, data) -> int:
     if config.max_steps is not None:
         return config.max_steps
@@ -52,13 +42,14 @@ def run(config) -> Path | None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from rlbus.runs import require_run_dir
     from rlbus_trainer import ckpt
     from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
     from rlbus_trainer.hf_dir import write_hf_dir
     from rlbus_trainer.sft_data import SFTData, pack, sft_loss
 
     world = setup_distributed()
-    run_dir = _run_dir(config)
+    run_dir = require_run_dir(config, "sft")
     run_dir.mkdir(parents=True, exist_ok=True)
     structlog.contextvars.bind_contextvars(service="sft", rank=world.rank)
     tokenizer = AutoTokenizer.from_pretrained(

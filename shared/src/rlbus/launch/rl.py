@@ -25,7 +25,7 @@ from rlbus.launch.progress import Progress
 from rlbus.launch.scripts import describe_written, write_launch
 from rlbus.launch.supervisor import Supervisor
 from rlbus.obs.logging import setup_logging
-from rlbus.runs import prepare_run_dir_or_exit, rl_run_name
+from rlbus.runs import prepare_run_dir_or_exit, rl_run_name, run_id_of
 from rlbus.runtime import EXIT_SIGNAL_BASE, Terminated, raise_terminated
 
 log = structlog.get_logger()
@@ -93,7 +93,7 @@ def drain_over_bus(
     from rlbus.wire import control
 
     bus_config = launch.configs["trainer"].bus  # the resolved one (embedded server URL)
-    run_id = bus_config.run_id or launch.config.run.name
+    run_id = run_id_of(bus_config.run_id, launch.config.run.name)
 
     async def drain_all() -> dict[str, str]:
         outcomes: dict[str, str] = {}

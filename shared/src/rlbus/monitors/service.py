@@ -13,7 +13,7 @@ from rlbus.bus import Bus
 from rlbus.configs import RLConfig
 from rlbus.monitors.join import StepJoiner
 from rlbus.monitors.sinks import JsonlSink, WandbSink
-from rlbus.runs import resolve_run_dir, run_id_of
+from rlbus.runs import run_dir_of, run_id_of
 from rlbus.runtime import run_service
 from rlbus.wire import events
 from rlbus.wire.events import Lifecycle, StepMetrics
@@ -73,7 +73,7 @@ class Monitor:
 
 
 async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
-    run_dir = resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+    run_dir = run_dir_of(config)
     bus = await Bus.connect(config.bus, storage_dir=run_dir, name="monitor")
     monitor = Monitor(build_sinks(config, run_dir))
     subjects = bus.subjects
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     from rlbus.obs.logging import setup_logging
 
     config = parse_cli(RLConfig, argv, prog="python -m rlbus.monitors")
-    run_dir = resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+    run_dir = run_dir_of(config)
     # Logging only: the monitor makes no spans of its own.
     setup_logging(
         "monitor",
