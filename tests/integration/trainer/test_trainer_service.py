@@ -167,3 +167,37 @@ async def test_a_drain_request_ends_the_trainer_after_the_step_in_hand_with_exit
     stopped = [e for e in await read_lifecycle(bus) if e.state == "stopped"]
     assert [e.reason for e in stopped] == ["control drain: test"]
     assert [m.step for m in await read_step_metrics(bus)] == [1, 2]
+
+
+@pytest.mark.slow
+async def test_a_stop_request_leaves_no_checkpoint_nor_weights_for_the_step_in_hand(
+    make_bus, nats_server, tmp_path
+):
+    from rlbus.wire import control
+
+    bus, config = await trainer_run(
+        make_bus, nats_server, tmp_path, "stop", max_steps=None, ckpt={"interval": 1}
+    )
+    run_dir = tmp_path / "out" / "stop"
+    await bus.step_log.publish(make_train_batch(1))
+
+    proc = start_ranks(tmp_path, config, 1, "trainer")
+    try:
+        await wait_until(lambda: metrics_reached(bus, 1))
+        # The Stop lands while step 2 is polled or trained (which one is timing): either way
+        # step 2 must leave no checkpoint, no weights and no metrics.
+        await bus.step_log.publish(make_train_batch(2))
+        reply = await bus.request("trainer", control.Stop(reason="test"), timeout_s=10)
+        assert reply.ok and reply.state == "stopping"
+    except BaseException:
+        kill_tree(proc)
+        raise
+    wait_ranks(tmp_path, proc, config, "trainer", timeout_s=60)
+
+    assert [m.step for m in await read_step_metrics(bus)] == [1]
+    assert complete_steps(run_dir) == [1]
+    assert not (run_dir / "broadcasts" / "step_2").exists()
+    entry = await bus.kv(bus.subjects.weights_bucket).get(
+        WEIGHTS_LATEST_KEY, weights.published_decoder
+    )
+    assert entry.value.version == 1
