@@ -141,10 +141,7 @@ async def finish(task: asyncio.Task, timeout_s: float = 10.0) -> None:
         task.cancel()
 
 
-if __name__ == "__main__":
-    # Development entry without the foundation's CLI: python -m rlbus_inference.service --vllm.model DIR
-    import sys
+if __name__ == "__main__":  # `python -m rlbus_inference.service ...` = the `inference` command
+    from rlbus_inference.entrypoint import main
 
-    from pydantic_config import cli
-
-    run(cli(InferenceConfig, args=sys.argv[1:]))
+    main()
