@@ -22,6 +22,7 @@ import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -62,6 +63,11 @@ def rl_run_name(env_ids: list[str], model_name: str) -> str:
 def sft_run_name(dataset: str, model_name: str) -> str:
     """`<dataset>--<model>--<short-id>`, e.g. `reverse-text--tiny-qwen3--3f9a1c`."""
     return f"{slug(dataset)}--{slug(model_name)}--{short_id()}"
+
+
+def standalone_run_name(service: str, model_name: str) -> str:
+    """Name for a service started by hand without `--run.name`: `<service>--<model>--<short-id>`."""
+    return f"{service}--{slug(model_name)}--{short_id()}"
 
 
 def run_leaf(run_name: str | None, run_dir: str | None) -> str:
@@ -197,3 +203,56 @@ def prepare_run_dir(
     for sub in RUN_SUBDIRS:
         (path / sub).mkdir(parents=True, exist_ok=True)
     return RunPlan(run_dir=path, resuming=resume, resume_step=step, save_checkpoints=ckpt_enabled)
+
+
+# ---- the run of a service's config (`output_dir`, `run`, `bus.run_id`) --------------------------
+
+
+def run_dir_of(config: Any) -> Path:
+    """`<output_dir>/<run.dir or run.name>` of a config with `output_dir` and `run`."""
+    return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+
+
+def ensure_run_name(config: Any, service: str) -> Path:
+    """Give a config with `output_dir` and `run` a run name when it has none; return its run dir."""
+    if config.run.name is None:
+        config.run.name = standalone_run_name(service, config.model.name)
+    return run_dir_of(config)
+
+
+def require_run_dir(config: Any, service: str) -> Path:
+    """The run directory of a config that must name its run (the launchers always do)."""
+    if not (config.run.name or config.run.dir):
+        raise RunDirError(
+            f"{service}: run.name is not set; pass --run.name (the `rl` and `sft` launchers set it)"
+        )
+    return run_dir_of(config)
+
+
+def run_id_of(
+    bus_run_id: str | None, run_name: str | None = None, run_dir: str | None = None
+) -> str | None:
+    """The run id on the bus: `bus.run_id`, else the run name, else the run directory's leaf."""
+    if bus_run_id or run_name:
+        return bus_run_id or run_name
+    return Path(run_dir).name if run_dir else None
+
+
+def prepare_run_dir_or_exit(config: Any, *, name_given: bool) -> RunPlan:
+    """`prepare_run_dir` for a named launcher config (`rl`, `sft`); a violation is printed in a
+    box and exits, like any other config error."""
+    from rlbus.configs.base import exit_with_config_error
+
+    try:
+        return prepare_run_dir(
+            config.output_dir,
+            config.run.name,
+            config.run.dir,
+            resume=config.resume is not None,
+            resume_step=config.resume.step if config.resume else None,
+            clean=config.clean,
+            name_was_given=name_given,
+            ckpt_enabled=config.ckpt is not None,
+        )
+    except RunDirError as error:
+        exit_with_config_error(str(error), title="Run directory")

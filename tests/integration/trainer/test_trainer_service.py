@@ -49,18 +49,23 @@ async def wait_until(predicate, timeout_s=240.0):
         await asyncio.sleep(0.1)
 
 
+async def trainer_run(make_bus, nats_server, tmp_path, name: str, **overrides):
+    """(a client bus, the trainer config) of a fresh run on the tiny model."""
+    model = build_tiny_model(tmp_path / "tiny")
+    bus = await make_bus()
+    bus_cfg = {"url": nats_server.url, "token": nats_server.token, "run_id": bus.subjects.run_id}
+    return bus, make_trainer_config(model, tmp_path / "out", name, bus_cfg, **overrides)
+
+
 @pytest.mark.slow
 async def test_trainer_trains_checkpoints_publishes_and_resumes_after_kill(
     make_bus, nats_server, tmp_path
 ):
-    model = build_tiny_model(tmp_path / "tiny")
-    bus = await make_bus()
-    bus_cfg = {"url": nats_server.url, "token": nats_server.token, "run_id": bus.subjects.run_id}
-    config = make_trainer_config(
-        model,
-        tmp_path / "out",
+    bus, config = await trainer_run(
+        make_bus,
+        nats_server,
+        tmp_path,
         "rl",
-        bus_cfg,
         max_steps=6,
         ckpt={"interval": 2, "keep_last": 2},
         weight_broadcast={"keep_last": 2},
@@ -124,3 +129,75 @@ async def test_trainer_trains_checkpoints_publishes_and_resumes_after_kill(
         assert sha256_file(location / f.name) == f.sha256
     assert sorted(p.name for p in (run_dir / "broadcasts").iterdir()) == ["step_5", "step_6"]
     AutoModelForCausalLM.from_pretrained(location)
+
+
+async def read_lifecycle(bus) -> list[events.Lifecycle]:
+    sub = await bus.js.pull_subscribe(
+        bus.subjects.lifecycle("trainer"), stream=bus.subjects.events_stream
+    )
+    try:
+        msgs = await sub.fetch(10, timeout=2)
+    finally:
+        await sub.unsubscribe()
+    return [events.decoder.decode(m.data) for m in msgs]
+
+
+@pytest.mark.slow
+async def test_a_drain_request_ends_the_trainer_after_the_step_in_hand_with_exit_0(
+    make_bus, nats_server, tmp_path
+):
+    from rlbus.wire import control
+
+    bus, config = await trainer_run(make_bus, nats_server, tmp_path, "drain", max_steps=None)
+    for step in (1, 2):
+        await bus.step_log.publish(make_train_batch(step))
+
+    proc = start_ranks(tmp_path, config, 1, "trainer")
+    try:
+        await wait_until(lambda: metrics_reached(bus, 2))
+        reply = await bus.request("trainer", control.Drain(reason="test"), timeout_s=10)
+        assert reply.ok and reply.state == "draining"
+        refused = await bus.request("trainer", control.Pause(), timeout_s=10)
+        assert not refused.ok and "not supported" in refused.message
+    except BaseException:
+        kill_tree(proc)
+        raise
+    wait_ranks(tmp_path, proc, config, "trainer", timeout_s=60)
+
+    stopped = [e for e in await read_lifecycle(bus) if e.state == "stopped"]
+    assert [e.reason for e in stopped] == ["control drain: test"]
+    assert [m.step for m in await read_step_metrics(bus)] == [1, 2]
+
+
+@pytest.mark.slow
+async def test_a_stop_request_leaves_no_checkpoint_nor_weights_for_the_step_in_hand(
+    make_bus, nats_server, tmp_path
+):
+    from rlbus.wire import control
+
+    bus, config = await trainer_run(
+        make_bus, nats_server, tmp_path, "stop", max_steps=None, ckpt={"interval": 1}
+    )
+    run_dir = tmp_path / "out" / "stop"
+    await bus.step_log.publish(make_train_batch(1))
+
+    proc = start_ranks(tmp_path, config, 1, "trainer")
+    try:
+        await wait_until(lambda: metrics_reached(bus, 1))
+        # The Stop lands while step 2 is polled or trained (which one is timing): either way
+        # step 2 must leave no checkpoint, no weights and no metrics.
+        await bus.step_log.publish(make_train_batch(2))
+        reply = await bus.request("trainer", control.Stop(reason="test"), timeout_s=10)
+        assert reply.ok and reply.state == "stopping"
+    except BaseException:
+        kill_tree(proc)
+        raise
+    wait_ranks(tmp_path, proc, config, "trainer", timeout_s=60)
+
+    assert [m.step for m in await read_step_metrics(bus)] == [1]
+    assert complete_steps(run_dir) == [1]
+    assert not (run_dir / "broadcasts" / "step_2").exists()
+    entry = await bus.kv(bus.subjects.weights_bucket).get(
+        WEIGHTS_LATEST_KEY, weights.published_decoder
+    )
+    assert entry.value.version == 1

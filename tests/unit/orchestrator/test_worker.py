@@ -85,13 +85,3 @@ def test_environment_failure_is_published_as_an_error_rollout():
     ((_, rollout, _),) = worker.bus.published
     assert rollout.samples == [] and "no-such-env" in rollout.error
     assert delivery.settled == "ack"
-
-
-def test_drain_request_stops_the_service():
-    from rlbus.wire import control
-    from rlbus_orchestrator.service import control_handler
-
-    stop = asyncio.Event()
-    handle = control_handler(stop)
-    assert not asyncio.run(handle(control.Pause())).ok and not stop.is_set()
-    assert asyncio.run(handle(control.Drain(reason="test"))).ok and stop.is_set()

@@ -41,6 +41,7 @@ from pydantic import BaseModel, Field
 from rlbus.checksums import ChecksumMismatch, verify_files
 from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
 from rlbus_inference.worker import safetensors_files
+from rlbus.runtime import terminate_on_failure
 
 INITIAL_VERSION_ENV = "RLBUS_INITIAL_WEIGHTS_VERSION"
 ROUTER_PORT_ENV = "RLBUS_ROUTER_FACING_PORT"
@@ -346,4 +347,8 @@ class RlbusAdminPlugin:
         if port := os.environ.get(ROUTER_PORT_ENV):
             # The router-facing listener: same app, same event loop, loopback only.
             server = _NoSignalServer.make(self.app, "127.0.0.1", int(port))
-            state.rlbus.router_listener = asyncio.get_running_loop().create_task(server.serve())
+            listener = asyncio.get_running_loop().create_task(server.serve())
+            # A listener that cannot serve (port taken) must end the engine, not leave the
+            # router talking to nothing.
+            terminate_on_failure(listener, "router_listener")
+            state.rlbus.router_listener = listener

@@ -1,4 +1,4 @@
-"""`inference`: parse InferenceConfig, set up logging, start the inference service.
+"""`inference`: parse InferenceConfig, then the service shell (rlbus.runtime) runs the replica.
 
     inference --vllm.model <dir> [--vllm.<any vLLM option> ...] [--server.port 8000]
 
@@ -6,11 +6,10 @@ Unknown `--vllm.*` options pass through to vLLM. vLLM and torch are imported by
 `rlbus_inference.service`, after parsing, so `--help` and config errors are instant.
 """
 
+from rlbus import runtime
 from rlbus.configs import InferenceConfig
 from rlbus.configs.base import parse_cli
-from rlbus.launch.entry import load_service_run
-from rlbus.obs.logging import setup_logging
-from rlbus.runs import slug
+from rlbus.runs import run_id_of, slug
 
 
 def log_name(config: InferenceConfig) -> str:
@@ -20,15 +19,14 @@ def log_name(config: InferenceConfig) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(InferenceConfig, argv, prog="inference")
-    setup_logging(
+    runtime.main(
         log_name(config),
+        config,
+        "rlbus_inference.service",
+        command="inference",
         run_dir=config.run_dir,
-        run_id=config.bus.run_id,
-        level=config.log.level,
-        json_console=config.log.json_console,
+        run_id=run_id_of(config.bus.run_id, run_dir=config.run_dir),
     )
-    run = load_service_run("rlbus_inference.service", command="inference")
-    run(config)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: keep the guard

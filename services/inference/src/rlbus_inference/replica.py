@@ -28,6 +28,8 @@ import structlog
 
 from rlbus.bus import Bus
 from rlbus.configs.inference import InferenceConfig
+from rlbus.runs import run_id_of
+from rlbus.runtime import ServiceState, TaskSupervisor
 from rlbus.wire import replicas, weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_inference import processes
@@ -93,11 +95,11 @@ class WeightAgent:
         self.broadcast_location: str | None = None
 
     async def run(self) -> None:
-        watcher = asyncio.create_task(self.watch())
-        try:
-            await self.apply_loop()
-        finally:
-            watcher.cancel()
+        """Watch and apply until cancelled; a watch that ends with an error ends the agent."""
+        async with TaskSupervisor() as tasks:
+            tasks.spawn("weights_watch", self.watch())
+            tasks.spawn("weights_apply", self.apply_loop())
+            await tasks.join()
 
     async def watch(self) -> None:
         kv = self.bus.kv(self.bus.subjects.weights_bucket)
@@ -240,14 +242,12 @@ async def hold_lease(bus: Bus, config: InferenceConfig, state: dict, stop: async
     log.info("replica_withdrawn", replica_id=key)
 
 
-async def run_replica_tasks(config: InferenceConfig, stop: asyncio.Event) -> None:
-    """Lease + weight agent until `stop` is set; then withdraw the lease and close the bus."""
-    run_id = config.bus.run_id
-    if run_id is None and config.run_dir is not None:
-        run_id = config.run_dir.rstrip("/").rsplit("/", 1)[-1]
+async def run_replica_tasks(config: InferenceConfig, service: ServiceState) -> None:
+    """Lease + weight agent until the service ends; then withdraw the lease and close the bus."""
+    stop = service.stop_requested
     bus = await Bus.connect(
         config.bus,
-        run_id=run_id,
+        run_id=run_id_of(config.bus.run_id, run_dir=config.run_dir),
         storage_dir=config.run_dir,
         name=f"inference-{replica_id(config)}",
     )
@@ -259,21 +259,13 @@ async def run_replica_tasks(config: InferenceConfig, stop: asyncio.Event) -> Non
             info = make_replica_info(config, version=version, status=status)
             await lease.update(replicas.encoder.encode(info))
 
-    async with httpx.AsyncClient() as http:
-        agent = WeightAgent(bus, config, http, on_change)
-        lease_task = asyncio.create_task(hold_lease(bus, config, state, stop))
-        agent_task = asyncio.create_task(agent.run())
-        stopped = asyncio.create_task(stop.wait())
-        try:
-            done, _ = await asyncio.wait(
-                {stopped, lease_task, agent_task}, return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in done - {stopped}:
-                task.result()  # a failed lease or agent ends the replica with its error
-        finally:
-            stop.set()
-            stopped.cancel()
+    try:
+        async with httpx.AsyncClient() as http, TaskSupervisor() as tasks:
+            agent = WeightAgent(bus, config, http, on_change)
+            lease = tasks.spawn("replica_lease", hold_lease(bus, config, state, stop))
+            agent_task = tasks.spawn("weight_agent", agent.run())
+            await tasks.wait(stop, lease)
             agent_task.cancel()
-            await asyncio.gather(agent_task, return_exceptions=True)
-            await lease_task
-            await bus.close()
+            await lease  # withdraws the lease: stop is set or the lease ended by itself
+    finally:
+        await bus.close()

@@ -9,6 +9,11 @@
        agent (watch the weights KV key, apply each new version, report applied/failed);
     4. serve until SIGTERM/SIGINT or until a child dies.
 
+Signals come from the service shell (rlbus.runtime): the first SIGTERM/SIGINT stops the replica in
+the order below (also during start-up: the engine is stopped and the exit is 0), a second one
+exits at once (143/130). The bus tasks are supervised: a lease or weight agent that raises ends
+the replica with one `service_task_failed` line and exit code 1.
+
 Shutdown order: withdraw the lease (rollout workers stop sending), stop the agent, stop the
 router, stop the engine (its process group, EngineCore included), close the bus. A crash of
 either child ends the replica with an error; kill -9 of the replica leaves its lease to expire.
@@ -26,6 +31,7 @@ import structlog
 
 from rlbus.configs.inference import InferenceConfig
 from rlbus.netutil import free_port
+from rlbus.runtime import ServiceState, TaskSupervisor, run_service
 from rlbus_inference import processes
 
 log = structlog.get_logger()
@@ -36,7 +42,7 @@ ROUTER_START_TIMEOUT_S = 60.0
 
 def run(config: InferenceConfig) -> None:
     """Serve until SIGTERM/SIGINT (see module docstring)."""
-    asyncio.run(serve(config))
+    run_service("inference", lambda state: serve(config, state))
 
 
 def logs_dir(config: InferenceConfig) -> Path | None:
@@ -52,22 +58,15 @@ def log_suffix(config: InferenceConfig) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", config.replica_id or str(config.server.port))
 
 
-async def serve(config: InferenceConfig) -> None:
-    stop_requested = asyncio.Event()
-    stop_startup = threading.Event()  # the same request, seen by the start-up waits in threads
-
-    def request_stop() -> None:
-        stop_requested.set()
-        stop_startup.set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, request_stop)
+async def serve(config: InferenceConfig, state: ServiceState) -> None:
+    stop_startup = threading.Event()  # the stop request, seen by the start-up waits in threads
+    state.listeners.append(stop_startup.set)
 
     logs = logs_dir(config)
     engine = router = None
-    background = None
     router_facing_port = free_port()
+    tasks = TaskSupervisor()
+    replica = None
     try:
         engine = processes.start(
             "engine",
@@ -105,65 +104,44 @@ async def serve(config: InferenceConfig) -> None:
             model=config.vllm.model,
         )
         if config.bus.url:
-            from rlbus.obs import tracing
             from rlbus_inference.replica import run_replica_tasks
 
-            # weights_apply spans (one per applied version) -> <run_dir>/traces/inference.jsonl
-            tracing.setup_tracing(
-                "inference",
-                run_dir=config.run_dir,
-                endpoint=config.otel.endpoint,
-                enabled=config.otel.enabled,
-                run_id=config.bus.run_id,
-            )
-
-            background = asyncio.create_task(run_replica_tasks(config, stop_requested))
-        await wait_for_stop(stop_requested, [engine, router], background)
+            replica = tasks.spawn("replica_tasks", run_replica_tasks(config, state))
+        await wait_for_stop(state, [engine, router], tasks)
     except processes.StopDuringStartup as stopped:
         log.info("inference_stop_during_startup", reason=str(stopped))
     finally:
-        stop_requested.set()
-        if background is not None:
-            await finish(background)
+        state.drain("shutdown")  # the bus tasks see it: they withdraw the lease first
+        if replica is not None:
+            await finish(replica)
+        await tasks.close()
         if router is not None:
             await asyncio.to_thread(processes.stop, "router", router)
         if engine is not None:
             await asyncio.to_thread(processes.stop, "engine", engine)
-        from rlbus.obs import tracing
-
-        tracing.shutdown_tracing()
         log.info("inference_stopped")
 
 
-async def wait_for_stop(stop_requested: asyncio.Event, children, background) -> None:
-    """Return on a stop request; raise if a child or the bus tasks die first."""
-    while not stop_requested.is_set():
+async def wait_for_stop(state: ServiceState, children, tasks: TaskSupervisor) -> None:
+    """Return on a stop request; raise if a child dies (ChildExited) or a bus task fails
+    (TaskFailed) first."""
+    while not state.ending:
         for child in children:
             if child.poll() is not None:
                 raise processes.ChildExited(f"child pid {child.pid} exited with {child.returncode}")
-        if background is not None and background.done():
-            background.result()  # re-raises the bus tasks' error
-            return
-        try:
-            await asyncio.wait_for(stop_requested.wait(), timeout=1.0)
-        except TimeoutError:
-            pass
+        await tasks.wait(state.stop_requested, timeout_s=1.0)
 
 
 async def finish(task: asyncio.Task, timeout_s: float = 10.0) -> None:
-    """Let the bus tasks withdraw the lease and close; cancel them if they take too long."""
-    try:
-        await asyncio.wait_for(task, timeout_s)
-    except TimeoutError:
+    """Wait for the bus tasks to withdraw the lease and close; cancel them if they take too long
+    (their own failure is reported by the supervisor, not here)."""
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
         log.warning("replica_tasks_cancelled")
-    except Exception as error:
-        log.error("replica_tasks_failed", error=str(error))
+        task.cancel()
 
 
-if __name__ == "__main__":
-    # Development entry without the foundation's CLI: python -m rlbus_inference.service --vllm.model DIR
-    import sys
+if __name__ == "__main__":  # `python -m rlbus_inference.service ...` = the `inference` command
+    from rlbus_inference.entrypoint import main
 
-    from pydantic_config import cli
-
-    run(cli(InferenceConfig, args=sys.argv[1:]))
+    main()

@@ -34,6 +34,11 @@ publish; republished on restart, deduplicated by message id). The batches stream
 which steps exist: on start, any batch at `next_step` already in the log (crash between publish
 and state save) is adopted and its task ids marked consumed.
 
+Pause (control `Pause`, until `Resume`): issue_tasks issues nothing; rollouts still in flight are
+pooled and batched as usual. Drain (SIGTERM/SIGINT, control `Drain`): stop issuing, wait up to
+DRAIN_TIMEOUT_S for the rollouts in flight to come back (batched or dropped), then the clean
+shutdown. Stop (control `Stop`): the clean shutdown at once, without waiting for handlers.
+
 Clean shutdown: stop issuing, stop the consumer (pooled rollouts stay unacked and are redelivered
 to the next coordinator), save state. Crash (kill -9): the same, minus the last save, which the
 restart repairs from the batch log and the write-ahead cursors.
@@ -55,6 +60,7 @@ from rlbus.bus.consumer import Delivery
 from rlbus.bus.kv import KV
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
+from rlbus.runtime import ServiceState, TaskSupervisor
 from rlbus.wire import rollouts as rollouts_wire
 from rlbus.wire.batches import TrainBatch
 from rlbus.wire.events import StepMetrics
@@ -74,6 +80,10 @@ log = structlog.get_logger()
 
 STATE_KEY = "orchestrator"
 WEIGHTS_POLL_S = 1.0
+DRAIN_TIMEOUT_S = 20.0
+"""How long a drain waits for the rollouts in flight (less than the 30 s the `rl` launcher gives
+a drain before it signals)."""
+DRAIN_POLL_S = 0.2
 
 
 @dataclass
@@ -147,6 +157,10 @@ class Coordinator:
         self.eval_results: dict[int, dict[str, float]] = {}
         self.eval_pending: dict[int, list[float]] = {}
         self.num_batches_published = 0
+        self.service = ServiceState("orchestrator")
+        """Paused / draining / stopping: replaced by the service's own in `run`."""
+        self.tasks = TaskSupervisor()
+        """issue_tasks, watch_weights and evaluation runs: one that raises ends the coordinator."""
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -233,8 +247,13 @@ class Coordinator:
 
     async def issue_tasks(self) -> None:
         while not self.done.is_set():
+            if not self.service.unpaused.is_set():
+                await self.service.unpaused.wait()
+                self.changed.set()  # issue what the pause held back
             await self.changed.wait()
             self.changed.clear()
+            if self.service.mode != "running":  # paused or draining: nothing new
+                continue
             async with self.lock:
                 started = time.monotonic()
                 num = self.num_tasks_to_issue()
@@ -412,7 +431,7 @@ class Coordinator:
         )
         self.stats = StepStats()
         if self.config.eval is not None and step % self.config.eval.interval == 0:
-            asyncio.create_task(self.publish_eval_tasks(step))
+            self.tasks.spawn(f"eval_step_{step}", self.publish_eval_tasks(step))
         if self.config.max_steps is not None and step >= self.config.max_steps:
             self.done.set()
 
@@ -521,7 +540,23 @@ class Coordinator:
 
     # ---- main ----------------------------------------------------------------------------
 
-    async def run(self, stop: asyncio.Event) -> None:
+    def num_in_flight(self) -> int:
+        """Training tasks issued whose rollouts have not come back yet."""
+        return len(self.state.outstanding) - len(self.pool)
+
+    async def drain(self) -> None:
+        """Let the rollouts in flight come back (issue_tasks issues nothing while draining)."""
+        log.info("coordinator_draining", in_flight=self.num_in_flight())
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self.num_in_flight() > 0 and not self.done.is_set() and not self.service.stop_now:
+            if time.monotonic() > deadline:
+                log.warning("coordinator_drain_timeout", in_flight=self.num_in_flight())
+                return
+            await self.tasks.wait(self.done, timeout_s=DRAIN_POLL_S)
+
+    async def run(self, service: ServiceState | None = None) -> None:
+        """Until `max_steps` is batched or the service is asked to stop (module docstring)."""
+        self.service = service or self.service
         await self.load_state()
         if self.config.max_steps is not None and self.state.next_step > self.config.max_steps:
             log.info("coordinator_already_done", next_step=self.state.next_step)
@@ -536,22 +571,20 @@ class Coordinator:
             auto_ack=False,
         )
         self.changed.set()
-        background = [
-            asyncio.create_task(self.issue_tasks()),
-            asyncio.create_task(self.watch_weights()),
-        ]
         try:
-            async with consumer:
-                stopper = asyncio.create_task(stop.wait())
-                await asyncio.wait(
-                    [stopper, asyncio.create_task(self.done.wait())],
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                stopper.cancel()
+            async with self.tasks, consumer:
+                self.tasks.spawn("issue_tasks", self.issue_tasks())
+                self.tasks.spawn("watch_weights", self.watch_weights())
+                await self.tasks.wait(self.service.stop_requested, self.done)
+                if self.service.mode == "draining":
+                    await self.drain()
+                if self.service.stop_now:
+                    await consumer.stop(timeout_s=0)
         finally:
             self.done.set()
             self.changed.set()
-            for t in background:
-                t.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-        log.info("coordinator_stopped", next_step=self.state.next_step)
+        log.info(
+            "coordinator_stopped",
+            next_step=self.state.next_step,
+            reason=self.service.reason or "max_steps",
+        )

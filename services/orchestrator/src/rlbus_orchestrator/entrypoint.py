@@ -1,4 +1,5 @@
-"""`orchestrator`: parse OrchestratorConfig, set up logging, start the coordinator and workers.
+"""`orchestrator`: parse OrchestratorConfig, then the service shell (rlbus.runtime) runs the
+coordinator and workers.
 
     orchestrator @ orchestrator.toml --run.name <run> --bus.url nats://host:4222
 
@@ -6,25 +7,23 @@ Started by `rl` with the resolved config from the run directory; by hand, pass `
 (and the bus) of the run to join.
 """
 
+from rlbus import runtime
 from rlbus.configs import OrchestratorConfig
 from rlbus.configs.base import parse_cli
-from rlbus.launch.entry import ensure_run_name, load_service_run
-from rlbus.obs.logging import setup_logging
+from rlbus.runs import ensure_run_name, run_id_of
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(OrchestratorConfig, argv, prog="orchestrator")
     run_dir = ensure_run_name(config, "orchestrator")
-    service = "orchestrator" if config.role != "worker" else "orchestrator-worker"
-    setup_logging(
-        service,
+    runtime.main(
+        "orchestrator" if config.role != "worker" else "orchestrator-worker",
+        config,
+        "rlbus_orchestrator.service",
+        command="orchestrator",
         run_dir=run_dir,
-        run_id=config.bus.run_id or config.run.name,
-        level=config.log.level,
-        json_console=config.log.json_console,
+        run_id=run_id_of(config.bus.run_id, config.run.name),
     )
-    run = load_service_run("rlbus_orchestrator.service", command="orchestrator")
-    run(config)
 
 
 if __name__ == "__main__":

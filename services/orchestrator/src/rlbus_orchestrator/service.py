@@ -7,22 +7,27 @@ Roles (`--role`):
   share one durable consumer of the tasks stream.
 
 Environments are resolved before connecting to the bus, so a missing environment package fails
-at once with the install command. SIGTERM/SIGINT and a `Drain`/`Stop` control request on
-`control.orchestrator` stop the service cleanly (see `coordinator` for the order).
+at once with the install command. Signals and control requests on `control.orchestrator` reach
+the `ServiceState` of the service shell (rlbus.runtime); docs/orchestrator.md has the semantics:
+- SIGTERM/SIGINT and `Drain`: stop issuing, let in-flight rollouts come back and be batched, exit 0;
+- `Stop`: exit now (in-flight tasks and pooled rollouts are redelivered to the next orchestrator);
+- `Pause`/`Resume`: the coordinator stops/restarts issuing tasks; workers finish what was issued.
 """
 
 import asyncio
-import signal
 
 import structlog
 
 from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.runtime import ServiceState, TaskSupervisor, control_handler, run_service
 
 log = structlog.get_logger()
 
 
 def run_id_of(config: OrchestratorConfig) -> str:
-    run_id = config.bus.run_id or config.run.name
+    from rlbus.runs import run_id_of as resolve_run_id
+
+    run_id = resolve_run_id(config.bus.run_id, config.run.name)
     if not run_id:
         raise ValueError(
             "the orchestrator needs a run id: pass --run.name NAME (or --bus.run-id ID)"
@@ -30,38 +35,20 @@ def run_id_of(config: OrchestratorConfig) -> str:
     return run_id
 
 
-def control_handler(stop: asyncio.Event):
-    """Drain and Stop end the service (every orchestrator process of the run hears them)."""
-    from rlbus.wire import control
-
-    async def handle(request):
-        if isinstance(request, control.Drain | control.Stop):
-            log.info(
-                "orchestrator_stop_requested", request=type(request).__name__, reason=request.reason
-            )
-            stop.set()
-            return control.ControlReply(ok=True, service="orchestrator", state="draining")
-        return control.ControlReply(
-            ok=False, service="orchestrator", message=f"{type(request).__name__} is not supported"
-        )
-
-    return handle
-
-
 def run(config: OrchestratorConfig) -> None:
     """Run the orchestrator until `max_steps` batches are published (role all/coordinator) or a signal."""
     from rlbus_orchestrator.envs import EnvironmentNotFoundError
 
     try:
-        asyncio.run(serve(config))
+        run_service("orchestrator", lambda state: serve(config, state))
     except EnvironmentNotFoundError as error:
         raise SystemExit(f"orchestrator: {error}") from None
 
 
-async def serve(config: OrchestratorConfig, stop: asyncio.Event | None = None) -> None:
+async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -> None:
+    """The service body; without `state` (tests, benchmarks) it runs until `max_steps`."""
     from rlbus.bus.client import Bus
-    from rlbus.obs import tracing
-    from rlbus.runs import resolve_run_dir
+    from rlbus.runs import run_dir_of
     from rlbus.wire.events import Lifecycle
     from rlbus_orchestrator.coordinator import Coordinator
     from rlbus_orchestrator.envs import load_environment
@@ -70,39 +57,23 @@ async def serve(config: OrchestratorConfig, stop: asyncio.Event | None = None) -
     for env in config.env:
         load_environment(env.id, env.args)
     run_id = run_id_of(config)
-    run_dir = (
-        resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
-        if config.run.name
-        else None
-    )
-    tracing.setup_tracing(
-        "orchestrator",
-        run_dir=run_dir,
-        endpoint=config.otel.endpoint,
-        enabled=config.otel.enabled,
-        run_id=run_id,
-    )
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
+    run_dir = run_dir_of(config) if config.run.name else None
+    state = state or ServiceState("orchestrator")
     bus = await Bus.connect(
         config.bus, run_id=run_id, storage_dir=run_dir, name=f"orchestrator-{config.role}"
     )
     lifecycle = bus.subjects.lifecycle("orchestrator")
+    has_coordinator = config.role in ("all", "coordinator")
     try:
-        await bus.serve_control("orchestrator", control_handler(stop))
+        await bus.serve_control("orchestrator", control_handler(state, pausable=has_coordinator))
         await bus.publish(
             lifecycle, Lifecycle(service="orchestrator", state="started", instance_id=config.role)
         )
         workers_stop = asyncio.Event()
-        jobs = []
-        if config.role in ("all", "worker"):
-            jobs.append(
-                asyncio.create_task(
+        async with TaskSupervisor() as tasks:
+            if config.role in ("all", "worker"):
+                tasks.spawn(
+                    "rollout_workers",
                     run_workers(
                         bus,
                         num_workers=config.num_workers,
@@ -111,18 +82,24 @@ async def serve(config: OrchestratorConfig, stop: asyncio.Event | None = None) -
                         model=config.model.name,
                         static_urls=config.inference_urls,
                         stop=workers_stop,
-                    )
+                        state=state,
+                    ),
                 )
-            )
-        if config.role in ("all", "coordinator"):
-            await Coordinator(bus, config).run(stop)
-        else:
-            await stop.wait()
-        workers_stop.set()
-        await asyncio.gather(*jobs)
+            if has_coordinator:
+                coordinator = tasks.spawn("coordinator", Coordinator(bus, config).run(state))
+                await tasks.wait(coordinator)
+            else:
+                await tasks.wait(state.stop_requested)
+            workers_stop.set()
+            await tasks.join()
         await bus.publish(
-            lifecycle, Lifecycle(service="orchestrator", state="stopped", instance_id=config.role)
+            lifecycle,
+            Lifecycle(
+                service="orchestrator",
+                state="stopped",
+                instance_id=config.role,
+                reason=state.reason or "max_steps",
+            ),
         )
     finally:
         await bus.close()
-        tracing.shutdown_tracing()

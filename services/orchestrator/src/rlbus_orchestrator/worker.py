@@ -15,6 +15,9 @@ Failure handling:
   counts it, and issues a replacement task) and the task is acked.
 
 A background loop refreshes the replica registry (bus KV `replicas`, or `inference_urls`).
+
+On `stop` the workers stop fetching; the episodes in flight finish and are published (drain),
+unless the service was asked to `Stop`: then they are abandoned at once and redelivered.
 """
 
 import asyncio
@@ -29,6 +32,7 @@ import structlog
 from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
 from rlbus.obs import tracing
+from rlbus.runtime import ServiceState, TaskSupervisor
 from rlbus.wire import tasks as tasks_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus.wire.tasks import Task
@@ -92,7 +96,7 @@ class RolloutWorker:
         self.num_tasks = max(1, math.ceil(max_concurrency / group_size))
         self.num_rollouts = 0
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, service: ServiceState | None = None) -> None:
         s = self.bus.subjects
         consumer = self.bus.consumer(
             s.tasks_stream,
@@ -107,6 +111,8 @@ class RolloutWorker:
                 "rollout_worker_started", worker_id=self.worker_id, tasks_in_flight=self.num_tasks
             )
             await stop.wait()
+            if service is not None and service.stop_now:
+                await consumer.stop(timeout_s=0)
         log.info("rollout_worker_stopped", worker_id=self.worker_id, num_rollouts=self.num_rollouts)
 
     async def handle(self, delivery: Delivery[Task]) -> None:
@@ -179,8 +185,9 @@ async def run_workers(
     model: str,
     static_urls: list[str],
     stop: asyncio.Event,
+    state: ServiceState | None = None,
 ) -> None:
-    """Run `num_workers` workers sharing one replica pool until `stop`."""
+    """Run `num_workers` workers sharing one replica pool until `stop` (see module docstring)."""
     pool = ReplicaPool()
     async with make_http_client(num_workers * max_concurrency) as http:
         client = InferenceClient(pool, http, model)
@@ -188,7 +195,8 @@ async def run_workers(
             RolloutWorker(bus, client, max_concurrency=max_concurrency, group_size=group_size)
             for _ in range(num_workers)
         ]
-        await asyncio.gather(
-            refresh_replicas(bus, pool, static_urls, model, stop),
-            *(w.run(stop) for w in workers),
-        )
+        async with TaskSupervisor() as tasks:
+            tasks.spawn("refresh_replicas", refresh_replicas(bus, pool, static_urls, model, stop))
+            for worker in workers:
+                tasks.spawn(f"rollout_worker {worker.worker_id}", worker.run(stop, state))
+            await tasks.join()

@@ -10,39 +10,35 @@
 
 Only the step the trainer expects next is ever read (by subject `batches.<N>`), so a batch
 redelivered or republished for a step already trained is never trained twice; after a resume from
-checkpoint K the trainer re-reads K+1, K+2, ... from the log. A stop (SIGTERM, or a `drain`/`stop`
-control request to rank 0) is agreed by all ranks at the next poll and ends after the current step.
+checkpoint K the trainer re-reads K+1, K+2, ... from the log.
+
+Ending (signals and control requests reach rank 0's `ServiceState`, rlbus.runtime; all ranks agree
+through an all-reduce, so they end on the same step):
+- Drain (SIGTERM/SIGINT, control `Drain`): finish the step in hand (train, checkpoint, publish),
+  then exit 0 at the next poll;
+- Stop (control `Stop`): the step in hand is not checkpointed nor published (no half-written
+  checkpoint, no weights announced for it); a resume retrains it from the last checkpoint.
+Pause/Resume are refused: the trainer only follows the batches the orchestrator publishes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import structlog
 import torch
 import torch.distributed as dist
 
-from rlbus.wire import control, events
+from rlbus.runtime import ServiceState, control_handler, run_service
+from rlbus.wire import events
 from rlbus.wire.batches import MicroBatch, TrainBatch
 
 log = structlog.get_logger()
 
 SERVICE = "trainer"
 POLL_S = 0.25
-
-
-def run_dir_of(config) -> Path:
-    from rlbus.runs import resolve_run_dir
-
-    if not (config.run.name or config.run.dir):
-        raise ValueError(
-            "trainer: run.name is not set; pass --run.name (the `rl` launcher sets it)"
-        )
-    return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
 
 
 def rank_micro_batches(batch: TrainBatch, rank: int, world_size: int) -> list[MicroBatch]:
@@ -53,19 +49,16 @@ def rank_micro_batches(batch: TrainBatch, rank: int, world_size: int) -> list[Mi
     return flat[rank::world_size]
 
 
-class StopFlag:
-    """Set by SIGTERM/SIGINT or a control request; read at every poll."""
-
-    def __init__(self):
-        self.reason: str | None = None
-
-    def set(self, reason: str) -> None:
-        if self.reason is None:
-            log.info("trainer_stop_requested", reason=reason)
-            self.reason = reason
+def agreed(flag: bool) -> bool:
+    """Whether any rank has `flag` (collective: every rank must call it at the same point)."""
+    value = torch.tensor([float(flag)])
+    dist.all_reduce(value)
+    return bool(value[0] > 0)
 
 
-async def wait_for_batch(bus, step: int, stop: StopFlag) -> tuple[TrainBatch | None, dict, float]:
+async def wait_for_batch(
+    bus, step: int, stop: ServiceState
+) -> tuple[TrainBatch | None, dict, float]:
     """Step `step`'s batch once every rank has it (None: stop agreed). Collective."""
     from rlbus.bus.errors import StepNotFound
 
@@ -77,7 +70,7 @@ async def wait_for_batch(bus, step: int, stop: StopFlag) -> tuple[TrainBatch | N
                 batch, headers = await bus.step_log.get_with_headers(step, timeout_s=POLL_S)
             except StepNotFound:
                 pass
-        flags = torch.tensor([float(batch is not None), float(stop.reason is not None)])
+        flags = torch.tensor([float(batch is not None), float(stop.ending)])
         dist.all_reduce(flags)
         if flags[1] > 0:
             return None, {}, time.perf_counter() - t0
@@ -126,46 +119,21 @@ async def publish_event(bus, message) -> None:
     )
 
 
-def install_signal_handlers(stop: StopFlag) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set, sig.name)
-
-
-async def serve_control(bus, stop: StopFlag) -> None:
-    async def handle(request) -> control.ControlReply:
-        if isinstance(request, (control.Drain, control.Stop)):
-            stop.set(f"control {type(request).__name__.lower()}: {request.reason or ''}".strip())
-            return control.ControlReply(ok=True, service=SERVICE, state="draining")
-        return control.ControlReply(
-            ok=False, service=SERVICE, message=f"{type(request).__name__} is not supported"
-        )
-
-    await bus.serve_control(SERVICE, handle)
-
-
-async def run_async(config) -> int:
+async def run_async(config, stop: ServiceState | None = None) -> int:
     """The service body (see module docstring); returns the last trained step."""
     from rlbus.bus import Bus
     from rlbus.obs import tracing
+    from rlbus.runs import require_run_dir, run_id_of
     from rlbus_trainer import ckpt
     from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
     from rlbus_trainer.loss import build_loss_fn
     from rlbus_trainer.weights import build_weight_publisher
 
     world = setup_distributed()
-    run_dir = run_dir_of(config)
+    run_dir = require_run_dir(config, SERVICE)
     run_dir.mkdir(parents=True, exist_ok=True)
-    run_id = config.bus.run_id or config.run.name
+    run_id = run_id_of(config.bus.run_id, config.run.name)
     structlog.contextvars.bind_contextvars(service=SERVICE, rank=world.rank)
-    if world.is_main:
-        tracing.setup_tracing(
-            SERVICE,
-            run_dir=run_dir,
-            endpoint=config.otel.endpoint,
-            enabled=config.otel.enabled,
-            run_id=run_id,
-        )
     engine = build_engine(config, world)
     loss_fn = build_loss_fn(config.loss)
 
@@ -176,14 +144,13 @@ async def run_async(config) -> int:
             ckpt.load_checkpoint(engine, run_dir, resume_step)
             last_step = resume_step
 
-    stop = StopFlag()
-    install_signal_handlers(stop)
+    stop = stop or ServiceState(SERVICE)
     bus = await Bus.connect(
         config.bus, run_id=run_id, storage_dir=run_dir, name=f"{SERVICE}-{world.rank}"
     )
     publisher = build_weight_publisher(config, bus=bus, run_dir=run_dir, world=world)
     if world.is_main:
-        await serve_control(bus, stop)
+        await bus.serve_control(SERVICE, control_handler(stop, pausable=False))
         await publish_event(bus, events.Lifecycle(service=SERVICE, state="started"))
     log.info(
         "trainer_started", run_dir=str(run_dir), next_step=last_step + 1, max_steps=config.max_steps
@@ -208,6 +175,9 @@ async def run_async(config) -> int:
             result = await asyncio.to_thread(
                 engine.train_step, rank_micro_batches(batch, world.rank, world.world_size), loss_fn
             )
+        if agreed(stop.stop_now):
+            log.info("train_step_discarded_on_stop", step=step)
+            break
         extra: dict[str, float] = {}
         if config.ckpt is not None and (
             step % config.ckpt.interval == 0 or step == config.max_steps
@@ -247,8 +217,6 @@ async def run_async(config) -> int:
         )
     await publisher.close()
     await bus.close()
-    if world.is_main:
-        tracing.shutdown_tracing()
     log.info("trainer_stopped", last_step=last_step)
     teardown_distributed()
     return last_step
@@ -256,4 +224,4 @@ async def run_async(config) -> int:
 
 def run(config) -> int:
     """Entry point called by `trainer` (entrypoint.py) on every rank."""
-    return asyncio.run(run_async(config))
+    return run_service(SERVICE, lambda state: run_async(config, state))

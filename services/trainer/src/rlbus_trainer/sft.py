@@ -4,8 +4,9 @@ Same engine as RL (model, FSDP2, optimizer, offload, checkpoints), fed from loca
 the bus: step s trains on examples [(s-1)*batch_size, s*batch_size) of the data (sft_data.py),
 split round-robin over ranks and packed into rows of seq_len. Validation loss every
 `data.val_interval` steps when `data.val_path` is set. At the end rank 0 writes `<run_dir>/model/`,
-an HF directory that `inference` and `rl` load. The `sft` command (sft_entrypoint.py) names the
-run, writes the resolved config and starts torchrun, whose ranks call `run(config)`.
+an HF directory that `inference` and `rl` load. The `sft` command (rlbus.launch.sft) names the
+run, writes the resolved config and starts torchrun, whose ranks (sft_entrypoint.py) call
+`run(config)`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,6 @@ from pathlib import Path
 import structlog
 
 log = structlog.get_logger()
-
-
-def _run_dir(config) -> Path:
-    from rlbus.runs import resolve_run_dir
-
-    if not (config.run.name or config.run.dir):
-        raise ValueError(
-            "sft: run.name is not set; launch through `sft` (it names the run) or pass --run.name"
-        )
-    return resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
 
 
 def _num_steps(config, data) -> int:
@@ -44,13 +35,14 @@ def run(config) -> Path | None:
     from transformers import AutoTokenizer
 
     from rlbus.monitors.sinks import build_sinks
+    from rlbus.runs import require_run_dir
     from rlbus_trainer import ckpt
     from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
     from rlbus_trainer.hf_dir import write_hf_dir
     from rlbus_trainer.sft_data import SFTData, pack, sft_loss
 
     world = setup_distributed()
-    run_dir = _run_dir(config)
+    run_dir = require_run_dir(config, "sft")
     run_dir.mkdir(parents=True, exist_ok=True)
     structlog.contextvars.bind_contextvars(service="sft", rank=world.rank)
     tokenizer = AutoTokenizer.from_pretrained(

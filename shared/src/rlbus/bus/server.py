@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rlbus.netutil import free_ports
+from rlbus.runtime import Terminated, raise_terminated
 
 if TYPE_CHECKING:
     from rlbus.configs.bus import BusConfig
@@ -243,13 +244,9 @@ def main(argv: list[str] | None = None) -> None:
         token=args.token,
     )
 
-    # The server runs in its own session (a terminal's Ctrl-C reaches only us): forward SIGTERM
-    # and SIGINT as a graceful stop so it never outlives this command.
-    def raise_exit(signum, frame):
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, raise_exit)
-    signal.signal(signal.SIGINT, raise_exit)
+    # The server runs in its own session (a terminal's Ctrl-C reaches only us): SIGTERM and
+    # SIGINT stop it gracefully, so it never outlives this command, and we exit 0.
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         server.start()
         print(
@@ -258,5 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         assert server.process is not None
         server.process.wait()
+    except (KeyboardInterrupt, Terminated):
+        pass
     finally:
         server.stop()

@@ -1,9 +1,10 @@
-"""Launching rlbus processes.
+"""Launching rlbus processes (the launchers only: what a service itself runs on is in
+`rlbus.runtime` and `rlbus.runs`, and no service imports this package).
 
-- `entry`: what every entry point shares (lazy import of a service's `run`, logging, torchrun rank).
 - `plan`: the processes of an RL run (`rl`) as argv lists, with their resolved configs.
 - `scripts`: writes those configs (TOML) and one launch script per process into the run directory.
 - `rl`: the `rl` command (`--dry-run` writes everything and starts nothing).
+- `sft`: the `sft` command (writes the config and the torchrun script, then runs torchrun).
 - `supervisor`: starts, watches and stops the processes (process groups, no orphans).
 
 Nothing here imports a service package: services are started as separate processes.

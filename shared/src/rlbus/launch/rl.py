@@ -20,14 +20,14 @@ import structlog
 
 from rlbus.configs import RLConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
-from rlbus.launch.entry import prepare_run_dir_or_exit
 from rlbus.launch.plan import Launch, build_rl_launch
 from rlbus.launch.progress import Progress
 from rlbus.launch.scripts import describe_written, write_launch
 from rlbus.launch.supervisor import Supervisor
 from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import setup_logging
-from rlbus.runs import rl_run_name
+from rlbus.runs import prepare_run_dir_or_exit, rl_run_name, run_id_of
+from rlbus.runtime import EXIT_SIGNAL_BASE, Terminated, raise_terminated
 
 log = structlog.get_logger()
 
@@ -72,22 +72,19 @@ def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
     return launch
 
 
-class Terminated(Exception):
-    """SIGTERM reached the launcher (raised from the signal handler, like KeyboardInterrupt)."""
-
-
-def raise_terminated(signum, frame) -> None:
-    raise Terminated()
-
-
-EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 143
+EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + signal.SIGINT
+EXIT_TERMINATED = EXIT_SIGNAL_BASE + signal.SIGTERM
 DRAINED_SERVICES = ("orchestrator", "trainer")
 """Services that answer a control `Drain` (finish the step in hand, then exit), in drain order."""
+STOPPED_AFTER_FAILURE = frozenset({"orchestrator"})
+"""After a failure these get `Stop`, not `Drain`: their in-flight rollouts may never come back."""
 
 
-def drain_over_bus(launch: Launch, services: list[str], timeout_s: float = 5.0) -> dict[str, str]:
-    """Ask each service to drain (control request over the bus); returns service -> outcome.
+def drain_over_bus(
+    launch: Launch, services: list[str], *, failed: bool = False, timeout_s: float = 5.0
+) -> dict[str, str]:
+    """Ask each service to drain (or, after a failure, the orchestrator to stop) over the bus;
+    returns service -> outcome.
 
     Best effort: a service that is gone or does not answer gets the signals of `stop_all` anyway.
     """
@@ -97,7 +94,7 @@ def drain_over_bus(launch: Launch, services: list[str], timeout_s: float = 5.0) 
     from rlbus.wire import control
 
     bus_config = launch.configs["trainer"].bus  # the resolved one (embedded server URL)
-    run_id = bus_config.run_id or launch.config.run.name
+    run_id = run_id_of(bus_config.run_id, launch.config.run.name)
 
     async def drain_all() -> dict[str, str]:
         outcomes: dict[str, str] = {}
@@ -110,9 +107,9 @@ def drain_over_bus(launch: Launch, services: list[str], timeout_s: float = 5.0) 
         try:
             for name in services:
                 try:
-                    reply = await bus.request(
-                        name, control.Drain(reason="launcher"), timeout_s=timeout_s
-                    )
+                    stop = failed and name in STOPPED_AFTER_FAILURE
+                    request = (control.Stop if stop else control.Drain)(reason="launcher")
+                    reply = await bus.request(name, request, timeout_s=timeout_s)
                     outcomes[name] = reply.state or (
                         "ok" if reply.ok else reply.message or "refused"
                     )
@@ -129,7 +126,8 @@ def drain_and_wait(
     launch: Launch, supervisor: Supervisor, skip: str | None = None, wait_s: float = 30.0
 ) -> None:
     """Drain the running orchestrator/trainer over the bus and give them `wait_s` to exit by
-    themselves (the trainer finishes its step); `stop_all` then signals whatever is left."""
+    themselves (the trainer finishes its step); `stop_all` then signals whatever is left.
+    `skip` is the service that failed, if any (the orchestrator is then stopped, not drained)."""
     running = [
         s.name
         for s in supervisor.services
@@ -140,7 +138,7 @@ def drain_and_wait(
     )
     if not running or embedded_nats_gone:
         return
-    outcomes = drain_over_bus(launch, running)
+    outcomes = drain_over_bus(launch, running, failed=skip is not None)
     log.info("drain_requested", **outcomes)
     deadline = time.monotonic() + wait_s
     waiting = [s for s in supervisor.services if s.name in running]

@@ -1,7 +1,10 @@
-"""The monitor process: consumes the events stream of a run and writes the joined rows."""
+"""The monitor process: consumes the events stream of a run and writes the joined rows.
+
+It runs in the service shell (rlbus.runtime): the first SIGTERM/SIGINT flushes the rows still held
+by the joiner and exits 0, a second one exits at once.
+"""
 
 import asyncio
-import signal
 
 import structlog
 
@@ -9,7 +12,8 @@ from rlbus.bus import Bus
 from rlbus.configs import RLConfig
 from rlbus.monitors.join import StepJoiner
 from rlbus.monitors.sinks import build_sinks
-from rlbus.runs import resolve_run_dir
+from rlbus.runs import run_dir_of, run_id_of
+from rlbus.runtime import run_service
 from rlbus.wire import events
 from rlbus.wire.events import Lifecycle, StepMetrics
 from rlbus.wire.weights import WeightsApplied, WeightsFailed
@@ -55,7 +59,7 @@ class Monitor:
 
 
 async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
-    run_dir = resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
+    run_dir = run_dir_of(config)
     bus = await Bus.connect(config.bus, storage_dir=run_dir, name="monitor")
     monitor = Monitor(
         build_sinks(config.monitors, config.run.name or run_dir.name, run_dir, config.model_dump())
@@ -84,14 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     from rlbus.obs.logging import setup_logging
 
     config = parse_cli(RLConfig, argv, prog="python -m rlbus.monitors")
-    run_dir = resolve_run_dir(config.output_dir, config.run.name, config.run.dir)
-    setup_logging("monitor", run_dir=run_dir, run_id=config.bus.run_id, level=config.log.level)
-
-    async def amain() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await run_monitor(config, stop)
-
-    asyncio.run(amain())
+    run_dir = run_dir_of(config)
+    # Logging only: the monitor makes no spans of its own.
+    setup_logging(
+        "monitor",
+        run_dir=run_dir,
+        run_id=run_id_of(config.bus.run_id, config.run.name),
+        level=config.log.level,
+        json_console=config.log.json_console,
+    )
+    run_service("monitor", lambda state: run_monitor(config, state.stop_requested))

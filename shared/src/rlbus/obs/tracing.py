@@ -34,7 +34,6 @@ class JsonlSpanExporter:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence) -> "object":
@@ -44,6 +43,8 @@ class JsonlSpanExporter:
             json.dumps(json.loads(span.to_json(indent=None)), separators=(",", ":"))
             for span in spans
         ]
+        # Created on the first span only: a process that traces nothing leaves no traces/ dir.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock, open(self.path, "a") as out:
             out.write("".join(line + "\n" for line in lines))
         return SpanExportResult.SUCCESS

@@ -1,7 +1,7 @@
 """Control: request/reply commands to a service (core NATS request on `subjects.control(service)`).
 
-Sender: the launcher or a user tool. Receiver: the service's control handler, which answers with
-`ControlReply`.
+Sender: the launcher or a user tool. Receiver: `rlbus.runtime.control_handler` in the service,
+which answers with `ControlReply`. What each request does per service: docs/launcher.md.
 """
 
 import msgspec
@@ -10,21 +10,21 @@ from rlbus.wire.base import Message, now
 
 
 class Drain(Message, kw_only=True, tag="drain"):
-    """Finish in-flight work, take no new work, then stop."""
+    """Finish in-flight work, take no new work, then exit 0 (like the first SIGTERM/SIGINT)."""
 
     reason: str | None = None
     requested_at: float = msgspec.field(default_factory=now)
 
 
 class Stop(Message, kw_only=True, tag="stop"):
-    """Stop now (in-flight work is redelivered elsewhere)."""
+    """Stop now (in-flight work is redelivered elsewhere; nothing half-written is marked ready)."""
 
     reason: str | None = None
     requested_at: float = msgspec.field(default_factory=now)
 
 
 class Pause(Message, kw_only=True, tag="pause"):
-    """Stop taking new work until `Resume`."""
+    """Stop taking new work until `Resume` (the orchestrator's coordinator; others refuse it)."""
 
     reason: str | None = None
     requested_at: float = msgspec.field(default_factory=now)

@@ -1,0 +1,386 @@
+"""The service shell: what every rlbus service process does the same way (docs/launcher.md).
+
+    main(service, config, module, ...)      entry point of inference, orchestrator, trainer, sft
+      1. structlog + OpenTelemetry, once, from the config's `log` and `otel` blocks
+      2. import `module.run` lazily (a missing service: one message, exit 3)
+      3. run(config) -> run_service(body): asyncio loop, signals, supervised tasks
+
+Signals: the first SIGTERM/SIGINT asks the service to drain (finish the work in hand, then exit 0);
+a second one exits at once with 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
+Control requests (`rlbus.wire.control`) reach the same `ServiceState`: `Drain` like a signal,
+`Stop` to stop without waiting, `Pause`/`Resume` where the service supports them.
+
+Background asyncio tasks are started through a `TaskSupervisor`: the first task that raises ends
+its owner with `TaskFailed`, and `run_service` turns that into one `service_task_failed` log line
+naming the task and the error, then exit code 1. Nothing fails silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+
+log = structlog.get_logger()
+
+EXIT_TASK_FAILED = 1
+"""A supervised background task raised (the log line `service_task_failed` names it)."""
+EXIT_SERVICE_MISSING = 3
+"""The command parsed its config but its service module (or its `run`) is not installed."""
+EXIT_SIGNAL_BASE = 128
+"""A second SIGTERM/SIGINT exits at once with 128 + the signal number (143 / 130)."""
+
+Mode = Literal["running", "paused", "draining", "stopping"]
+
+
+# ---- process facts -------------------------------------------------------------------------
+
+
+def process_rank() -> int:
+    """Global rank under torchrun, 0 otherwise."""
+    return int(os.environ.get("RANK", "0"))
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+
+def setup_observability(
+    service: str,
+    config: Any,
+    *,
+    run_dir: str | Path | None,
+    run_id: str | None,
+    rank: int | None = None,
+) -> None:
+    """structlog and tracing from `config.log` / `config.otel`, once per process. Only rank 0 of
+    a torchrun job traces: the other ranks would write the same spans again."""
+    from rlbus.obs import tracing
+    from rlbus.obs.logging import setup_logging
+
+    setup_logging(
+        service,
+        run_dir=run_dir,
+        run_id=run_id,
+        level=config.log.level,
+        json_console=config.log.json_console,
+        rank=rank,
+    )
+    tracing.setup_tracing(
+        service,
+        run_dir=run_dir,
+        endpoint=config.otel.endpoint,
+        enabled=config.otel.enabled and not rank,
+        run_id=run_id,
+    )
+
+
+def load_service_run(module: str, command: str) -> Callable[[Any], Any]:
+    """`module.run`, imported now; exits with a clear message if the service is not there."""
+    from rlbus.configs.base import exit_with_config_error
+
+    try:
+        service = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if missing != module and not module.startswith(missing + "."):
+            raise  # a dependency of the service is missing: a real error, keep its traceback
+        service = None
+    run = getattr(service, "run", None)
+    if run is None:
+        exit_with_config_error(
+            f"`{command}` parsed its config, but {module}.run does not exist in this installation. "
+            "Update rlbus (or install the service package) and try again.",
+            title="Service not available",
+            code=EXIT_SERVICE_MISSING,
+        )
+    return run
+
+
+def main(
+    service: str,
+    config: Any,
+    module: str,
+    *,
+    command: str,
+    run_dir: str | Path | None,
+    run_id: str | None,
+    rank: int | None = None,
+) -> Any:
+    """The body of every service entry point (see module docstring); returns what `run` returns."""
+    from rlbus.obs import tracing
+
+    setup_observability(service, config, run_dir=run_dir, run_id=run_id, rank=rank)
+    run = load_service_run(module, command=command)
+    try:
+        return run(config)
+    finally:
+        tracing.shutdown_tracing()
+
+
+# ---- what the service was asked to do ------------------------------------------------------
+
+
+class ServiceState:
+    """Run, pause, drain or stop: set by signals and control requests, read by the service.
+
+    `draining` and `stopping` both end the service; `stopping` means do not wait for in-flight
+    work (it is redelivered elsewhere), but still never leave a half-written artifact.
+    """
+
+    def __init__(self, service: str):
+        self.service = service
+        self.mode: Mode = "running"
+        self.reason: str | None = None
+        self.stop_requested = asyncio.Event()
+        """Set on drain or stop."""
+        self.unpaused = asyncio.Event()
+        """Cleared while paused."""
+        self.unpaused.set()
+        self.listeners: list[Callable[[], None]] = []
+        """Called once when a drain or stop is first requested (e.g. to wake threads)."""
+
+    @property
+    def ending(self) -> bool:
+        return self.mode in ("draining", "stopping")
+
+    @property
+    def stop_now(self) -> bool:
+        return self.mode == "stopping"
+
+    def drain(self, reason: str) -> None:
+        if not self.ending:
+            self._end("draining", reason)
+
+    def stop(self, reason: str) -> None:
+        if self.mode != "stopping":
+            self._end("stopping", reason)
+
+    def _end(self, mode: Mode, reason: str) -> None:
+        first = not self.ending
+        self.mode, self.reason = mode, reason
+        self.unpaused.set()  # a paused service must see the stop
+        self.stop_requested.set()
+        log.info("service_stop_requested", mode=mode, reason=reason)
+        if first:
+            for listener in self.listeners:
+                listener()
+
+    def pause(self, reason: str | None) -> None:
+        if self.mode == "running":
+            self.mode = "paused"
+            self.unpaused.clear()
+            log.info("service_paused", reason=reason)
+
+    def resume(self) -> None:
+        if self.mode == "paused":
+            self.mode = "running"
+            self.unpaused.set()
+            log.info("service_resumed")
+
+
+def control_handler(state: ServiceState, *, pausable: bool) -> Callable[[Any], Awaitable[Any]]:
+    """One answer to control requests for every service: Drain/Stop end it, Pause/Resume toggle
+    issuing where `pausable`, else they are refused with a message."""
+    from rlbus.wire import control
+
+    async def handle(request) -> control.ControlReply:
+        name = type(request).__name__
+        if isinstance(request, control.Drain):
+            state.drain(f"control drain: {request.reason or ''}".strip())
+        elif isinstance(request, control.Stop):
+            state.stop(f"control stop: {request.reason or ''}".strip())
+        elif not pausable:
+            return control.ControlReply(
+                ok=False,
+                service=state.service,
+                state=state.mode,
+                message=f"{name} is not supported",
+            )
+        elif isinstance(request, control.Pause):
+            state.pause(request.reason)
+        else:
+            state.resume()
+        return control.ControlReply(ok=True, service=state.service, state=state.mode)
+
+    return handle
+
+
+def install_signal_handlers(state: ServiceState) -> None:
+    """SIGTERM/SIGINT: the first drains, the second exits now (128 + signum)."""
+    loop = asyncio.get_running_loop()
+    seen: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if seen:
+            log.warning("second_signal_exit_now", signal=name, exit_code=EXIT_SIGNAL_BASE + signum)
+            exit_now(EXIT_SIGNAL_BASE + signum)
+        seen.append(signum)
+        state.drain(f"signal {name}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+class Terminated(Exception):
+    """SIGTERM reached a synchronous command (raised by `raise_terminated`, like KeyboardInterrupt
+    for SIGINT): the launchers and `rlbus-nats` then stop what they started."""
+
+
+def raise_terminated(signum, frame) -> None:
+    """A `signal.signal` handler for SIGTERM in commands without an event loop."""
+    raise Terminated()
+
+
+def exit_now(code: int) -> None:
+    """Leave without unwinding (the first signal's drain may be stuck): flush logs, then _exit."""
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# ---- supervised background tasks -----------------------------------------------------------
+
+
+class TaskFailed(Exception):
+    """A supervised task raised; carries the task's name and its error."""
+
+    def __init__(self, task: str, error: BaseException):
+        super().__init__(f"{task}: {type(error).__name__}: {error}")
+        self.task = task
+        self.error = error
+
+
+class TaskSupervisor:
+    """The background tasks of one component. The first that raises wins: `wait`/`join` raise
+    `TaskFailed` for it, and leaving the `async with` cancels whatever still runs."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[asyncio.Task, str] = {}
+        self.failure: TaskFailed | None = None
+        self._failed = asyncio.Event()
+
+    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self.tasks[task] = name
+        task.add_done_callback(self._on_done)
+        return task
+
+    def _on_done(self, task: asyncio.Task) -> None:
+        name = self.tasks.pop(task, task.get_name())
+        if task.cancelled() or task.exception() is None or self.failure is not None:
+            return
+        error = task.exception()
+        # A nested supervisor already named the task that failed: keep the innermost name.
+        self.failure = error if isinstance(error, TaskFailed) else TaskFailed(name, error)
+        self._failed.set()
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    async def wait(
+        self, *until: asyncio.Event | asyncio.Future, timeout_s: float | None = None
+    ) -> None:
+        """Until one of `until` (events, or tasks: left running) is done, or `timeout_s` passed;
+        raises `TaskFailed` if a supervised task fails first."""
+        waiters = [asyncio.ensure_future(e.wait()) for e in until if isinstance(e, asyncio.Event)]
+        waiters.append(asyncio.ensure_future(self._failed.wait()))
+        futures = [f for f in until if not isinstance(f, asyncio.Event)]
+        try:
+            await asyncio.wait(
+                [*waiters, *futures], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        self.raise_if_failed()
+
+    async def join(self) -> None:
+        """Until every task has returned; raises `TaskFailed` at the first failure."""
+        while self.tasks and self.failure is None:
+            failed = asyncio.ensure_future(self._failed.wait())
+            try:
+                await asyncio.wait([*self.tasks, failed], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                failed.cancel()
+        self.raise_if_failed()
+
+    async def close(self) -> None:
+        """Cancel what still runs and wait for it to finish."""
+        pending = list(self.tasks)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+    async def __aenter__(self) -> TaskSupervisor:
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self.close()
+        if exc_type is None:
+            self.raise_if_failed()
+
+
+def terminate_on_failure(task: asyncio.Task, name: str) -> None:
+    """For a task in an event loop the shell does not own (vLLM's API server): if it raises, log
+    the one `service_task_failed` line and SIGTERM this process, so its parent sees it end."""
+
+    def on_done(done: asyncio.Task) -> None:
+        if done.cancelled() or done.exception() is None:
+            return
+        error = done.exception()
+        log.error(
+            "service_task_failed",
+            task=name,
+            error=f"{type(error).__name__}: {error}",
+            where=where(error),
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    task.add_done_callback(on_done)
+
+
+def where(error: BaseException) -> str:
+    """`file:line in function` of the frame that raised (the log line stays one line)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "?"
+    frame = frames[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
+
+
+def run_service(
+    service: str, body: Callable[[ServiceState], Coroutine[Any, Any, Any]], *, signals: bool = True
+) -> Any:
+    """Run `body(state)` in a fresh event loop with the shell's signal handling; a failed
+    supervised task ends the process with one log line and exit code 1."""
+
+    async def amain() -> Any:
+        state = ServiceState(service)
+        if signals:
+            install_signal_handlers(state)
+        return await body(state)
+
+    try:
+        return asyncio.run(amain())
+    except TaskFailed as failure:
+        log.error(
+            "service_task_failed",
+            task=failure.task,
+            error=f"{type(failure.error).__name__}: {failure.error}",
+            where=where(failure.error),
+        )
+        raise SystemExit(EXIT_TASK_FAILED) from None
