@@ -6,7 +6,9 @@ import re
 import pytest
 
 from rlbus.runs import (
+    CHECKPOINT_COMPLETE,
     RunDirError,
+    checkpoint_dir,
     prepare_run_dir,
     resolve_run_dir,
     rl_run_name,
@@ -18,10 +20,12 @@ def make_run(output_dir, name="run", **kwargs):
     return prepare_run_dir(output_dir, name, **kwargs)
 
 
-def make_checkpoint(run_dir, step):
-    path = run_dir / "checkpoints" / f"step_{step}"
+def make_checkpoint(run_dir, step, *, complete=True):
+    path = checkpoint_dir(run_dir, step)
     path.mkdir(parents=True)
     (path / "model.safetensors").write_bytes(b"x")
+    if complete:
+        (path / CHECKPOINT_COMPLETE).write_text("")
 
 
 def test_rl_run_name_is_envs_model_short_id_and_fresh_per_launch():
@@ -97,8 +101,18 @@ def test_resume_loads_latest_checkpoint_or_the_given_step(tmp_path):
 
     assert make_run(tmp_path, resume=True).resume_step == 15
     assert make_run(tmp_path, resume=True, resume_step=10).resume_step == 10
-    with pytest.raises(RunDirError, match="available steps: 5, 10, 15"):
+    with pytest.raises(RunDirError, match="complete steps: 5, 10, 15"):
         make_run(tmp_path, resume=True, resume_step=7)
+
+
+def test_resume_ignores_a_checkpoint_whose_save_was_killed_midway(tmp_path):
+    run = make_run(tmp_path).run_dir
+    make_checkpoint(run, 5)
+    make_checkpoint(run, 10, complete=False)  # no COMPLETE marker: a save killed midway
+
+    assert make_run(tmp_path, resume=True).resume_step == 5
+    with pytest.raises(RunDirError, match=r"complete steps: 5\)"):
+        make_run(tmp_path, resume=True, resume_step=10)
 
 
 def test_resume_without_ckpt_loads_but_saves_no_new_checkpoints(tmp_path):

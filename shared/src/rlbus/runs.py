@@ -29,6 +29,7 @@ import structlog
 log = structlog.get_logger()
 
 CHECKPOINTS_DIR = "checkpoints"
+CHECKPOINT_COMPLETE = "COMPLETE"  # written last into a finished checkpoint (rlbus_trainer.ckpt)
 """Checkpoints live in `<run_dir>/checkpoints/step_<N>/` (written by the trainer)."""
 
 RUN_SUBDIRS = ("logs", "configs", "scripts")
@@ -125,30 +126,39 @@ def check_leaf_stays_inside(run_dir: Path, output_dir: Path) -> None:
         )
 
 
-def list_checkpoint_steps(run_dir: Path) -> list[int]:
-    """Steps of the checkpoints in `<run_dir>/checkpoints/step_<N>/`, ascending."""
-    ckpt_root = run_dir / CHECKPOINTS_DIR
-    if not ckpt_root.is_dir():
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """`<run_dir>/checkpoints/step_<N>/trainer/`: where the trainer writes step N's checkpoint."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step}" / "trainer"
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    """Steps whose trainer checkpoint is complete (its COMPLETE marker is written last), ascending.
+
+    A directory without the marker is a save that was killed midway: it never counts, for the
+    launcher's resume check as for the trainer's load.
+    """
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
         return []
     steps = []
-    for path in ckpt_root.iterdir():
+    for path in root.iterdir():
         match = re.fullmatch(r"step_(\d+)", path.name)
-        if match and path.is_dir():
+        if match and (path / "trainer" / CHECKPOINT_COMPLETE).exists():
             steps.append(int(match.group(1)))
     return sorted(steps)
 
 
 def resolve_resume_step(run_dir: Path, step: int | None) -> int | None:
-    """The checkpoint step a resumed run loads: `step` if it exists, else the latest; None when
-    the run has no checkpoint yet (it then continues from its bus state only)."""
-    steps = list_checkpoint_steps(run_dir)
+    """The checkpoint step a resumed run loads: `step` if it is complete, else the latest complete
+    one; None when the run has none yet (it then continues from its bus state only)."""
+    steps = complete_steps(run_dir)
     if step is None:
         return steps[-1] if steps else None
     if step not in steps:
         available = ", ".join(map(str, steps)) or "none"
         raise RunDirError(
-            f"--resume.step {step}: no checkpoint {run_dir / CHECKPOINTS_DIR / f'step_{step}'} "
-            f"(available steps: {available}); pass one of them or a bare --resume for the latest"
+            f"--resume.step {step}: no complete checkpoint {checkpoint_dir(run_dir, step)} "
+            f"(complete steps: {available}); pass one of them or a bare --resume for the latest"
         )
     return step
 

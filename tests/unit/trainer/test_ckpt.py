@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlbus_trainer.ckpt import COMPLETE, complete_steps, prune_checkpoints, resolve_resume_step
+from rlbus.runs import resolve_resume_step
+from rlbus_trainer.ckpt import COMPLETE, complete_steps, prune_checkpoints
 from rlbus_trainer.testing import (
     kill_tree,
     make_sft_config,

@@ -39,9 +39,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from rlbus.checksums import ChecksumMismatch, verify_files
+from rlbus.runtime import terminate_on_failure
 from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
 from rlbus_inference.worker import safetensors_files
-from rlbus.runtime import terminate_on_failure
 
 INITIAL_VERSION_ENV = "RLBUS_INITIAL_WEIGHTS_VERSION"
 ROUTER_PORT_ENV = "RLBUS_ROUTER_FACING_PORT"

@@ -24,39 +24,17 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from rlbus.runs import (
+    CHECKPOINT_COMPLETE,
+    checkpoint_dir,
+    complete_steps,
+)
+
 log = structlog.get_logger()
 
-COMPLETE = "COMPLETE"
-
-
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step}" / "trainer"
-
-
-def complete_steps(run_dir: Path) -> list[int]:
-    """Steps with a complete trainer checkpoint, ascending."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    steps = []
-    for path in root.iterdir():
-        match = re.fullmatch(r"step_(\d+)", path.name)
-        if match and (path / "trainer" / COMPLETE).exists():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def resolve_resume_step(run_dir: Path, step: int | None) -> int | None:
-    """`step` if its checkpoint is complete, else the latest complete one (None: none yet)."""
-    steps = complete_steps(run_dir)
-    if step is None:
-        return steps[-1] if steps else None
-    if step not in steps:
-        raise ValueError(
-            f"--resume.step {step}: no complete checkpoint {checkpoint_dir(run_dir, step)} "
-            f"(complete steps: {steps or 'none'}); pass one of them or a bare --resume"
-        )
-    return step
+# The path rule, the completeness marker and resume-step resolution are the run directory's
+# contract, shared with the launcher: one home in rlbus.runs.
+COMPLETE = CHECKPOINT_COMPLETE
 
 
 def _rng_state() -> dict:

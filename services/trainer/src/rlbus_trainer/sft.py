@@ -35,7 +35,7 @@ def run(config) -> Path | None:
     from transformers import AutoTokenizer
 
     from rlbus.monitors.sinks import build_sinks
-    from rlbus.runs import require_run_dir
+    from rlbus.runs import require_run_dir, resolve_resume_step
     from rlbus_trainer import ckpt
     from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
     from rlbus_trainer.hf_dir import write_hf_dir
@@ -71,7 +71,7 @@ def run(config) -> Path | None:
 
     start = 0
     if config.resume is not None:
-        step = ckpt.resolve_resume_step(run_dir, config.resume.step)
+        step = resolve_resume_step(run_dir, config.resume.step)
         if step is not None:
             ckpt.load_checkpoint(engine, run_dir, step)
             start = step

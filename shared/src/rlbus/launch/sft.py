@@ -17,11 +17,11 @@ from pathlib import Path
 import structlog
 
 from rlbus.configs import SFTConfig
-from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.configs.base import exit_with_config_error, parse_cli
 from rlbus.launch.plan import torchrun_argv
 from rlbus.launch.scripts import config_path, describe_written, write_launch
 from rlbus.launch.supervisor import ServiceProcess
+from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import log_file_path, setup_logging
 from rlbus.runs import prepare_run_dir_or_exit, sft_run_name
 from rlbus.runtime import EXIT_SERVICE_MISSING
