@@ -83,9 +83,72 @@ def test_replica_info_points_at_router_and_engine():
     assert (info.model, info.weights_version) == ("policy", 3)
 
 
-def test_engine_command_lowers_unset_memory_fraction_on_cpu(monkeypatch):
+def flag_value(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def test_engine_command_sizes_the_kv_cache_in_bytes_on_cpu(monkeypatch):
     monkeypatch.setattr(processes, "on_cpu", lambda: True)
-    unset = processes.engine_command(make_config())
-    explicit = processes.engine_command(make_config(vllm={"gpu_memory_utilization": 0.05}))
-    assert unset[unset.index("--gpu-memory-utilization") + 1] == "0.3"
-    assert explicit[explicit.index("--gpu-memory-utilization") + 1] == "0.05"
+    default = processes.engine_command(make_config())
+    explicit = processes.engine_command(make_config(vllm={"cpu_kv_cache_bytes": "1GiB"}))
+    assert flag_value(default, "--kv-cache-memory-bytes") == str(256 * 1024**2)
+    assert flag_value(explicit, "--kv-cache-memory-bytes") == str(1024**3)
+    assert "--gpu-memory-utilization" not in default
+
+
+def test_engine_command_sizes_the_kv_cache_by_fraction_on_gpu(monkeypatch):
+    monkeypatch.setattr(processes, "on_cpu", lambda: False)
+    command = processes.engine_command(make_config(vllm={"gpu_memory_utilization": 0.8}))
+    assert flag_value(command, "--gpu-memory-utilization") == "0.8"
+    assert "--kv-cache-memory-bytes" not in command
+
+
+def test_engine_env_drops_the_legacy_kv_cache_variable(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
+    env = processes.engine_env(initial_version=0, router_facing_port=1)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+# The lines vLLM-CPU 0.32 logs when it refuses an explicit KV-cache size (from real runs).
+OVER_AVAILABLE = (
+    "ValueError: Available memory on node 0 (6.01/7.59 GiB) on kv cache allocation is less than "
+    "requested memory for kv (102400.0 GiB). Decrease --kv-cache-memory-bytes, "
+    "VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other processes."
+)
+UNDER_ONE_SEQUENCE = (
+    "ValueError: To serve at least one request with the model's max seq len (2048), (0.0 GiB KV "
+    "cache is needed, which is larger than the available KV cache memory (0.0 GiB). Based on the "
+    "available memory, the estimated maximum model length is 896. Try increasing "
+    "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or decreasing "
+    "`max_model_len` when initializing the engine."
+)
+UNDER_ONE_BLOCK = "ValueError: No available memory for the cache blocks. Try increasing ..."
+
+
+@pytest.mark.parametrize(
+    ("engine_log", "expected"),
+    [
+        (OVER_AVAILABLE, "is more than the 6.01 GiB of memory available"),
+        (UNDER_ONE_SEQUENCE, "less than one sequence of max_model_len 2048 (it fits 896 tokens)"),
+        (UNDER_ONE_BLOCK, "smaller than one KV-cache block"),
+    ],
+)
+def test_kv_cache_refusals_name_the_field(engine_log, expected):
+    config = make_config(vllm={"cpu_kv_cache_bytes": "1MiB"})
+    reason = processes.explain_kv_cache_failure(config, "INFO start\n" + engine_log + "\n")
+    assert reason is not None and "\n" not in reason
+    assert reason.startswith("--vllm.cpu-kv-cache-bytes 1.0MiB ")
+    assert expected in reason
+
+
+def test_other_engine_failures_are_not_blamed_on_the_kv_cache():
+    log = "ValueError: head_size 16 is not supported by the CPU attention backend"
+    assert processes.explain_kv_cache_failure(make_config(), log) is None
+
+
+def test_cpu_kv_cache_bytes_accepts_sizes_and_refuses_nonsense():
+    assert make_config(vllm={"cpu_kv_cache_bytes": "64MiB"}).vllm.cpu_kv_cache_bytes == 64 << 20
+    assert make_config(vllm={"cpu_kv_cache_bytes": 12345}).vllm.cpu_kv_cache_bytes == 12345
+    for bad in ("lots", 0):
+        with pytest.raises(ValueError, match="cpu_kv_cache_bytes"):
+            make_config(vllm={"cpu_kv_cache_bytes": bad})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -35,8 +36,12 @@ ROUTER_START_TIMEOUT_S = 60.0
 
 
 def run(config: InferenceConfig) -> None:
-    """Serve until SIGTERM/SIGINT (see module docstring)."""
-    asyncio.run(serve(config))
+    """Serve until SIGTERM/SIGINT (see module docstring); a config value the engine refused
+    ends the process with one line naming it."""
+    try:
+        asyncio.run(serve(config))
+    except processes.EngineConfigError as error:
+        sys.exit(f"inference: {error}")
 
 
 def logs_dir(config: InferenceConfig) -> Path | None:
@@ -69,20 +74,21 @@ async def serve(config: InferenceConfig) -> None:
     background = None
     router_facing_port = free_port()
     try:
+        engine_log = logs / f"inference-engine-{log_suffix(config)}.log" if logs else None
         engine = processes.start(
             "engine",
             processes.engine_command(config),
             env=processes.engine_env(initial_version=0, router_facing_port=router_facing_port),
-            log_path=logs / f"inference-engine-{log_suffix(config)}.log" if logs else None,
+            log_path=engine_log,
             parent_death_signal=signal.SIGTERM,
         )
         await asyncio.to_thread(
-            processes.wait_healthy,
-            "engine",
+            processes.wait_engine_healthy,
+            config,
             engine,
-            processes.engine_url(config) + "/health",
-            ENGINE_START_TIMEOUT_S,
+            engine_log,
             stop_startup,
+            ENGINE_START_TIMEOUT_S,
         )
         router = processes.start(
             "router",
@@ -162,8 +168,6 @@ async def finish(task: asyncio.Task, timeout_s: float = 10.0) -> None:
 
 if __name__ == "__main__":
     # Development entry without the foundation's CLI: python -m rlbus_inference.service --vllm.model DIR
-    import sys
-
     from pydantic_config import cli
 
     run(cli(InferenceConfig, args=sys.argv[1:]))
