@@ -10,7 +10,7 @@ import time
 import pytest
 from inference_helpers import VLLM_TEST_ARGS, inference_command, make_base_model
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # starts vLLM
 
 
 def engine_pid(log_path) -> int | None:
