@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 import torch
-from inference_helpers import inference_command, make_base_model
+from inference_helpers import make_base_model, replica_command
 
 pytestmark = [
     pytest.mark.slow,
@@ -21,16 +21,10 @@ def test_too_small_kv_cache_exits_with_one_line(tmp_path, free_ports):
     memory and one below a block, take the same path; their vLLM lines are unit-tested.)"""
     port, backend_port = free_ports(2)
     model_dir = make_base_model(tmp_path / "model")
-    command = [
-        *inference_command(),
-        "--vllm.model",
-        str(model_dir),
-        "--server.host",
-        "127.0.0.1",
-        "--server.port",
-        str(port),
-        "--backend-port",
-        str(backend_port),
+    command = replica_command(
+        model_dir,
+        port,
+        backend_port,
         "--run-dir",
         str(tmp_path / "run"),
         "--vllm.max-model-len",
@@ -38,7 +32,7 @@ def test_too_small_kv_cache_exits_with_one_line(tmp_path, free_ports):
         "--vllm.enforce-eager",
         "--vllm.cpu-kv-cache-bytes",
         "256KiB",
-    ]
+    )
     done = subprocess.run(
         command,
         capture_output=True,
