@@ -23,8 +23,8 @@ PROMPT = [{"role": "user", "content": "Hi"}]
 VLLM_TEST_ARGS = [
     "--vllm.max-model-len",
     "256",
-    "--vllm.gpu-memory-utilization",
-    "0.05",  # CPU: KV-cache budget; a few hundred MB is plenty
+    "--vllm.cpu-kv-cache-bytes",
+    "64MiB",  # CPU: the tiny model needs ~2 KiB a token; ignored on GPU
     "--vllm.enforce-eager",
     "--vllm.enable-lora",
     "--vllm.max-lora-rank",
@@ -163,6 +163,22 @@ def inference_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "rlbus_inference.service"]
 
 
+def replica_command(model_dir: Path, port: int, backend_port: int, *args: str) -> list[str]:
+    """`inference` serving `model_dir` on 127.0.0.1 (router `port`, engine `backend_port`)."""
+    return [
+        *inference_command(),
+        "--vllm.model",
+        str(model_dir),
+        "--server.host",
+        "127.0.0.1",
+        "--server.port",
+        str(port),
+        "--backend-port",
+        str(backend_port),
+        *args,
+    ]
+
+
 def start_replica(
     model_dir: Path,
     run_dir: Path,
@@ -174,16 +190,10 @@ def start_replica(
     port, backend_port = free_ports(2)
     log_path = run_dir / f"{replica_id}.out"
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = [
-        *inference_command(),
-        "--vllm.model",
-        str(model_dir),
-        "--server.host",
-        "127.0.0.1",
-        "--server.port",
-        str(port),
-        "--backend-port",
-        str(backend_port),
+    command = replica_command(
+        model_dir,
+        port,
+        backend_port,
         "--replica-id",
         replica_id,
         "--lease-ttl-s",
@@ -192,7 +202,7 @@ def start_replica(
         str(run_dir),
         *bus_args,
         *VLLM_TEST_ARGS,
-    ]
+    )
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(

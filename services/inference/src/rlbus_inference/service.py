@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -41,8 +42,12 @@ ROUTER_START_TIMEOUT_S = 60.0
 
 
 def run(config: InferenceConfig) -> None:
-    """Serve until SIGTERM/SIGINT (see module docstring)."""
-    run_service("inference", lambda state: serve(config, state))
+    """Serve until SIGTERM/SIGINT (see module docstring); a config value the engine refused
+    ends the process with one line naming it."""
+    try:
+        run_service("inference", lambda state: serve(config, state))
+    except processes.EngineConfigError as error:
+        sys.exit(f"inference: {error}")
 
 
 def logs_dir(config: InferenceConfig) -> Path | None:
@@ -68,20 +73,21 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
     tasks = TaskSupervisor()
     replica = None
     try:
+        engine_log = logs / f"inference-engine-{log_suffix(config)}.log" if logs else None
         engine = processes.start(
             "engine",
             processes.engine_command(config),
             env=processes.engine_env(initial_version=0, router_facing_port=router_facing_port),
-            log_path=logs / f"inference-engine-{log_suffix(config)}.log" if logs else None,
+            log_path=engine_log,
             parent_death_signal=signal.SIGTERM,
         )
         await asyncio.to_thread(
-            processes.wait_healthy,
-            "engine",
+            processes.wait_engine_healthy,
+            config,
             engine,
-            processes.engine_url(config) + "/health",
-            ENGINE_START_TIMEOUT_S,
+            engine_log,
             stop_startup,
+            ENGINE_START_TIMEOUT_S,
         )
         router = processes.start(
             "router",

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from pydantic import ConfigDict, Field
+from pydantic import ByteSize, ConfigDict, Field
 
 from rlbus.configs.base import BaseConfig
 from rlbus.configs.common import ServiceConfig, WeightBroadcastConfig
@@ -24,7 +24,15 @@ class VLLMConfig(BaseConfig):
     """Context length (None: the model's)."""
 
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    """Fraction of accelerator memory for vLLM (CPU: fraction of the KV-cache budget)."""
+    """Fraction of accelerator memory for vLLM (GPU only: on CPU `cpu_kv_cache_bytes` sizes the
+    KV cache and this is not passed)."""
+
+    cpu_kv_cache_bytes: ByteSize = Field(ByteSize(256 * 1024**2), gt=0)
+    """KV-cache size on CPU hosts: an int or a size such as "256MiB", "1GiB" (vLLM's
+    `--kv-cache-memory-bytes`). vLLM-CPU would otherwise take a fraction of the NUMA node's memory
+    minus what the worker already holds, which is ~0 on a busy machine. The default fits the tiny
+    models; a model with a longer `max_model_len` or more layers needs more (docs/inference.md).
+    Ignored on GPU."""
 
     enforce_eager: bool = False
     """Disable CUDA graphs / compilation."""
@@ -77,10 +85,14 @@ class InferenceConfig(ServiceConfig):
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
     """How new weights arrive."""
 
-    def vllm_cli_args(self) -> list[str]:
-        """The vLLM server flags for the `vllm.*` options (known and pass-through)."""
+    def vllm_cli_args(self, *, on_cpu: bool = False) -> list[str]:
+        """The vLLM server flags for the `vllm.*` options (known and pass-through). On CPU the KV
+        cache is sized in bytes (`cpu_kv_cache_bytes`), on GPU by `gpu_memory_utilization`."""
         args: list[str] = []
-        values: dict[str, Any] = self.vllm.model_dump()
+        values: dict[str, Any] = self.vllm.model_dump(exclude={"cpu_kv_cache_bytes"})
+        if on_cpu:
+            del values["gpu_memory_utilization"]
+            values["kv_cache_memory_bytes"] = int(self.vllm.cpu_kv_cache_bytes)
         values.update(self.vllm.model_extra or {})
         for key, value in values.items():
             flag = "--" + key.replace("_", "-")

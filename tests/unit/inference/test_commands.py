@@ -1,0 +1,123 @@
+"""Unit tests of the inference service's pure parts: child commands, registry entries."""
+
+import pytest
+
+from rlbus.configs.inference import InferenceConfig
+from rlbus_inference import processes, replica
+
+
+def make_config(**overrides) -> InferenceConfig:
+    return InferenceConfig(**overrides)
+
+
+def test_engine_command_passes_vllm_options_and_worker_extension():
+    config = make_config(
+        backend_port=9100,
+        vllm={"model": "/m", "max_model_len": 128, "enforce_eager": True, "max_num_seqs": 4},
+    )
+    command = processes.engine_command(config)
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert command[command.index("--port") + 1] == "9100"
+    assert command[command.index("--worker-extension-cls") + 1] == processes.WORKER_EXTENSION
+    assert command[command.index("--model") + 1] == "/m"
+    assert command[command.index("--max-num-seqs") + 1] == "4"
+    assert "--enforce-eager" in command
+
+
+def test_router_forwards_to_the_router_facing_listener_not_the_admin_port():
+    config = make_config(backend_port=9100, server={"port": 9000, "host": "127.0.0.1"})
+    command = processes.router_command(config, router_facing_port=9555)
+    assert command[command.index("--worker-urls") + 1] == "http://127.0.0.1:9555"
+    assert command[command.index("--port") + 1] == "9000"
+
+
+def test_vllm_plugins_allowlist_keeps_existing_names_and_adds_ours(monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "other_plugin")
+    assert processes.vllm_plugins_allowlist().split(",") == ["other_plugin", "rlbus"]
+
+
+def test_replica_id_is_a_valid_kv_key():
+    assert replica.replica_id(make_config(replica_id="host:8000 a")) == "host-8000-a"
+
+
+def test_replica_info_points_at_router_and_engine():
+    config = make_config(
+        backend_port=9100,
+        server={"port": 9000, "host": "10.0.0.5"},
+        vllm={"model": "/m", "served_model_name": "policy"},
+    )
+    info = replica.make_replica_info(config, version=3, status="ready")
+    assert info.base_url == "http://10.0.0.5:9000/v1"
+    assert info.admin_url == "http://10.0.0.5:9100"
+    assert (info.model, info.weights_version) == ("policy", 3)
+
+
+def flag_value(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def test_engine_command_sizes_the_kv_cache_in_bytes_on_cpu(monkeypatch):
+    monkeypatch.setattr(processes, "on_cpu", lambda: True)
+    default = processes.engine_command(make_config())
+    explicit = processes.engine_command(make_config(vllm={"cpu_kv_cache_bytes": "1GiB"}))
+    assert flag_value(default, "--kv-cache-memory-bytes") == str(256 * 1024**2)
+    assert flag_value(explicit, "--kv-cache-memory-bytes") == str(1024**3)
+    assert "--gpu-memory-utilization" not in default
+
+
+def test_engine_command_sizes_the_kv_cache_by_fraction_on_gpu(monkeypatch):
+    monkeypatch.setattr(processes, "on_cpu", lambda: False)
+    command = processes.engine_command(make_config(vllm={"gpu_memory_utilization": 0.8}))
+    assert flag_value(command, "--gpu-memory-utilization") == "0.8"
+    assert "--kv-cache-memory-bytes" not in command
+
+
+def test_engine_env_drops_the_legacy_kv_cache_variable(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
+    env = processes.engine_env(initial_version=0, router_facing_port=1)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+# The lines vLLM-CPU 0.32 logs when it refuses an explicit KV-cache size (from real runs).
+OVER_AVAILABLE = (
+    "ValueError: Available memory on node 0 (6.01/7.59 GiB) on kv cache allocation is less than "
+    "requested memory for kv (102400.0 GiB). Decrease --kv-cache-memory-bytes, "
+    "VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other processes."
+)
+UNDER_ONE_SEQUENCE = (
+    "ValueError: To serve at least one request with the model's max seq len (2048), (0.0 GiB KV "
+    "cache is needed, which is larger than the available KV cache memory (0.0 GiB). Based on the "
+    "available memory, the estimated maximum model length is 896. Try increasing "
+    "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or decreasing "
+    "`max_model_len` when initializing the engine."
+)
+UNDER_ONE_BLOCK = "ValueError: No available memory for the cache blocks. Try increasing ..."
+
+
+@pytest.mark.parametrize(
+    ("engine_log", "expected"),
+    [
+        (OVER_AVAILABLE, "is more than the 6.01 GiB of memory available"),
+        (UNDER_ONE_SEQUENCE, "less than one sequence of max_model_len 2048 (it fits 896 tokens)"),
+        (UNDER_ONE_BLOCK, "smaller than one KV-cache block"),
+    ],
+)
+def test_kv_cache_refusals_name_the_field(engine_log, expected):
+    config = make_config(vllm={"cpu_kv_cache_bytes": "1MiB"})
+    reason = processes.explain_kv_cache_failure(config, "INFO start\n" + engine_log + "\n")
+    assert reason is not None and "\n" not in reason
+    assert reason.startswith("--vllm.cpu-kv-cache-bytes 1.0MiB ")
+    assert expected in reason
+
+
+def test_other_engine_failures_are_not_blamed_on_the_kv_cache():
+    log = "ValueError: head_size 16 is not supported by the CPU attention backend"
+    assert processes.explain_kv_cache_failure(make_config(), log) is None
+
+
+def test_cpu_kv_cache_bytes_accepts_sizes_and_refuses_nonsense():
+    assert make_config(vllm={"cpu_kv_cache_bytes": "64MiB"}).vllm.cpu_kv_cache_bytes == 64 << 20
+    assert make_config(vllm={"cpu_kv_cache_bytes": 12345}).vllm.cpu_kv_cache_bytes == 12345
+    for bad in ("lots", 0):
+        with pytest.raises(ValueError, match="cpu_kv_cache_bytes"):
+            make_config(vllm={"cpu_kv_cache_bytes": bad})
