@@ -28,6 +28,7 @@ from rlbus.runs import (
     CHECKPOINT_COMPLETE,
     checkpoint_dir,
     complete_steps,
+    resolve_resume_step,
 )
 
 log = structlog.get_logger()
@@ -113,6 +114,18 @@ def save_checkpoint(engine, run_dir: Path, step: int, progress: dict) -> Path:
     dist.barrier()
     log.info("checkpoint_saved", step=step, path=str(path))
     return path
+
+
+def load_for_resume(engine, run_dir: Path, resume) -> int:
+    """With `resume` (a ResumeConfig, or None for a fresh start) load the checkpoint the run
+    continues from (rlbus.runs.resolve_resume_step) and return its step; 0 when there is none."""
+    if resume is None:
+        return 0
+    step = resolve_resume_step(run_dir, resume.step)
+    if step is None:
+        return 0
+    load_checkpoint(engine, run_dir, step)
+    return step
 
 
 def load_checkpoint(engine, run_dir: Path, step: int) -> dict:

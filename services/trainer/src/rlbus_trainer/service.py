@@ -123,7 +123,7 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
     """The service body (see module docstring); returns the last trained step."""
     from rlbus.bus import Bus
     from rlbus.obs import tracing
-    from rlbus.runs import require_run_dir, resolve_resume_step, run_id_of
+    from rlbus.runs import require_run_dir, run_id_of
     from rlbus_trainer import ckpt
     from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
     from rlbus_trainer.loss import build_loss_fn
@@ -137,12 +137,7 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
     engine = build_engine(config, world)
     loss_fn = build_loss_fn(config.loss)
 
-    last_step = 0
-    if config.resume is not None:
-        resume_step = resolve_resume_step(run_dir, config.resume.step)
-        if resume_step is not None:
-            ckpt.load_checkpoint(engine, run_dir, resume_step)
-            last_step = resume_step
+    last_step = ckpt.load_for_resume(engine, run_dir, config.resume)
 
     stop = stop or ServiceState(SERVICE)
     bus = await Bus.connect(

@@ -35,7 +35,7 @@ def run(config) -> Path | None:
     from transformers import AutoTokenizer
 
     from rlbus.monitors.sinks import build_sinks
-    from rlbus.runs import require_run_dir, resolve_resume_step
+    from rlbus.runs import require_run_dir
     from rlbus_trainer import ckpt
     from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
     from rlbus_trainer.hf_dir import write_hf_dir
@@ -69,12 +69,7 @@ def run(config) -> Path | None:
     num_steps = _num_steps(config, data)
     engine = build_engine(config, world)
 
-    start = 0
-    if config.resume is not None:
-        step = resolve_resume_step(run_dir, config.resume.step)
-        if step is not None:
-            ckpt.load_checkpoint(engine, run_dir, step)
-            start = step
+    start = ckpt.load_for_resume(engine, run_dir, config.resume)
     log.info("sft_started", run_dir=str(run_dir), start_step=start, num_steps=num_steps)
     # Rank 0 writes the step rows: metrics.jsonl and, with --monitors.wandb, wandb.
     sinks = (
