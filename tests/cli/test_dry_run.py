@@ -170,7 +170,9 @@ def test_rl_dry_run_service_configs_match_the_resolved_rl_config(tmp_path):
     )  # rl.toml keeps "embedded server", so `rl @ rl.toml --resume` starts one
     assert trainer["run"]["name"] == "t2" and trainer["bus"]["run_id"] == "t2"
     assert load_toml(configs / "inference.toml")["run_dir"] == "outputs/t2"
-    assert trainer["clean"] is False and trainer["dry_run"] is False and rl["dry_run"] is False
+    # clean/dry_run are the launcher's: rl.toml has them off, the services do not have them.
+    assert "clean" not in trainer and "dry_run" not in trainer
+    assert rl["clean"] is False and rl["dry_run"] is False
 
 
 def test_dry_run_scripts_reproduce_the_launch(tmp_path):

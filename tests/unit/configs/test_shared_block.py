@@ -1,4 +1,5 @@
-"""The fields every runnable config shares (ServiceConfig < RunnableConfig < TrainingRunConfig)
+"""The fields every runnable config shares (ServiceConfig < RunnableConfig < TrainingRunConfig,
+and LaunchConfig for the launchers)
 behave the same on every config: same defaults and --help text, same flags, and under `rl` the
 pushed value unless the service sets its own."""
 
@@ -6,6 +7,7 @@ import pytest
 
 from rlbus.configs import (
     InferenceConfig,
+    LaunchConfig,
     OrchestratorConfig,
     RLConfig,
     RunnableConfig,
@@ -20,10 +22,12 @@ CONFIGS = [
     (RLConfig, TrainingRunConfig),
     (TrainerConfig, TrainingRunConfig),
     (SFTConfig, TrainingRunConfig),
+    (RLConfig, LaunchConfig),
+    (SFTConfig, LaunchConfig),
     (OrchestratorConfig, RunnableConfig),
     (InferenceConfig, ServiceConfig),
 ]
-IDS = [cls.__name__ for cls, _ in CONFIGS]
+IDS = [f"{cls.__name__}-{block.__name__}" for cls, block in CONFIGS]
 
 # One non-default value per shared field, as flags, and the value it must produce.
 FLAGS = {
@@ -41,7 +45,16 @@ FLAGS = {
 
 
 def test_every_shared_field_has_a_flag_case():
-    assert set(FLAGS) == set(TrainingRunConfig.model_fields)
+    assert set(FLAGS) == set(TrainingRunConfig.model_fields) | set(LaunchConfig.model_fields)
+
+
+@pytest.mark.parametrize("cls", [RLConfig, SFTConfig], ids=["RLConfig", "SFTConfig"])
+def test_only_the_launchers_take_clean_and_dry_run(cls):
+    for name in LaunchConfig.model_fields:
+        args, check = FLAGS[name]
+        assert check(parse_cli(cls, args)), name
+    for service in (TrainerConfig, OrchestratorConfig, InferenceConfig):
+        assert not set(LaunchConfig.model_fields) & set(service.model_fields), service.__name__
 
 
 @pytest.mark.parametrize(("cls", "block"), CONFIGS, ids=IDS)
@@ -84,5 +97,5 @@ def test_rl_pushes_the_run_and_training_fields_to_the_services_that_have_them():
     assert config.trainer.output_dir == config.orchestrator.output_dir == "o"
     assert config.trainer.run.name == config.orchestrator.run.name == "n"
     assert config.inference.run_dir == "o/n"
-    assert config.trainer.clean and config.trainer.ckpt.interval == 4
-    assert parse_cli(RLConfig, ["--dry-run"]).trainer.dry_run is False  # the launcher's decision
+    assert config.trainer.ckpt.interval == 4
+    assert config.clean and "clean" not in type(config.trainer).model_fields  # the launcher's

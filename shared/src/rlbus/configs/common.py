@@ -163,11 +163,7 @@ class RunnableConfig(ServiceConfig):
 
 
 class TrainingRunConfig(RunnableConfig):
-    """A run that trains (`rl`, `trainer`, `sft`): it cleans, resumes, checkpoints and publishes
-    weights, and can be planned without starting anything."""
-
-    clean: bool = False
-    """Wipe this run's directory (only it) before starting."""
+    """A run that trains (`rl`, `trainer`, `sft`): it resumes, checkpoints and publishes weights."""
 
     resume: ResumeConfig | None = None
     """Resume the named run (bare `--resume`: latest checkpoint; `--resume.step N`)."""
@@ -177,6 +173,14 @@ class TrainingRunConfig(RunnableConfig):
 
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
     """How new weights reach inference (filesystem | nccl)."""
+
+
+class LaunchConfig(BaseConfig):
+    """What only a launcher (`rl`, `sft`) decides, before it starts anything: a service started by
+    it (or by compose or SLURM) never wipes or merely plans its run."""
+
+    clean: bool = False
+    """Wipe this run's directory (only it) before starting."""
 
     dry_run: bool = False
     """Write resolved configs and one launch script per process into the run directory; start nothing."""
@@ -191,6 +195,7 @@ __all__ = [
     "CkptConfig",
     "DeploymentConfig",
     "FileMonitorConfig",
+    "LaunchConfig",
     "LogConfig",
     "ModelConfig",
     "MonitorsConfig",

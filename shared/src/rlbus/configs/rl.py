@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, model_validator
 from rlbus.configs.common import (
     SHARED_BLOCKS,
     DeploymentConfig,
+    LaunchConfig,
     ModelConfig,
     MonitorsConfig,
     ServiceConfig,
@@ -40,28 +41,22 @@ def push_down_model(target: BaseModel, field: str, source: BaseModel) -> None:
             push_down(sub, name, getattr(source, name))
 
 
-LAUNCHER_ONLY_FIELDS = ("dry_run",)
-"""Shared-block fields the `rl` launcher acts on itself and never pushes down."""
-
-
 def push_down_block(target: ServiceConfig, source: "RLConfig") -> None:
     """Push every field of the shared block `target` inherits (TrainingRunConfig,
     RunnableConfig or ServiceConfig) from `source`, each service getting its own copy."""
     block = next(b for b in SHARED_BLOCKS if isinstance(target, b))
     for field in block.model_fields:
-        if field in LAUNCHER_ONLY_FIELDS:
-            continue
         value = getattr(source, field)
         push_down(
             target, field, value.model_copy(deep=True) if isinstance(value, BaseModel) else value
         )
 
 
-class RLConfig(TrainingRunConfig):
+class RLConfig(TrainingRunConfig, LaunchConfig):
     """Asynchronous RL: inference + orchestrator + trainer over a NATS JetStream bus."""
 
-    # Run directory, bus, logging, tracing, clean/resume/ckpt/weight_broadcast/dry_run: the
-    # TrainingRunConfig block, pushed down to the services below.
+    # Run directory, bus, logging, tracing, resume/ckpt/weight_broadcast: the TrainingRunConfig
+    # block, pushed down to the services below; clean/dry_run (LaunchConfig) stay here.
 
     model: ModelConfig = ModelConfig()
     """Model trained and served (pushed down to every service)."""

@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlbus.configs.base import BaseConfig
-from rlbus.configs.common import MonitorsConfig
+from rlbus.configs.common import LaunchConfig, MonitorsConfig
 from rlbus.configs.trainer import TrainerConfig
 
 
@@ -45,7 +45,7 @@ class SFTDataConfig(BaseConfig):
         return self
 
 
-class SFTConfig(TrainerConfig):
+class SFTConfig(TrainerConfig, LaunchConfig):
     """Supervised fine-tuning with the trainer's model, optimizer, checkpoints and offload."""
 
     data: SFTDataConfig = SFTDataConfig()

@@ -173,7 +173,7 @@ LossConfig = Annotated[DefaultLossConfig | CustomLossConfig, Field(discriminator
 class TrainerConfig(TrainingRunConfig):
     """The trainer service: consumes step batches, trains, checkpoints, publishes weights."""
 
-    # Run directory, bus, logging, tracing, clean/resume/ckpt/weight_broadcast/dry_run: the
+    # Run directory, bus, logging, tracing, resume/ckpt/weight_broadcast: the
     # TrainingRunConfig block (`rl` pushes its own values down).
 
     model: TrainerModelConfig = TrainerModelConfig()

@@ -131,11 +131,9 @@ def inference_replicas(config: RLConfig) -> dict[str, InferenceConfig]:
 
 
 def service_configs(config: RLConfig) -> dict[str, BaseModel]:
-    """Resolved configs of the services. `clean` and `dry_run` are launcher decisions already
-    taken, so the services get them off (a service must never wipe the run directory)."""
+    """Resolved configs of the services (`clean` and `dry_run` are launcher fields the services do
+    not have: a service never wipes or merely plans its run)."""
     trainer = config.trainer.model_copy(deep=True)
-    trainer.clean = False
-    trainer.dry_run = False
     orchestrator = config.orchestrator.model_copy(deep=True)
     return {**inference_replicas(config), "orchestrator": orchestrator, "trainer": trainer}
 
@@ -148,8 +146,6 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     resolved_rl = config.model_copy(deep=True)
     resolved_rl.dry_run = False
     resolved_rl.clean = False
-    if "clean" in resolved_rl.trainer.model_fields_set:
-        resolved_rl.trainer.clean = False
     config = config.model_copy(deep=True)
     processes: list[ServiceProcess] = []
     files: dict[str, str] = {}
