@@ -121,3 +121,20 @@ def test_cpu_kv_cache_bytes_accepts_sizes_and_refuses_nonsense():
     for bad in ("lots", 0):
         with pytest.raises(ValueError, match="cpu_kv_cache_bytes"):
             make_config(vllm={"cpu_kv_cache_bytes": bad})
+
+
+def test_a_child_that_exits_before_healthy_is_named_with_its_log(tmp_path, free_ports):
+    import subprocess
+    import sys
+
+    (port,) = free_ports(1)
+    log_path = tmp_path / "engine.log"
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(processes.ChildExited) as exited:
+        processes.wait_healthy(
+            "engine", child, f"http://127.0.0.1:{port}/health", 30, log_path=log_path
+        )
+    child.wait()
+    assert str(exited.value) == (
+        f"engine exited with code 3 before becoming healthy; its output is in {log_path}"
+    )

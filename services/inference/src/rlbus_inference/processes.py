@@ -38,7 +38,16 @@ _PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins", "vllm.io_proc
 
 
 class ChildExited(RuntimeError):
-    """A child process ended while we waited for it to become healthy."""
+    """A child process ended while we waited for it to become healthy (or while serving)."""
+
+
+class StartupTimeout(TimeoutError):
+    """A child did not become healthy in time."""
+
+
+def see_log(message: str, log_path: Path | None) -> str:
+    """`message`, pointing at the child's log when it has one (its own output has the why)."""
+    return f"{message}; its output is in {log_path}" if log_path is not None else message
 
 
 def local_host(config: InferenceConfig) -> str:
@@ -207,7 +216,9 @@ def wait_engine_healthy(
     """`wait_healthy` for the engine; an engine that refused its KV-cache size on CPU raises
     EngineConfigError naming the field (only with a log file to read vLLM's reason from)."""
     try:
-        wait_healthy("engine", proc, engine_url(config) + "/health", timeout_s, stop)
+        wait_healthy(
+            "engine", proc, engine_url(config) + "/health", timeout_s, stop, log_path=log_path
+        )
     except ChildExited:
         if log_path is not None and on_cpu():
             tail = log_path.read_bytes()[-65536:].decode(errors="replace")
@@ -226,16 +237,23 @@ def wait_healthy(
     url: str,
     timeout_s: float,
     stop: threading.Event | None = None,
+    *,
+    log_path: Path | None = None,
 ) -> None:
     """Poll `url` until it answers 200; raise if the child exits, time runs out, or `stop` is set
-    (SIGTERM during vLLM's minute-long start-up must not wait for it to finish)."""
+    (SIGTERM during vLLM's minute-long start-up must not wait for it to finish). The errors name
+    the child's log file when it has one."""
     stop = stop or threading.Event()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if stop.is_set():
             raise StopDuringStartup(f"stop requested while {name} was starting")
         if proc.poll() is not None:
-            raise ChildExited(f"{name} exited with code {proc.returncode} before becoming healthy")
+            raise ChildExited(
+                see_log(
+                    f"{name} exited with code {proc.returncode} before becoming healthy", log_path
+                )
+            )
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 log.info("child_healthy", child=name, url=url)
@@ -243,7 +261,7 @@ def wait_healthy(
         except httpx.HTTPError:
             pass
         stop.wait(0.5)
-    raise TimeoutError(f"{name} not healthy at {url} after {timeout_s:.0f} s")
+    raise StartupTimeout(see_log(f"{name} not healthy at {url} after {timeout_s:.0f} s", log_path))
 
 
 def stop(name: str, proc: subprocess.Popen, grace_s: float = 15.0) -> None:

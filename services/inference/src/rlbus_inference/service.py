@@ -42,11 +42,12 @@ ROUTER_START_TIMEOUT_S = 60.0
 
 
 def run(config: InferenceConfig) -> None:
-    """Serve until SIGTERM/SIGINT (see module docstring); a config value the engine refused
-    ends the process with one line naming it."""
+    """Serve until SIGTERM/SIGINT (see module docstring). A config value the engine refused, or a
+    child (engine, router) that exits or never becomes healthy, ends the process with exit code 1
+    and one line saying which and where its output is, not a traceback."""
     try:
         run_service("inference", lambda state: serve(config, state))
-    except processes.EngineConfigError as error:
+    except (processes.EngineConfigError, processes.ChildExited, processes.StartupTimeout) as error:
         sys.exit(f"inference: {error}")
 
 
@@ -89,11 +90,12 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
             stop_startup,
             ENGINE_START_TIMEOUT_S,
         )
+        router_log = logs / f"inference-router-{log_suffix(config)}.log" if logs else None
         router = processes.start(
             "router",
             processes.router_command(config, router_facing_port),
             env=None,
-            log_path=logs / f"inference-router-{log_suffix(config)}.log" if logs else None,
+            log_path=router_log,
         )
         await asyncio.to_thread(
             processes.wait_healthy,
@@ -102,6 +104,7 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
             processes.router_url(config) + "/health",
             ROUTER_START_TIMEOUT_S,
             stop_startup,
+            log_path=router_log,
         )
         log.info(
             "inference_ready",
@@ -113,7 +116,9 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
             from rlbus_inference.replica import run_replica_tasks
 
             replica = tasks.spawn("replica_tasks", run_replica_tasks(config, state))
-        await wait_for_stop(state, [engine, router], tasks)
+        await wait_for_stop(
+            state, {"engine": (engine, engine_log), "router": (router, router_log)}, tasks
+        )
     except processes.StopDuringStartup as stopped:
         log.info("inference_stop_during_startup", reason=str(stopped))
     finally:
@@ -128,13 +133,17 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
         log.info("inference_stopped")
 
 
-async def wait_for_stop(state: ServiceState, children, tasks: TaskSupervisor) -> None:
-    """Return on a stop request; raise if a child dies (ChildExited) or a bus task fails
-    (TaskFailed) first."""
+async def wait_for_stop(state: ServiceState, children: dict, tasks: TaskSupervisor) -> None:
+    """Return on a stop request; raise if a child dies (ChildExited, naming it and its log) or a
+    bus task fails (TaskFailed) first. `children`: name -> (process, log path or None)."""
     while not state.ending:
-        for child in children:
+        for name, (child, log_path) in children.items():
             if child.poll() is not None:
-                raise processes.ChildExited(f"child pid {child.pid} exited with {child.returncode}")
+                raise processes.ChildExited(
+                    processes.see_log(
+                        f"{name} (pid {child.pid}) exited with code {child.returncode}", log_path
+                    )
+                )
         await tasks.wait(state.stop_requested, timeout_s=1.0)
 
 
