@@ -9,8 +9,8 @@ from typing import Any
 from rlbus.configs.common import MonitorsConfig, WandbMonitorConfig
 
 WANDB_MISSING = (
-    "monitors.wandb is enabled but wandb is not installed: `uv pip install wandb` "
-    "(or `uv sync --group wandb`), or drop --monitors.wandb"
+    "monitors.wandb is enabled but wandb is not installed: `uv pip install wandb`, "
+    "or drop --monitors.wandb"
 )
 
 
