@@ -29,8 +29,9 @@ import structlog
 log = structlog.get_logger()
 
 CHECKPOINTS_DIR = "checkpoints"
-CHECKPOINT_COMPLETE = "COMPLETE"  # written last into a finished checkpoint (rlbus_trainer.ckpt)
 """Checkpoints live in `<run_dir>/checkpoints/step_<N>/` (written by the trainer)."""
+CHECKPOINT_COMPLETE = "COMPLETE"
+"""Written last into a finished checkpoint (rlbus_trainer.ckpt): only marked ones count."""
 
 RUN_SUBDIRS = ("logs", "configs", "scripts")
 """Created by `prepare_run_dir`; the services add their own (checkpoints, broadcasts, nats, ...)."""

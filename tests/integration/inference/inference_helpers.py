@@ -18,9 +18,15 @@ from replica_support import (  # noqa: F401  (re-exported for the inference test
 from safetensors.torch import load_file, save_file
 
 from rlbus.checksums import sha256_file
+from rlbus.wire.replicas import ReplicaInfo
 from rlbus.wire.weights import WeightFile, WeightsPublished
 
 PROMPT = [{"role": "user", "content": "Hi"}]
+
+
+async def registered(bus) -> dict[str, ReplicaInfo]:
+    """The replica registry by replica id, read the way the orchestrator and trainer read it."""
+    return {info.replica_id: info for info in await bus.read_replicas()}
 
 
 def make_base_model(out_dir: Path) -> Path:

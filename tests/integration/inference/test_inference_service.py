@@ -23,6 +23,7 @@ from inference_helpers import (
     make_changed_weights,
     make_lora_adapter,
     make_published,
+    registered,
     start_replica,
     transformers_greedy,
 )
@@ -32,7 +33,7 @@ from rlbus import broadcast
 from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
 from rlbus.netutil import free_ports
-from rlbus.wire import replicas, weights
+from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 
 pytest.importorskip("vllm")
@@ -337,11 +338,6 @@ def _group_gone(pgid: int) -> bool:
         return False
     except ProcessLookupError:
         return True
-
-
-async def registered(bus: Bus) -> dict[str, replicas.ReplicaInfo]:
-    """The replica registry by replica id, read the way the orchestrator and trainer read it."""
-    return {info.replica_id: info for info in await bus.read_replicas()}
 
 
 async def wait_for_keys(bus: Bus, predicate, timeout_s: float) -> set[str]:

@@ -5,19 +5,12 @@ import asyncio
 import time
 import uuid
 
+from inference_helpers import registered
+
 from rlbus.configs.bus import BusConfig
 from rlbus.configs.inference import InferenceConfig
 from rlbus.runtime import ServiceState
-from rlbus.wire import replicas
 from rlbus_inference.replica import run_replica_tasks
-
-
-async def registry_keys(bus) -> list[str]:
-    kv = await bus.js.key_value(bus.subjects.replicas_bucket)
-    try:
-        return [key for key in await kv.keys() if (await kv.get(key)).value]
-    except Exception:  # no keys at all
-        return []
 
 
 async def wait_for(predicate, timeout_s: float = 15.0) -> None:
@@ -39,16 +32,15 @@ async def test_a_drain_withdraws_the_lease_and_ends_the_replica_tasks(nats_serve
     try:
         await wait_for(lambda: has_lease(bus))
         assert not tasks.done(), tasks.exception()
-        kv = await bus.js.key_value(bus.subjects.replicas_bucket)
-        info = replicas.decoder.decode((await kv.get("replica-a")).value)
+        info = (await registered(bus))["replica-a"]
         assert info.status == "ready" and info.weights_version == 0
 
         state.drain("test")
         await asyncio.wait_for(tasks, 10)
-        assert await registry_keys(bus) == []
+        assert await registered(bus) == {}
     finally:
         tasks.cancel()
 
 
 async def has_lease(bus) -> bool:
-    return "replica-a" in await registry_keys(bus)
+    return "replica-a" in await registered(bus)

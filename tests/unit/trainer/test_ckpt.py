@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlbus.runs import resolve_resume_step
-from rlbus_trainer.ckpt import COMPLETE, complete_steps, prune_checkpoints
+from rlbus.runs import CHECKPOINT_COMPLETE, resolve_resume_step
+from rlbus_trainer.ckpt import complete_steps, prune_checkpoints
 from rlbus_trainer.testing import (
     kill_tree,
     make_sft_config,
@@ -56,7 +56,7 @@ def make_checkpoint(run_dir, step, complete=True):
     path = run_dir / "checkpoints" / f"step_{step}" / "trainer"
     path.mkdir(parents=True)
     if complete:
-        (path / COMPLETE).write_text(str(step))
+        (path / CHECKPOINT_COMPLETE).write_text(str(step))
 
 
 def test_resume_picks_latest_complete_checkpoint(tmp_path):

@@ -19,15 +19,15 @@ import asyncio
 import structlog
 
 from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.runs import run_dir_of, run_id_of
 from rlbus.runtime import ServiceState, TaskSupervisor, control_handler, run_service
 
 log = structlog.get_logger()
 
 
-def run_id_of(config: OrchestratorConfig) -> str:
-    from rlbus.runs import run_id_of as resolve_run_id
-
-    run_id = resolve_run_id(config.bus.run_id, config.run.name)
+def require_run_id(config: OrchestratorConfig) -> str:
+    """The run id (rlbus.runs.run_id_of); the orchestrator cannot run without one."""
+    run_id = run_id_of(config.bus.run_id, config.run.name)
     if not run_id:
         raise ValueError(
             "the orchestrator needs a run id: pass --run.name NAME (or --bus.run-id ID)"
@@ -48,7 +48,6 @@ def run(config: OrchestratorConfig) -> None:
 async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -> None:
     """The service body; without `state` (tests, benchmarks) it runs until `max_steps`."""
     from rlbus.bus.client import Bus
-    from rlbus.runs import run_dir_of
     from rlbus.wire.events import Lifecycle
     from rlbus_orchestrator.coordinator import Coordinator
     from rlbus_orchestrator.envs import load_environment
@@ -56,7 +55,7 @@ async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -
 
     for env in config.env:
         load_environment(env.id, env.args)
-    run_id = run_id_of(config)
+    run_id = require_run_id(config)
     run_dir = run_dir_of(config) if config.run.name else None
     state = state or ServiceState("orchestrator")
     bus = await Bus.connect(

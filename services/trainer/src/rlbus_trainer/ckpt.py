@@ -24,18 +24,17 @@ import structlog
 import torch
 import torch.distributed as dist
 
+# The path rule, the completeness marker and resume-step resolution are the run directory's
+# contract, shared with the launcher: one home in rlbus.runs.
 from rlbus.runs import (
     CHECKPOINT_COMPLETE,
+    CHECKPOINTS_DIR,
     checkpoint_dir,
     complete_steps,
     resolve_resume_step,
 )
 
 log = structlog.get_logger()
-
-# The path rule, the completeness marker and resume-step resolution are the run directory's
-# contract, shared with the launcher: one home in rlbus.runs.
-COMPLETE = CHECKPOINT_COMPLETE
 
 
 def _rng_state() -> dict:
@@ -110,7 +109,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, progress: dict) -> Path:
     dist.barrier()
     if engine.world.is_main:
         _fsync_tree(path)
-        _fsync_write(path / COMPLETE, str(step))
+        _fsync_write(path / CHECKPOINT_COMPLETE, str(step))
     dist.barrier()
     log.info("checkpoint_saved", step=step, path=str(path))
     return path
@@ -136,7 +135,7 @@ def load_checkpoint(engine, run_dir: Path, step: int) -> dict:
     from rlbus_trainer.engine import torch_optimizers
 
     path = checkpoint_dir(run_dir, step)
-    assert (path / COMPLETE).exists(), f"checkpoint {path} is incomplete"
+    assert (path / CHECKPOINT_COMPLETE).exists(), f"checkpoint {path} is incomplete"
     state = _dcp_state(engine)
     dcp.load(state, checkpoint_id=str(path))
     if engine.full_offload:
@@ -165,15 +164,12 @@ def prune_checkpoints(run_dir: Path, keep_last: int | None, *, current_step: int
     ones older than `current_step` (rank 0 only). Returns the pruned steps."""
     complete = complete_steps(run_dir)
     doomed = set(complete[:-keep_last] if keep_last else [])
-    root = Path(run_dir) / "checkpoints"
-    for path in root.glob("step_*"):
+    for path in (Path(run_dir) / CHECKPOINTS_DIR).glob("step_*"):
         match = re.fullmatch(r"step_(\d+)", path.name)
-        if (
-            match
-            and int(match.group(1)) < current_step
-            and not (path / "trainer" / COMPLETE).exists()
-            and (path / "trainer").exists()
-        ):
+        if not match or int(match.group(1)) >= current_step:
+            continue
+        trainer_dir = checkpoint_dir(run_dir, int(match.group(1)))
+        if trainer_dir.exists() and not (trainer_dir / CHECKPOINT_COMPLETE).exists():
             doomed.add(int(match.group(1)))
     for step in sorted(doomed):
         shutil.rmtree(checkpoint_dir(run_dir, step), ignore_errors=True)

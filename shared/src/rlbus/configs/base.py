@@ -76,15 +76,19 @@ def _field_names(name: str, finfo: Any) -> list[str]:
     return names
 
 
+def flag_path(prefix: str, name: str) -> str:
+    """The dotted kebab-case flag path of field `name` under `prefix` (`trainer.optim` + `lr`)."""
+    flag = name.replace("_", "-")
+    return f"{prefix}.{flag}" if prefix else flag
+
+
 def known_flag_paths(cls: type[BaseModel], prefix: str = "") -> list[str]:
     """Every dotted kebab-case flag path of `cls`: leaves, optional sub-configs (which are flags
     themselves: `--monitors.wandb`), and the fields of every union variant."""
     paths: list[str] = []
     for name, finfo in cls.model_fields.items():
         for spelling in _field_names(name, finfo):
-            path = (
-                f"{prefix}.{spelling.replace('_', '-')}" if prefix else spelling.replace("_", "-")
-            )
+            path = flag_path(prefix, spelling)
             variants = _model_variants(finfo.annotation)
             annotation = _strip_annotated(finfo.annotation)
             is_plain_model = isinstance(annotation, type) and issubclass(annotation, BaseModel)
@@ -258,9 +262,7 @@ def _model_paths(cls: type[BaseModel], prefix: str = "") -> set[str]:
     for name, finfo in cls.model_fields.items():
         variants = _model_variants(finfo.annotation)
         for spelling in _field_names(name, finfo):
-            path = (
-                f"{prefix}.{spelling.replace('_', '-')}" if prefix else spelling.replace("_", "-")
-            )
+            path = flag_path(prefix, spelling)
             if variants:
                 paths.add(path)
             for variant in variants:
@@ -304,7 +306,7 @@ def _bool_union_paths(cls: type[BaseModel], prefix: str = "") -> set[str]:
     pydantic_config treats only plain `bool` fields as toggles."""
     paths: set[str] = set()
     for name, finfo in cls.model_fields.items():
-        path = f"{prefix}.{name.replace('_', '-')}" if prefix else name.replace("_", "-")
+        path = flag_path(prefix, name)
         inner = _strip_annotated(finfo.annotation)
         if get_origin(inner) in (Union, types.UnionType) and bool in get_args(inner):
             paths.add(path)
@@ -347,7 +349,7 @@ def _variant_list_paths(cls: type[BaseModel], prefix: str = "", inside: bool = F
     fails on `b`), while plain sub-configs take space-separated values."""
     paths: set[str] = set()
     for name, finfo in cls.model_fields.items():
-        path = f"{prefix}.{name.replace('_', '-')}" if prefix else name.replace("_", "-")
+        path = flag_path(prefix, name)
         if inside and _is_scalar_list(finfo.annotation):
             paths.add(path)
         annotation = _strip_annotated(finfo.annotation)
