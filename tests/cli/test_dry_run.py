@@ -330,3 +330,21 @@ def test_inference_ports_left_unset_are_free_ports_not_the_defaults(tmp_path):
     replicas = [load_toml(configs / f"inference-{i}.toml") for i in (0, 1)]
     ports = [p for r in replicas for p in (r["server"]["port"], r["backend_port"])]
     assert len(set(ports)) == 4 and not {8000, 8001, 8100, 8101} & set(ports)
+
+
+def test_rollout_worker_processes_run_the_orchestrator_config_as_workers(tmp_path):
+    result = run_command(
+        "rl", "@", DEBUG_RL, "--dry-run", "--run.name", "w2",
+        "--deployment.num-rollout-workers", "2", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    scripts = tmp_path / "outputs" / "w2" / "scripts"
+    orchestrator = exec_argv(scripts / "orchestrator.sh")
+    assert "--role" not in orchestrator
+    for i in range(2):
+        assert exec_argv(scripts / f"worker-{i}.sh") == [*orchestrator, "--role", "worker"]
+    assert not (scripts / "worker-2.sh").exists()
+    launch = (scripts / "launch.sh").read_text()
+    assert (
+        launch.index("orchestrator.sh") < launch.index("worker-0.sh") < launch.index("trainer.sh")
+    )

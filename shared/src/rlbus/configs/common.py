@@ -132,6 +132,11 @@ class DeploymentConfig(BaseConfig):
     num_infer_replicas: int = Field(1, ge=1)
     """Inference server processes started by the launcher."""
 
+    num_rollout_workers: int = Field(0, ge=0)
+    """Rollout-worker processes started besides the orchestrator (`worker-<i>`, each running
+    `orchestrator --role worker` with `orchestrator.num_workers` workers inside); they share the
+    tasks stream with the orchestrator's in-process workers. 0: only those in-process workers."""
+
     cpu_binding: Literal["auto", "threads", "off"] = "auto"
     """`auto`: on a host without GPUs, give each inference replica (its whole process tree) and the
     trainer disjoint halves of the cores the launcher may use, so that generation and training

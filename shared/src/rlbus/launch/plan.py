@@ -9,6 +9,7 @@
     monitor       python -m rlbus.monitors @ configs/rl.toml --bus.url <url>  (metrics.jsonl)
     inference     python -m rlbus_inference.entrypoint @ configs/inference.toml   (per replica)
     orchestrator  python -m rlbus_orchestrator.entrypoint @ configs/orchestrator.toml
+    worker-<i>    the same with --role worker (deployment.num_rollout_workers, default none)
     trainer       python -m torch.distributed.run --standalone --nproc-per-node N
                       -m rlbus_trainer.entrypoint @ configs/trainer.toml
 
@@ -183,6 +184,15 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
                 argv, env = bind_trainer(argv, cpus)
         elif name == "orchestrator":
             argv = python_module_argv("rlbus_orchestrator.entrypoint", path)
+            for i in range(config.deployment.num_rollout_workers):
+                processes.append(
+                    ServiceProcess(
+                        name=f"worker-{i}",
+                        argv=[*argv, "--role", "worker"],
+                        log_path=log_file_path(run_dir, f"worker-{i}"),
+                        cwd=Path.cwd(),
+                    )
+                )
         else:
             argv = python_module_argv("rlbus_inference.entrypoint", path)
             if cpus is not None:
@@ -198,5 +208,7 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     # inference first, then orchestrator, then trainer (DESIGN.md); nats and the monitor (a
     # durable consumer, so it misses nothing) before all of them; stopping goes in reverse.
     order = {"nats": 0, "monitor": 0.5, "orchestrator": 2, "trainer": 3}
-    launch.processes = sorted(processes, key=lambda p: order.get(p.name, 1))
+    launch.processes = sorted(
+        processes, key=lambda p: 2.5 if p.name.startswith("worker-") else order.get(p.name, 1)
+    )
     return launch
