@@ -29,6 +29,7 @@ from datetime import datetime
 from pathlib import Path
 
 from rlbus import procs
+from rlbus.launch.lock import LOCK_FILE
 
 KINDS = (
     "coordinator",
@@ -107,6 +108,18 @@ def processes_by_kind(launcher_pid: int) -> dict[str, list[int]]:
         if kind is not None:
             by_kind.setdefault(kind, []).append(pid)
     return by_kind
+
+
+def wait_for_launch_id(run_dir: Path, timeout_s: float = 120.0) -> str:
+    """The launch id of the `rl` running in `run_dir` (from its launcher.json), once it is there."""
+    path = run_dir / LOCK_FILE
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(path.read_text())["launch_id"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.2)
+    raise TimeoutError(f"no {path} with a launch_id after {timeout_s:.0f} s")
 
 
 @dataclass

@@ -30,6 +30,10 @@ SERVICE_ENV = "RLBUS_SERVICE_INSTANCE"
 
 _PR_SET_PDEATHSIG = 1
 _PROC = Path("/proc")
+try:  # loaded once here: a preexec_fn must not dlopen in a forked child of a threaded parent
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:
+    _LIBC = None
 
 
 def mark_env(launch_id: str, service: str) -> dict[str, str]:
@@ -40,13 +44,14 @@ def mark_env(launch_id: str, service: str) -> dict[str, str]:
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Have the kernel send `sig` to this process when its parent exits (best effort).
 
-    Safe as a `subprocess.Popen(preexec_fn=...)`: it only calls prctl. If the parent is already
+    Safe as a `subprocess.Popen(preexec_fn=...)`: it only calls prctl (libc is loaded at import). If the parent is already
     gone when this runs (a race at start-up), the process signals itself at once.
     """
+    if _LIBC is None:
+        return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except AttributeError:  # no prctl: not Linux
         return
     if os.getppid() == 1:
         os.kill(os.getpid(), sig)
@@ -86,6 +91,16 @@ def alive(pid: int) -> bool:
         return not _PROC.exists()  # no /proc: kill(0) is all we know
     # "pid (comm) S ...": the state follows the last ')', comm may contain spaces or parens
     return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def start_ticks(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot, /proc's field 22): with the pid, it names one
+    process even after pids are reused. None when it is gone."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[19])
 
 
 def marked_pids(launch_id: str, service: str | None = None) -> list[int]:

@@ -144,6 +144,26 @@ class DeploymentConfig(BaseConfig):
     compute threads and the trainer. `off`: leave placement to the OS."""
 
 
+class SupervisionConfig(BaseConfig):
+    """How `rl` heals its run: a service that exits unexpectedly is started again, alone, with the
+    command it was first started with (docs/launcher.md, "Supervision")."""
+
+    enabled: bool = True
+    """Restart services that die; off: the first death stops the run (the first wave's rule)."""
+
+    max_restarts: int = Field(5, ge=0)
+    """Restarts allowed per service within `window_s`; one more death stops the run."""
+
+    window_s: float = Field(600.0, gt=0)
+    """The sliding window `max_restarts` counts in (seconds)."""
+
+    backoff_s: float = Field(1.0, ge=0)
+    """Wait before the first restart of a service; doubles with each restart still in the window."""
+
+    max_backoff_s: float = Field(30.0, ge=0)
+    """The longest wait before a restart."""
+
+
 class ServiceConfig(BaseConfig):
     """The fields of every command that runs a service: its bus, logging and tracing."""
 
@@ -209,6 +229,7 @@ __all__ = [
     "RunConfig",
     "RunnableConfig",
     "ServiceConfig",
+    "SupervisionConfig",
     "TrainingRunConfig",
     "WandbMonitorConfig",
     "WeightBroadcastConfig",
