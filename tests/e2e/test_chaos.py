@@ -1,0 +1,83 @@
+"""Chaos: one `rl` debug run, 20+ SIGKILLs at random moments over every process kind; it heals.
+
+The seed is printed (and can be fixed with RLBUS_CHAOS_SEED) so a failure can be replayed. vLLM's
+processes cost a minute or more to come back on 2 cores, so each vLLM kind is killed once per
+round and the cheap kinds (coordinator, rollout worker, trainer rank, torchrun agent, nats-server,
+monitor) several times: every kind is hit, the whole test stays inside the CI budget.
+"""
+
+import os
+import random
+import threading
+
+import pytest
+from e2e_support import RlLaunch, metrics_lines
+
+from rlbus import chaos, procs
+
+pytestmark = pytest.mark.slow
+
+CHEAP = (
+    "coordinator",
+    "rollout-worker",
+    "trainer-rank",
+    "torchrun-agent",
+    "nats-server",
+    "monitor",
+)
+VLLM = ("engine-core", "api-server", "router", "inference-leader")
+KILLS = 22
+MAX_STEPS = 2 * KILLS + 8
+
+
+def test_twenty_sigkills_over_every_process_kind_and_the_run_heals(tmp_path, starting_model):
+    seed = int(os.environ.get("RLBUS_CHAOS_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"chaos seed {seed} (replay: RLBUS_CHAOS_SEED={seed})")
+    run = RlLaunch(
+        tmp_path, "chaos",
+        "--model.name", str(starting_model.path),
+        "--max-steps", str(MAX_STEPS),
+        "--ckpt.interval", "1",
+        "--ckpt.keep-last", "2",
+        "--supervision.max-restarts", "50",
+        "--deployment.num-rollout-workers", "1",
+    )  # fmt: skip
+    monkey = chaos.ChaosMonkey(
+        run.popen.pid,
+        run.run_dir,
+        num_kills=KILLS,
+        seed=seed,
+        kinds=CHEAP * 3 + VLLM,
+        stop_at_step=MAX_STEPS - 3,
+    )
+    killer = threading.Thread(target=monkey.run, daemon=True)
+    launch_id = None
+    try:
+        launch_id = chaos.wait_for_launch_id(run.run_dir, timeout_s=120)
+        killer.start()
+        code = run.wait(timeout_s=1800)
+        killer.join(60)
+        assert code == 0, f"seed {seed}: rl exited {code}\n{run.output()[-5000:]}"
+    finally:
+        run.kill()
+        if launch_id:
+            procs.terminate(procs.marked_pids(launch_id), grace_s=2)
+    kinds_hit = {kill.kind for kill in monkey.kills}
+    assert len(monkey.kills) >= 20, f"seed {seed}: only {len(monkey.kills)} kills happened"
+    assert kinds_hit == set(chaos.KINDS), (
+        f"seed {seed}: never killed {set(chaos.KINDS) - kinds_hit}"
+    )
+
+    # Steps consecutive, none trained twice: every step finished once, in order.
+    trained = [step for step, _ in chaos.trained_steps(run.run_dir)]
+    assert trained == sorted(set(trained)), f"seed {seed}: a step was trained twice: {trained}"
+    rows = [row for row in metrics_lines(run.run_dir) if "loss" in row]
+    assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1)), f"seed {seed}"
+    assert not any(row.get("retrained") for row in rows), f"seed {seed}: retrained steps"
+    # Weights versions never went backwards (and none was published twice).
+    versions = chaos.published_versions(run.run_dir)
+    assert versions == sorted(set(versions)) and versions[-1] == MAX_STEPS, f"seed {seed}"
+    # No process of the run survives it.
+    assert procs.marked_pids(launch_id) == [], f"seed {seed}: survivors"
+    for row in chaos.recovery(monkey.kills, run.run_dir):
+        print(row)
