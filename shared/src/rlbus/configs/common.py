@@ -139,6 +139,26 @@ class DeploymentConfig(BaseConfig):
     compute threads and the trainer. `off`: leave placement to the OS."""
 
 
+class SupervisionConfig(BaseConfig):
+    """How `rl` heals a run: a service that exits unexpectedly is restarted alone, with its
+    original command (every service resumes by itself), after a backoff and within a budget."""
+
+    enabled: bool = True
+    """Restart services that die (`--no-supervision.enabled`: the first death stops the run)."""
+
+    max_restarts: int = Field(5, ge=0)
+    """Restarts allowed per service within `window_s`; one more death stops the run."""
+
+    window_s: float = Field(600.0, gt=0)
+    """The sliding window (seconds) the restart budget counts over."""
+
+    backoff_s: float = Field(1.0, ge=0)
+    """Wait before the first restart; doubled for each further restart within the window."""
+
+    max_backoff_s: float = Field(30.0, ge=0)
+    """Longest wait before a restart."""
+
+
 class ServiceConfig(BaseConfig):
     """The fields of every command that runs a service: its bus, logging and tracing."""
 
@@ -204,6 +224,7 @@ __all__ = [
     "RunConfig",
     "RunnableConfig",
     "ServiceConfig",
+    "SupervisionConfig",
     "TrainingRunConfig",
     "WandbMonitorConfig",
     "WeightBroadcastConfig",

@@ -16,6 +16,7 @@ from rlbus.configs.common import (
     ModelConfig,
     MonitorsConfig,
     ServiceConfig,
+    SupervisionConfig,
     TrainingRunConfig,
 )
 from rlbus.configs.inference import InferenceConfig
@@ -72,6 +73,9 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
 
     deployment: DeploymentConfig = DeploymentConfig()
     """Where the services run."""
+
+    supervision: SupervisionConfig = SupervisionConfig()
+    """Restarts of services that die (launcher only; docs/launcher.md, "Supervision")."""
 
     trainer: TrainerConfig = TrainerConfig()
     """Trainer service."""

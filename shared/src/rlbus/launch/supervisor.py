@@ -3,6 +3,11 @@
 Every service runs in its own session (process group), because torchrun and vLLM spawn children
 of their own: stopping a service signals its whole group, then waits, then kills what is left.
 Each service's stdout and stderr go to `<run_dir>/logs/<service>.log`.
+
+With a launch id, a service also carries the run's mark in its environment
+(`rlbus.procs.mark_env`, inherited by everything it spawns) and the kernel's parent-death signal
+(`procs.die_with_parent`, SIGTERM when the launcher dies): processes that leave the group
+(torchrun's ranks) are still found by their mark and ended with the service.
 """
 
 import os
@@ -14,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+
+from rlbus import procs
 
 log = structlog.get_logger()
 
@@ -28,18 +35,26 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
     popen: subprocess.Popen | None = None
+    launch_id: str | None = None
+    """Set by the launcher: the service's processes carry `procs.mark_env(launch_id, name)`."""
 
     def start(self) -> None:
+        """Start (or, after it died, start again) this service with the same argv; output is
+        appended to its log."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab", buffering=0)
+        env = {**os.environ, **self.env}
+        if self.launch_id is not None:
+            env.update(procs.mark_env(self.launch_id, self.name))
         self.popen = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
+            env=env,
             cwd=self.cwd,
             start_new_session=True,
+            preexec_fn=procs.die_with_parent if self.launch_id is not None else None,
         )
         log_file.close()
         log.info("service_started", service=self.name, pid=self.popen.pid, log=str(self.log_path))
@@ -59,8 +74,26 @@ class ServiceProcess:
         except ProcessLookupError:
             pass
 
+    def leftovers(self) -> list[int]:
+        """Live processes carrying this service's mark (none without a launch id)."""
+        if self.launch_id is None:
+            return []
+        return procs.marked_pids(self.launch_id, self.name)
+
+    def end_leftovers(self, grace_s: float = 5.0) -> list[int]:
+        """SIGKILL the group, then SIGTERM (SIGKILL after `grace_s`) every process still carrying
+        the mark: what a dead leader left behind. Returns the pids that were ended."""
+        if self.popen is not None:
+            self.signal_group(signal.SIGKILL)
+        found = self.leftovers()
+        survivors = procs.terminate(found, grace_s=grace_s)
+        if found:
+            log.info("leftovers_ended", service=self.name, pids=found, survivors=survivors)
+        return found
+
     def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM the group, wait up to timeout_s, then SIGKILL the group. Returns the exit code."""
+        """SIGTERM the group, wait up to timeout_s, then SIGKILL the group and every marked
+        leftover. Returns the exit code."""
         if self.popen is None:
             return None
         if self.popen.poll() is None:
@@ -75,6 +108,7 @@ class ServiceProcess:
             self.popen.wait(5)
         except subprocess.TimeoutExpired:
             pass
+        self.end_leftovers(grace_s=min(timeout_s, 5.0))
         return self.popen.returncode
 
     def group_alive(self) -> bool:
@@ -132,8 +166,55 @@ class Supervisor:
         for service in reversed(self.services):
             code = service.stop(timeout_s)
             log.info("service_stopped", service=service.name, pid=service.pid, exit_code=code)
-        deadline = time.monotonic() + 5
-        while any(s.group_alive() for s in self.services) and time.monotonic() < deadline:
+        self.assert_none_survive()
+
+    def stop_now(self, grace_s: float = 0.0) -> None:
+        """Stop every service at once, no drain: SIGTERM every group and marked process (unless
+        `grace_s` is 0), wait up to `grace_s`, then SIGKILL all that is left."""
+        started = [s for s in self.services if s.popen is not None]
+        if grace_s > 0:
+            for service in started:
+                service.signal_group(signal.SIGTERM)
+                for pid in service.leftovers():
+                    _signal(pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and any(
+                s.poll() is None or s.leftovers() for s in started
+            ):
+                time.sleep(0.1)
+        for service in started:
+            service.signal_group(signal.SIGKILL)
+            for pid in service.leftovers():
+                _signal(pid, signal.SIGKILL)
+        for service in started:
+            try:
+                service.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            service.end_leftovers(grace_s=0.5)
+            log.info("service_stopped", service=service.name, pid=service.pid, now=True)
+        self.assert_none_survive()
+
+    def assert_none_survive(self, timeout_s: float = 5.0) -> None:
+        """Wait up to `timeout_s` for every group and marked process to be gone; fail loudly
+        naming them if any is not."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.survivors():
             time.sleep(0.1)
-        survivors = [s.name for s in self.services if s.group_alive()]
+        survivors = self.survivors()
         assert not survivors, f"processes survived SIGKILL: {survivors}"
+
+    def survivors(self) -> list[str]:
+        found = []
+        for service in self.services:
+            if service.group_alive():
+                found.append(f"{service.name} (group {service.pid})")
+            found += [f"{service.name} (pid {pid})" for pid in service.leftovers()]
+        return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
