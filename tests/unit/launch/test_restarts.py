@@ -12,6 +12,7 @@ from rlbus.launch.restarts import (
     RestartPolicy,
     describe_exit,
     launcher_exit_code,
+    shell_exit_code,
 )
 
 
@@ -71,6 +72,19 @@ def test_exits_are_described_and_signals_become_128_plus_n():
     assert launcher_exit_code(-9) == 137
     assert launcher_exit_code(0) == 1
     assert launcher_exit_code(247) == 247
+    assert shell_exit_code(-9) == 137 and shell_exit_code(0) == 0 and shell_exit_code(2) == 2
+
+
+def test_a_sigkilled_child_exit_code_is_137_not_247(tmp_path):
+    """`sys.exit(-9)` (a Popen return code passed on as is) exits 247; shell_exit_code gives 137."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"])
+    assert child.returncode == -9
+    passed_on = subprocess.run([sys.executable, "-c", "import sys; sys.exit(-9)"])
+    assert passed_on.returncode == 247
+    assert shell_exit_code(child.returncode) == 137
 
 
 def test_supervision_flags_parse_like_every_other_field():

@@ -34,12 +34,16 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def shell_exit_code(code: int) -> int:
+    """A child's Popen return code as a launcher's own exit code: 128 + N for a child killed by
+    signal N (a shell's convention). Never `sys.exit(-N)`: the OS keeps the low byte, so a
+    SIGKILLed child would make the launcher exit 247 (256 - 9), which reads like a real code."""
+    return EXIT_SIGNAL_BASE - code if code < 0 else code
+
+
 def launcher_exit_code(code: int) -> int:
-    """The launcher's own exit code for a service that ended it: 128 + N for a child killed by
-    signal N (a shell's convention), the service's code otherwise (1 for a 0)."""
-    if code < 0:
-        return EXIT_SIGNAL_BASE - code
-    return code or 1
+    """`rl`'s exit code for a service that ended the run: `shell_exit_code`, 1 for a 0."""
+    return shell_exit_code(code) or 1
 
 
 @dataclass(frozen=True)
