@@ -5,7 +5,8 @@
   built and briefly SFT'd here (slow; the reward test then skips: a barely trained model has no
   reward to raise).
 - `RlLaunch`: one `rl` process (own session, output in a file), stopped by process group at
-  teardown whatever happened; `run_rows`, `launcher_pids`, `alive` read what a run left behind.
+  teardown whatever happened (and every process carrying one of its launch marks);
+  `run_rows`, `launcher_pids`, `alive`, `launch_ids`, `marked_alive` read what a run left behind.
 """
 
 import json
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from rlbus import procs
+from rlbus.launch.lock import read_lock
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_RL = REPO / "configs" / "debug" / "rl.toml"
@@ -105,6 +109,8 @@ class RlLaunch:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
             pass
+        for launch_id in launch_ids(self.run_dir):
+            procs.terminate(procs.marked_pids(launch_id), grace_s=0)
 
 
 def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.5) -> None:
@@ -165,4 +171,36 @@ def group_alive(pgid: int) -> bool:
 def alive_groups(run_dir: Path) -> list[str]:
     return [
         f"{name} (pgid {pid})" for name, pid in launcher_pids(run_dir).items() if group_alive(pid)
+    ]
+
+
+def log_events(run_dir: Path, name: str) -> list[dict]:
+    """The launcher's `name` events from logs/rl.log, in order."""
+    log = run_dir / "logs" / "rl.log"
+    if not log.exists():
+        return []
+    events = []
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == name:
+            events.append(event)
+    return events
+
+
+def launch_ids(run_dir: Path) -> list[str]:
+    """Launch ids of every `rl` started on this run directory (launcher.json, then rl.log)."""
+    ids = [e["launch_id"] for e in log_events(run_dir, "launch_started")]
+    lock = read_lock(run_dir)
+    if lock is not None and lock.launch_id not in ids:
+        ids.append(lock.launch_id)
+    return ids
+
+
+def marked_alive(launch_id: str) -> list[str]:
+    """`pid N (command) [service]` of every live process carrying the launch's mark."""
+    return [
+        f"{procs.describe(pid)} [{procs.service_of(pid)}]" for pid in procs.marked_pids(launch_id)
     ]

@@ -1,5 +1,5 @@
-"""A service that keeps dying is restarted within its budget, then takes the run down cleanly:
-named, its log shown, the rest stopped, exit != 0."""
+"""With supervision off, a service that dies takes the run down cleanly: named, its log shown, the
+rest stopped, exit != 0 (restarts: tests/e2e/test_supervision.py)."""
 
 import pytest
 from e2e_support import RlLaunch, alive_groups
@@ -17,16 +17,13 @@ def test_a_dying_trainer_is_named_with_its_log_and_every_other_process_stops(
         str(starting_model.path),
         "--trainer.model.name",
         str(tmp_path / "no-such-model"),
-        "--supervision.max-restarts",
-        "1",
+        "--no-supervision.enabled",  # restarts would fail the same way; tests/e2e/test_supervision.py
     )
     try:
         code = launch.wait(300)
         output = launch.output()
         assert code != 0, output[-3000:]
-        assert "trainer died (exit code" in output and "restarting in 1 s (restart 1 of 1" in output
-        assert "trainer is back (pid" in output
-        assert "giving up; see" in output and "trainer ended (exit code" in output
+        assert "trainer exited with code" in output
         assert "--- last lines of" in output and "trainer.log" in output
         assert '"event": "service_failed"' in output
         assert alive_groups(launch.run_dir) == []

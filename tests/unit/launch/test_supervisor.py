@@ -1,7 +1,9 @@
 import os
 import sys
 import time
+import uuid
 
+from rlbus import procs
 from rlbus.launch.supervisor import ServiceProcess, Supervisor
 
 
@@ -67,48 +69,63 @@ def test_a_service_expected_to_exit_cleanly_is_not_a_failure(tmp_path):
     assert supervisor.first_failure() == (done, 0)
 
 
-def test_restart_policy_backs_off_doubling_to_the_cap_and_spends_its_budget_per_window():
-    from rlbus.launch.supervisor import RestartPolicy
-
-    policy = RestartPolicy(max_restarts=3, window_s=100, backoff_s=1, max_backoff_s=3)
-    assert [policy.next_delay(t) for t in (0, 1, 2)] == [1, 2, 3]
-    assert policy.next_delay(3) is None  # a 4th death within 100 s: budget spent
-    assert policy.next_delay(99) is None
-    assert policy.next_delay(100.5) == 3  # the first restart left the window
-    assert policy.next_delay(250) == 1  # all left: back to the first backoff
-
-
-def test_exit_descriptions_and_launcher_codes():
-    from rlbus.launch.supervisor import describe_exit, launcher_exit_code
-
-    assert describe_exit(-9) == "killed by SIGKILL" and describe_exit(1) == "exit code 1"
-    assert launcher_exit_code(-9) == 137 and launcher_exit_code(0) == 1
-    assert launcher_exit_code(2) == 2
+ESCAPES_THE_GROUP = """
+import subprocess, sys, time, signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+# like a torchrun rank that left its agent's group: own session, ignores SIGTERM
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(300)
+"""
 
 
-def test_a_restarted_service_first_loses_every_marked_leftover(tmp_path):
-    """A leader killed by SIGKILL leaves a child in another session; `end_leftovers` finds it by
-    the mark and ends it, so a restart never meets its predecessor's processes."""
-    import uuid
-
-    from rlbus import procs
-
-    service = make_service(
-        tmp_path,
-        "svc",
-        SPAWNS_GRANDCHILD.replace(
-            "subprocess.Popen([", "subprocess.Popen(start_new_session=True, args=["
-        ),
-    )
-    service.launch_id = uuid.uuid4().hex
-    service.start()
+def started_child(service) -> int:
     deadline = time.monotonic() + 10
     while not service.log_path.read_text().strip() and time.monotonic() < deadline:
         time.sleep(0.05)
-    child_pid = int(service.log_path.read_text().split()[0])
-    os.kill(service.pid, 9)
-    service.popen.wait(5)
-    assert pid_alive(child_pid) and service.leftovers() == [child_pid]
-    service.end_leftovers(grace_s=0.5)
-    assert not pid_alive(child_pid)
-    assert procs.marked_pids(service.launch_id) == []
+    return int(service.log_path.read_text().split()[0])
+
+
+def test_marked_processes_that_left_the_group_are_ended_with_their_service(tmp_path):
+    launch_id = uuid.uuid4().hex
+    supervisor = Supervisor()
+    service = make_service(tmp_path, "trainer", ESCAPES_THE_GROUP)
+    service.launch_id = launch_id
+    supervisor.start(service)
+    try:
+        escaped = started_child(service)
+        assert procs.service_of(escaped) == "trainer"
+        assert sorted(procs.marked_pids(launch_id)) == sorted([service.pid, escaped])
+        supervisor.stop_all(timeout_s=0.5)
+        assert not pid_alive(escaped) and procs.marked_pids(launch_id) == []
+    finally:
+        procs.terminate(procs.marked_pids(launch_id), grace_s=0)
+
+
+def test_stop_now_kills_every_group_and_marked_process_at_once(tmp_path):
+    launch_id = uuid.uuid4().hex
+    supervisor = Supervisor()
+    services = [make_service(tmp_path, f"s{i}", ESCAPES_THE_GROUP) for i in range(2)]
+    for service in services:
+        service.launch_id = launch_id
+        supervisor.start(service)
+    try:
+        escaped = [started_child(s) for s in services]
+        began = time.monotonic()
+        supervisor.stop_now()
+        assert time.monotonic() - began < 10
+        assert procs.marked_pids(launch_id) == [] and not any(pid_alive(p) for p in escaped)
+    finally:
+        procs.terminate(procs.marked_pids(launch_id), grace_s=0)
+
+
+def test_a_restarted_service_runs_the_same_argv_and_appends_to_its_log(tmp_path):
+    supervisor = Supervisor()
+    service = supervisor.start(make_service(tmp_path, "monitor", "print('started', flush=True)"))
+    service.popen.wait(10)
+    first = service.pid
+    service.start()
+    service.popen.wait(10)
+    assert service.pid != first
+    assert service.log_path.read_text().split() == ["started", "started"]
+    supervisor.stop_all(timeout_s=1)

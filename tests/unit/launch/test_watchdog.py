@@ -1,4 +1,6 @@
-"""The launcher's watchdog and lock, with real processes: a SIGKILLed launcher leaves nothing."""
+"""The launcher's watchdog as a real process: when its launcher dies by SIGKILL, every process
+carrying the launch's mark is gone within 10 s (even one that ignores SIGTERM), the lock is
+removed and rl.log says so; after a clean `done` it touches nothing."""
 
 import json
 import os
@@ -11,84 +13,94 @@ import uuid
 import pytest
 
 from rlbus import procs
-from rlbus.launch import lock
-from rlbus.runs import RunDirError
+from rlbus.launch.lock import lock_path
 
-# A stand-in launcher: the real lock, the real watchdog, two marked services (one ignoring
-# SIGTERM, one in a session of its own), then it waits to be killed.
 LAUNCHER = """
-import os, subprocess, sys, time
+import json, os, subprocess, sys, time
 from pathlib import Path
 from rlbus import procs
 from rlbus.launch.lock import write_lock
-from rlbus.launch.rl import start_watchdog
-run_dir, launch_id = Path(sys.argv[1]), sys.argv[2]
+from rlbus.launch.watchdog import start_watchdog
+
+launch_id, run_dir, clean = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "clean"
+watchdog = start_watchdog(launch_id, run_dir, grace_s=2.0)
 write_lock(run_dir, launch_id)
-watchdog, pipe = start_watchdog(launch_id, run_dir)
-stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
-for name in ("trainer", "inference"):
-    subprocess.Popen([sys.executable, "-c", stubborn], start_new_session=True,
-                     env={**os.environ, **procs.mark_env(launch_id, name)})
-print("ready", flush=True)
-time.sleep(120)
+stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+children = [
+    subprocess.Popen(
+        [sys.executable, "-c", stubborn],
+        env={**os.environ, **procs.mark_env(launch_id, f"svc{i}")},
+        start_new_session=True,
+    )
+    for i in range(2)
+]
+print(json.dumps({"watchdog": watchdog.popen.pid, "children": [c.pid for c in children]}), flush=True)
+if clean:
+    for child in children:
+        child.kill()
+        child.wait()
+    watchdog.done()
+    print("done", flush=True)
+time.sleep(300)
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP])
-def test_a_killed_launcher_leaves_no_marked_process_and_no_lock(tmp_path, sig):
-    (tmp_path / "logs").mkdir()
-    launch_id = uuid.uuid4().hex
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, str(tmp_path), launch_id], stdout=subprocess.PIPE
-    )
-    try:
-        assert launcher.stdout.readline().strip() == b"ready"
-        deadline = time.monotonic() + 10
-        while len(procs.marked_pids(launch_id)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(procs.marked_pids(launch_id)) == 2
-        assert any("the launcher" in line for line in lock.live_processes(tmp_path))
-        with pytest.raises(RunDirError, match="is in use by a launch"):
-            lock.refuse_if_live(tmp_path)
-        killed_at = time.monotonic()
-        launcher.send_signal(sig)
-        launcher.wait(5)
-        while procs.marked_pids(launch_id) and time.monotonic() - killed_at < 10:
-            time.sleep(0.1)
-        assert procs.marked_pids(launch_id) == [], "survivors 10 s after the launcher died"
-        deadline = time.monotonic() + 5
-        while (tmp_path / lock.LOCK_FILE).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not (tmp_path / lock.LOCK_FILE).exists()
-        assert lock.live_processes(tmp_path) == []
-        events = [
-            json.loads(line) for line in (tmp_path / "logs" / "rl.log").read_text().splitlines()
-        ]
-        assert events[-1]["event"] == "watchdog_cleanup" and len(events[-1]["pids"]) == 2
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        procs.terminate(procs.marked_pids(launch_id), grace_s=0.5)
+@pytest.fixture
+def launched(tmp_path):
+    """start(mode) -> (launcher popen, pids); every pid is SIGKILLed at teardown."""
+    pids: list[int] = []
+    popens: list[subprocess.Popen] = []
+
+    def start(mode: str):
+        launch_id = uuid.uuid4().hex
+        popen = subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER, launch_id, str(tmp_path), mode],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        popens.append(popen)
+        info = json.loads(popen.stdout.readline())
+        pids.extend([info["watchdog"], *info["children"]])
+        return popen, launch_id, info
+
+    yield start
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for popen in popens:
+        popen.kill()
+        popen.wait(10)
 
 
-def test_a_clean_goodbye_leaves_the_services_alone_and_a_stale_lock_is_ignored(tmp_path):
-    from rlbus.launch.rl import start_watchdog, stop_watchdog
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(procs.alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if procs.alive(p)]
 
-    launch_id = uuid.uuid4().hex
-    service = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"],
-        env={**os.environ, **procs.mark_env(launch_id, "x")},
-    )
-    try:
-        watchdog, pipe = start_watchdog(launch_id, tmp_path)
-        stop_watchdog(watchdog, pipe)
-        assert watchdog.returncode == 0 and procs.alive(service.pid)
-    finally:
-        service.kill()
-        service.wait()
-    (tmp_path / lock.LOCK_FILE).write_text(
-        json.dumps({"pid": service.pid, "pid_start_ticks": 1, "launch_id": launch_id})
-    )
-    assert lock.live_processes(tmp_path) == []
-    lock.refuse_if_live(tmp_path)  # stale: no error
+
+def test_launcher_sigkilled_every_marked_process_gone_within_10s(tmp_path, launched):
+    launcher, launch_id, info = launched("dies")
+    assert sorted(procs.marked_pids(launch_id)) == sorted(info["children"])
+    assert lock_path(tmp_path).exists()
+    killed_at = time.monotonic()
+    launcher.kill()
+    launcher.wait(10)
+    assert wait_gone(info["children"], 10.0) == [], "marked processes survived the launcher"
+    assert time.monotonic() - killed_at < 10.0
+    assert wait_gone([info["watchdog"]], 5.0) == [], "the watchdog did not exit"
+    assert not lock_path(tmp_path).exists()
+    events = [json.loads(line) for line in (tmp_path / "logs" / "rl.log").read_text().splitlines()]
+    lost = [e for e in events if e["event"] == "launcher_lost"]
+    assert lost and lost[0]["launch_id"] == launch_id
+    assert sorted(lost[0]["ended"]) == sorted(info["children"]) and lost[0]["survivors"] == []
+
+
+def test_a_clean_done_leaves_the_watchdog_nothing_to_do(tmp_path, launched):
+    launcher, launch_id, info = launched("clean")
+    assert launcher.stdout.readline().strip() == "done"
+    assert wait_gone([info["watchdog"]], 5.0) == []
+    assert not (tmp_path / "logs" / "rl.log").exists()
+    assert lock_path(tmp_path).exists()  # the launcher removes its own lock, not the watchdog

@@ -145,23 +145,23 @@ class DeploymentConfig(BaseConfig):
 
 
 class SupervisionConfig(BaseConfig):
-    """How `rl` heals its run: a service that exits unexpectedly is started again, alone, with the
-    command it was first started with (docs/launcher.md, "Supervision")."""
+    """How `rl` heals a run: a service that exits unexpectedly is restarted alone, with its
+    original command (every service resumes by itself), after a backoff and within a budget."""
 
     enabled: bool = True
-    """Restart services that die; off: the first death stops the run (the first wave's rule)."""
+    """Restart services that die (`--no-supervision.enabled`: the first death stops the run)."""
 
     max_restarts: int = Field(5, ge=0)
     """Restarts allowed per service within `window_s`; one more death stops the run."""
 
     window_s: float = Field(600.0, gt=0)
-    """The sliding window `max_restarts` counts in (seconds)."""
+    """The sliding window (seconds) the restart budget counts over."""
 
     backoff_s: float = Field(1.0, ge=0)
-    """Wait before the first restart of a service; doubles with each restart still in the window."""
+    """Wait before the first restart; doubled for each further restart within the window."""
 
     max_backoff_s: float = Field(30.0, ge=0)
-    """The longest wait before a restart."""
+    """Longest wait before a restart."""
 
 
 class ServiceConfig(BaseConfig):

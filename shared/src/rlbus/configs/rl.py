@@ -75,7 +75,7 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
     """Where the services run."""
 
     supervision: SupervisionConfig = SupervisionConfig()
-    """Restarts of services that die: budget and backoff (the `rl` launcher)."""
+    """Restarts of services that die (launcher only; docs/launcher.md, "Supervision")."""
 
     trainer: TrainerConfig = TrainerConfig()
     """Trainer service."""

@@ -1,88 +1,98 @@
-"""The run directory's launcher lock: `<run_dir>/launcher.json` names the `rl` that runs it.
+"""The run-directory lock: `<run_dir>/launcher.json` names the `rl` launcher that runs there.
 
-Written by `rl` before it starts any service, removed when it exits cleanly (or by its watchdog
-after it was killed). It holds the launcher's pid, the pid's start time (so a reused pid is not
-mistaken for it), the launch id every service process carries as its mark (rlbus.procs), the
-host and the start time. A new `rl` on the same run directory (fresh, `--resume`, `--clean` or
-`--dry-run`) first asks `live_processes`: if the launcher or any marked process is still alive it
-refuses, naming them, before it touches the directory. A lock whose processes are all gone is
-stale and ignored.
+Written when the launcher starts services, removed when it exits cleanly (or by its watchdog
+when it died). A new `rl` on the same run directory reads it before touching anything (before
+`--clean` deletes a byte): a live launcher pid or live processes carrying the launch's mark
+(`rlbus.procs`) make it refuse; a stale file (nothing alive) is ignored.
 """
 
 import json
 import os
 import socket
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlbus import procs
-from rlbus.runs import RunDirError
 
 LOCK_FILE = "launcher.json"
 
 
-def read_lock(run_dir: Path) -> dict | None:
-    try:
-        lock = json.loads((run_dir / LOCK_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return lock if isinstance(lock, dict) else None
+@dataclass(frozen=True)
+class LauncherLock:
+    pid: int
+    launch_id: str
+    host: str
+    started_at: float
+    """Unix time the launcher started its services."""
 
 
-def write_lock(run_dir: Path, launch_id: str) -> Path:
-    """Atomically write this launcher's lock (tmp file + rename)."""
-    pid = os.getpid()
-    lock = {
-        "pid": pid,
-        "pid_start_ticks": procs.start_ticks(pid),
-        "launch_id": launch_id,
-        "host": socket.gethostname(),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    path = run_dir / LOCK_FILE
-    tmp = path.with_name(f".{LOCK_FILE}.{pid}")
-    tmp.write_text(json.dumps(lock) + "\n")
+def lock_path(run_dir: Path) -> Path:
+    return Path(run_dir) / LOCK_FILE
+
+
+def write_lock(run_dir: Path, launch_id: str) -> LauncherLock:
+    """Write this process's lock (atomically: a reader never sees half a file)."""
+    lock = LauncherLock(
+        pid=os.getpid(), launch_id=launch_id, host=socket.gethostname(), started_at=time.time()
+    )
+    path = lock_path(run_dir)
+    tmp = path.with_name(f".{LOCK_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(lock)) + "\n")
     os.replace(tmp, path)
-    return path
+    return lock
+
+
+def read_lock(run_dir: Path) -> LauncherLock | None:
+    """The lock in `run_dir`, or None when there is none or it is unreadable (treated as stale)."""
+    try:
+        data = json.loads(lock_path(run_dir).read_text())
+        return LauncherLock(
+            pid=int(data["pid"]),
+            launch_id=str(data["launch_id"]),
+            host=str(data.get("host", "")),
+            started_at=float(data.get("started_at", 0.0)),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def remove_lock(run_dir: Path, launch_id: str) -> None:
-    """Remove the lock if it is still this launch's (a newer launch's lock is left alone)."""
+    """Remove the lock if it is still this launch's (a newer launcher's lock is left alone)."""
     lock = read_lock(run_dir)
-    if lock is not None and lock.get("launch_id") == launch_id:
-        (run_dir / LOCK_FILE).unlink(missing_ok=True)
+    if lock is not None and lock.launch_id == launch_id:
+        lock_path(run_dir).unlink(missing_ok=True)
 
 
-def live_processes(run_dir: Path) -> list[str]:
-    """Descriptions of the live processes of the launch that holds `run_dir` (none: free)."""
+def live_processes(lock: LauncherLock) -> list[str]:
+    """`pid N (command) [service]` for the lock's launcher (if alive) and every live process
+    carrying its launch mark; empty for a stale lock. A lock from another host is never stale
+    as far as this host can tell: its launcher is named as possibly alive."""
+    if lock.host and lock.host != socket.gethostname():
+        return [f"launcher pid {lock.pid} on host {lock.host} (cannot be checked from here)"]
+    found = []
+    if lock.pid != os.getpid() and procs.alive(lock.pid):
+        found.append(f"{procs.describe(lock.pid)} [rl launcher]")
+    for pid in procs.marked_pids(lock.launch_id):
+        found.append(f"{procs.describe(pid)} [{procs.service_of(pid) or '?'}]")
+    return found
+
+
+def refusal(run_dir: Path) -> str | None:
+    """The message for a run directory that still has a live launch, or None when it is free."""
     lock = read_lock(run_dir)
     if lock is None:
-        return []
-    live = []
-    pid = lock.get("pid")
-    if (
-        isinstance(pid, int)
-        and procs.alive(pid)
-        and procs.start_ticks(pid) == lock.get("pid_start_ticks")
-    ):
-        live.append(f"the launcher, {procs.describe(pid)}")
-    launch_id = lock.get("launch_id")
-    if isinstance(launch_id, str):
-        for marked in procs.marked_pids(launch_id):
-            live.append(f"{procs.service_of(marked)}, {procs.describe(marked)}")
-    return live
-
-
-def refuse_if_live(run_dir: Path) -> None:
-    """RunDirError naming the live processes of another launch of this run directory."""
-    live = live_processes(run_dir)
-    if not live:
-        return
-    lock = read_lock(run_dir) or {}
-    listing = "\n".join(f"  - {line}" for line in live)
-    raise RunDirError(
-        f"run directory {run_dir} is in use by a launch started {lock.get('started_at', '?')} on "
-        f"{lock.get('host', '?')}; still alive:\n{listing}\n"
-        f"Wait for it to finish, stop it (Ctrl-C in its terminal, or kill {lock.get('pid')}), or "
-        "end the processes above by pid; then run this command again."
-    )
+        return None
+    alive = live_processes(lock)
+    if not alive:
+        return None
+    marked = [line.split()[1] for line in alive if line.startswith("pid ")]
+    launcher_alive = any(line.endswith("[rl launcher]") for line in alive)
+    lines = [f"{run_dir} is in use by launch {lock.launch_id} (see {lock_path(run_dir)}):"]
+    lines += [f"  {line}" for line in alive]
+    if launcher_alive:
+        stop = f"stop it with Ctrl-C in its terminal or `kill {lock.pid}`"
+    else:
+        stop = f"end the leftovers with `kill {' '.join(marked)}`"
+    lines.append(f"Wait for it to finish, or {stop}; then run rl again.")
+    return "\n".join(lines)

@@ -155,6 +155,10 @@ class Progress:
         else:
             print(line, flush=True)
 
+    def note(self, line: str) -> None:
+        """One plain line about the run itself (a service died, came back), between step lines."""
+        self.emit(line)
+
     def update(self, final: bool = False) -> None:
         """Read new rows; print steps that are complete (all remaining ones when `final`)."""
         self.tail.poll()

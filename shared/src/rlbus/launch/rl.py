@@ -4,18 +4,16 @@
       1. parse RLConfig (defaults < @ files < flags), name the run (`<envs>--<model>--<id>`)
       2. apply the run-directory rules (rlbus.runs): fresh, --resume or --clean
       3. plan the processes (rlbus.launch.plan) and write configs/ and scripts/ into the run dir
-      4. --dry-run: print where they are and stop; otherwise take the run directory's lock
-         (rlbus.launch.lock), start the watchdog (rlbus.launch.watchdog) and the services
-         (rlbus.launch.supervisor), watch them, restart one that dies (budget and backoff from
-         `[supervision]`), and stop all when the trainer finishes, a budget is spent, or on a
-         signal (docs/launcher.md, "Supervision").
+      4. --dry-run: print where they are and stop; otherwise start them (rlbus.launch.supervisor)
+         under a watchdog (rlbus.launch.watchdog) and the run-directory lock (rlbus.launch.lock),
+         restart the ones that die (rlbus.launch.restarts), and stop all when the trainer
+         finished, a restart budget is spent, or on Ctrl-C / SIGTERM / SIGHUP.
 
 The launcher never imports a service package; it starts them by module name.
 """
 
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -24,28 +22,18 @@ from pathlib import Path
 import structlog
 
 from rlbus.configs import RLConfig
-from rlbus.configs.base import EXIT_CONFIG_ERROR, exit_with_config_error, parse_cli
-from rlbus.launch.lock import refuse_if_live, remove_lock, write_lock
+from rlbus.configs.base import exit_with_config_error, parse_cli
+from rlbus.launch.lock import refusal, remove_lock, write_lock
 from rlbus.launch.plan import Launch, build_rl_launch
 from rlbus.launch.progress import Progress
+from rlbus.launch.restarts import GiveUp, Restart, RestartPolicy, describe_exit, launcher_exit_code
 from rlbus.launch.scripts import describe_written, write_launch
-from rlbus.launch.supervisor import (
-    RestartPolicy,
-    ServiceProcess,
-    Supervisor,
-    describe_exit,
-    launcher_exit_code,
-)
+from rlbus.launch.supervisor import ServiceProcess, Supervisor
+from rlbus.launch.watchdog import start_watchdog
 from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import setup_logging
-from rlbus.runs import (
-    RunDirError,
-    prepare_run_dir_or_exit,
-    resolve_run_dir,
-    rl_run_name,
-    run_id_of,
-)
-from rlbus.runtime import EXIT_SERVICE_MISSING, EXIT_SIGNAL_BASE, Terminated, raise_terminated
+from rlbus.runs import prepare_run_dir_or_exit, resolve_run_dir, rl_run_name, run_id_of
+from rlbus.runtime import EXIT_SIGNAL_BASE, Terminated, raise_terminated
 
 log = structlog.get_logger()
 
@@ -62,6 +50,14 @@ def name_run(config: RLConfig) -> tuple[RLConfig, bool]:
     return config.with_run_name(name), given
 
 
+def refuse_if_in_use(run_dir: Path) -> None:
+    """Exit 2 naming the live processes when another launch still runs in `run_dir` (its
+    `launcher.json`, rlbus.launch.lock), before anything touches the directory."""
+    message = refusal(run_dir)
+    if message is not None:
+        exit_with_config_error(message, title="Run directory in use")
+
+
 def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
     """Steps 1-3 for an already parsed config: returns the written launch."""
     config, name_given = name_run(config)
@@ -70,10 +66,7 @@ def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
             f"deployment.type {config.deployment.type!r} is not supported by this launcher yet: "
             "use --deployment.type local, or --dry-run and submit the scripts yourself"
         )
-    try:  # before the run-directory rules: --clean must never wipe a directory in use
-        refuse_if_live(resolve_run_dir(config.output_dir, config.run.name, config.run.dir))
-    except RunDirError as error:
-        exit_with_config_error(str(error), title="Run directory")
+    refuse_if_in_use(resolve_run_dir(config.output_dir, config.run.name, config.run.dir))
     run = prepare_run_dir_or_exit(config, name_given=name_given)
     setup_logging(
         "rl",
@@ -94,8 +87,6 @@ def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
     return launch
 
 
-EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + signal.SIGINT
-EXIT_TERMINATED = EXIT_SIGNAL_BASE + signal.SIGTERM
 DRAINED_SERVICES = ("orchestrator", "trainer")
 """Services that answer a control `Drain` (finish the step in hand, then exit), in drain order."""
 STOPPED_AFTER_FAILURE = frozenset({"orchestrator"})
@@ -179,210 +170,183 @@ def wait_for_last_row(progress: Progress, max_steps: int | None, timeout_s: floa
 
 
 EXIT_HANGUP = EXIT_SIGNAL_BASE + signal.SIGHUP
-NEVER_RESTARTED = frozenset({EXIT_CONFIG_ERROR, EXIT_SERVICE_MISSING})
-"""A config error or a missing package fails the same way every time: the run stops instead."""
+HANGUP_GRACE_S = 3.0
+"""After SIGHUP: SIGTERM every process, SIGKILL what is left this much later (no drain)."""
 
 
-class Hangup(Terminated):
-    """SIGHUP: the terminal (or ssh session) is gone; stop now, without the drain."""
+class StopNow(Exception):
+    """Stop every process now, without a drain: a second Ctrl-C/SIGTERM, or a SIGHUP."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
-def raise_hangup(signum, frame) -> None:
-    raise Hangup()
+def raise_stop_now(signum, frame) -> None:
+    raise StopNow(signum)
 
 
-class SecondInterrupt(Exception):
-    """A second Ctrl-C while draining or stopping: stop now."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def start_watchdog(launch_id: str, run_dir: Path) -> tuple[subprocess.Popen, int]:
-    """The watchdog (rlbus.launch.watchdog) in its own session, and the write end of its pipe."""
-    read_end, write_end = os.pipe()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLBUS_LAUNCH_")}
-    watchdog = subprocess.Popen(
-        [sys.executable, "-m", "rlbus.launch.watchdog", launch_id, str(run_dir)],
-        stdin=read_end,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
-    os.close(read_end)
-    return watchdog, write_end
+def arm_stop_now() -> None:
+    """From now on (a drain or a stop is under way) any further Ctrl-C, SIGTERM or SIGHUP kills
+    every process at once instead of being ignored: the stop can be cut short, never into
+    orphans (`Supervisor.stop_now` kills every group and every marked process)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, raise_stop_now)
 
 
-def stop_watchdog(watchdog: subprocess.Popen, write_end: int) -> None:
-    """Tell the watchdog the launcher ends cleanly (nothing for it to do)."""
-    try:
-        os.write(write_end, b"done")
-        os.close(write_end)
-        watchdog.wait(10)
-    except (OSError, subprocess.TimeoutExpired):
-        watchdog.kill()
-
-
-class Healer:
-    """Restarts services that die, within each one's budget (`[supervision]`)."""
-
-    def __init__(self, launch: Launch, supervisor: Supervisor, progress: Progress):
-        self.config = launch.config.supervision
-        self.supervisor = supervisor
-        self.progress = progress
-        self.policies: dict[str, RestartPolicy] = {}
-
-    def policy(self, name: str) -> RestartPolicy:
-        if name not in self.policies:
-            c = self.config
-            self.policies[name] = RestartPolicy(
-                c.max_restarts, c.window_s, c.backoff_s, c.max_backoff_s
-            )
-        return self.policies[name]
-
-    def on_death(self, service: ServiceProcess, code: int) -> bool:
-        """A service died with `code`: schedule its restart (True) or give up (False)."""
-        why = describe_exit(code)
-        log.warning("service_died", service=service.name, pid=service.pid, exit_code=code, why=why)
-        if not self.config.enabled:
-            return False
-        if code in NEVER_RESTARTED:
-            self.progress.emit(
-                f"{service.name} died ({why}): a config or install error is not restarted"
-            )
-            return False
-        policy = self.policy(service.name)
-        delay = policy.next_delay(time.monotonic())
-        if delay is None:
-            log.error(
-                "restart_budget_spent",
-                service=service.name,
-                max_restarts=self.config.max_restarts,
-                window_s=self.config.window_s,
-            )
-            self.progress.emit(
-                f"{service.name} died ({why}) after {policy.used} restarts in "
-                f"{self.config.window_s:.0f} s (supervision.max_restarts = "
-                f"{self.config.max_restarts}); giving up; see {service.log_path}"
-            )
-            return False
-        service.end_leftovers()
-        service.restart_at = time.monotonic() + delay
-        log.info("service_restart_scheduled", service=service.name, in_s=delay, restart=policy.used)
-        self.progress.emit(
-            f"{service.name} died ({why}); restarting in {delay:.0f} s (restart {policy.used} of "
-            f"{self.config.max_restarts} in {self.config.window_s:.0f} s)"
-        )
-        return True
-
-    def restart_due(self) -> None:
-        now = time.monotonic()
-        for service in self.supervisor.services:
-            if service.restart_at is not None and now >= service.restart_at:
+def watch(
+    launch: Launch,
+    supervisor: Supervisor,
+    progress: Progress,
+    policy: RestartPolicy,
+    poll_s: float = 0.5,
+) -> int:
+    """Show progress and heal: a service that exits unexpectedly is restarted alone, with its
+    argv, after the policy's backoff (its leftovers ended first). Returns 0 when the trainer
+    finished, or the exit code of the run when a service cannot be (or may no longer be)
+    restarted, after draining the others."""
+    pending: dict[str, tuple[ServiceProcess, float]] = {}
+    while True:
+        progress.update()
+        trainer = next((p for p in supervisor.services if p.name == "trainer"), None)
+        if trainer is not None and "trainer" not in pending and trainer.poll() == 0:
+            wait_for_last_row(progress, launch.config.max_steps)
+            log.info("run_finished", run_dir=str(launch.run_dir))
+            return 0
+        for service in supervisor.services:
+            code = service.poll()
+            if service.name in pending or code is None:
+                continue
+            if code == 0 and service.name in FINISHING_SERVICES:
+                continue
+            decision = policy.decide(service.name, code, time.monotonic())
+            if isinstance(decision, GiveUp):
+                report_failure(service, code, decision.reason, progress)
+                drain_and_wait(launch, supervisor, skip=service.name)
+                return launcher_exit_code(code)
+            schedule_restart(service, code, decision, policy, progress)
+            pending[service.name] = (service, time.monotonic() + decision.delay_s)
+        for name, (service, due) in list(pending.items()):
+            if time.monotonic() >= due:
+                del pending[name]
                 service.start()
-                log.info("service_restarted", service=service.name, pid=service.pid)
-                self.progress.emit(f"{service.name} is back (pid {service.pid})")
+                log.info("service_restarted", service=name, pid=service.pid)
+                progress.note(f"{name} is back (pid {service.pid})")
+        time.sleep(poll_s)
+
+
+def exit_fields(code: int) -> dict[str, object]:
+    """`exit_code=N`, or `signal=SIGNAME` for a process killed by a signal (Popen's -N)."""
+    if code < 0:
+        return {"signal": describe_exit(code).removeprefix("killed by ")}
+    return {"exit_code": code}
+
+
+def schedule_restart(
+    service: ServiceProcess, code: int, restart: Restart, policy: RestartPolicy, progress: Progress
+) -> None:
+    """Log and show the death, and end what the dead service left behind (the restart comes
+    after the backoff, from `watch`)."""
+    log.warning(
+        "service_died",
+        service=service.name,
+        pid=service.pid,
+        **exit_fields(code),
+        restart=restart.number,
+        of=restart.budget,
+        in_s=restart.delay_s,
+        log=str(service.log_path),
+    )
+    service.end_leftovers()
+    progress.note(
+        f"{service.name} died ({describe_exit(code)}); restarting in {restart.delay_s:g} s "
+        f"(restart {restart.number} of {restart.budget} in {policy.config.window_s:g} s)"
+    )
 
 
 def supervise(launch: Launch, poll_s: float = 0.5) -> int:
-    """Start every process in order, show progress, heal; returns the launcher's exit code:
-    0 when the trainer finished; the code of a service that could not be healed (128 + N when
-    signal N killed it); 130 on Ctrl-C, 143 on SIGTERM, 129 on SIGHUP. Every path drains (but
-    SIGHUP and a second Ctrl-C), then stops all and checks that no process of the run survives."""
+    """Start every process in order, show progress and restart what dies (`watch`); returns the
+    launcher's exit code: 0 when the trainer finished; a failed service's code (128 + N when it
+    was killed by signal N) when it may not be restarted; 130 on Ctrl-C, 143 on SIGTERM (both
+    drain first), 129 on SIGHUP (no drain). Every path stops all and checks that no process of
+    the launch survives; the watchdog (`rlbus.launch.watchdog`) covers the launcher's own death."""
+    launch_id = uuid.uuid4().hex
     supervisor = Supervisor()
     names = [p.name for p in launch.processes]
     metrics = launch.run_dir / "metrics.jsonl"
     progress = Progress(metrics, tty=sys.stdout.isatty(), services=names)
-    healer = Healer(launch, supervisor, progress)
-    launch_id = uuid.uuid4().hex
+    policy = RestartPolicy(launch.config.supervision)
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    signal.signal(signal.SIGTERM, raise_terminated)
+    signal.signal(signal.SIGHUP, raise_stop_now)
+    watchdog = start_watchdog(launch_id, launch.run_dir)
     write_lock(launch.run_dir, launch_id)
-    watchdog, watchdog_pipe = start_watchdog(launch_id, launch.run_dir)
-    previous_term = signal.signal(signal.SIGTERM, raise_terminated)
-    previous_hup = signal.signal(signal.SIGHUP, raise_hangup)
+    log.info("launch_started", launch_id=launch_id, watchdog_pid=watchdog.popen.pid)
     code = 1
-    hurry = False
+    watching = True  # a SIGHUP now is the first signal (129); later it only cuts a stop short
+    stopped = False
     try:
-        for process in launch.processes:
-            process.launch_id = launch_id
-            supervisor.start(process)
-        while True:
-            progress.update()
-            healer.restart_due()
-            for service in supervisor.services:
-                exit_code = service.poll() if service.restart_at is None else None
-                if exit_code is None:
-                    continue
-                if service.name == "trainer" and exit_code == 0:
-                    wait_for_last_row(progress, launch.config.max_steps)
-                    log.info("run_finished", run_dir=str(launch.run_dir))
-                    code = 0
-                    return code
-                if exit_code == 0 and service.name in FINISHING_SERVICES:
-                    continue  # the orchestrator published its last batch
-                if not healer.on_death(service, exit_code):
-                    code = launcher_exit_code(exit_code)
-                    report_failure(service, exit_code)
-                    drain_and_wait(launch, supervisor, skip=service.name)
-                    return code
-            time.sleep(poll_s)
-    except KeyboardInterrupt:
-        code = EXIT_INTERRUPTED
-        log.warning("interrupted", signal="SIGINT", hint="draining; Ctrl-C again to stop now")
-        hurry = not drain_interruptibly(launch, supervisor)
-        return code
-    except Hangup:
-        code = EXIT_HANGUP
-        log.warning("interrupted", signal="SIGHUP", hint="stopping every service now (no drain)")
-        hurry = True
-        return code
-    except Terminated:
-        code = EXIT_TERMINATED
-        log.warning("interrupted", signal="SIGTERM", hint="draining, then stopping every service")
-        drain_and_wait(launch, supervisor)
-        return code
-    finally:
-        # Stopping must not be cut short into orphans: a second Ctrl-C only makes it faster
-        # (SIGKILL now), SIGTERM/SIGHUP are ignored until every process is gone.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         try:
-            stop_everything(supervisor, hurry)
-            progress.close()
-        finally:
-            remove_lock(launch.run_dir, launch_id)
-            stop_watchdog(watchdog, watchdog_pipe)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, previous_term)
-            signal.signal(signal.SIGHUP, previous_hup)
-        log.info("launcher_exit", exit_code=code, run_dir=str(launch.run_dir))
-
-
-def drain_interruptibly(launch: Launch, supervisor: Supervisor) -> bool:
-    """Drain after a first Ctrl-C; False when a second Ctrl-C cut it short (stop now)."""
-    try:
-        drain_and_wait(launch, supervisor)
-        return True
-    except KeyboardInterrupt:
-        log.warning("second_interrupt", hint="stopping every service now")
-        return False
-
-
-def stop_everything(supervisor: Supervisor, hurry: bool) -> None:
-    """`stop_all` (SIGTERM, wait, SIGKILL), or `kill_all` at once when hurried; a Ctrl-C during
-    `stop_all` switches to `kill_all`."""
-    if not hurry:
-        try:
+            try:
+                for process in launch.processes:
+                    process.launch_id = launch_id
+                    supervisor.start(process)
+                code = watch(launch, supervisor, progress, policy, poll_s)
+                watching = False
+            except (KeyboardInterrupt, Terminated) as interrupt:
+                sig = signal.SIGINT if isinstance(interrupt, KeyboardInterrupt) else signal.SIGTERM
+                code = EXIT_SIGNAL_BASE + sig
+                watching = False
+                log.warning(
+                    "interrupted",
+                    signal=sig.name,
+                    hint="draining, then stopping every service (Ctrl-C again: stop now)",
+                )
+                arm_stop_now()
+                drain_and_wait(launch, supervisor)
+            arm_stop_now()
             supervisor.stop_all()
-            return
-        except KeyboardInterrupt:
-            log.warning("second_interrupt", hint="killing every service now")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    supervisor.kill_all()
+        except StopNow as stop:
+            first = stop.signum == signal.SIGHUP and watching
+            if first:
+                code = EXIT_HANGUP
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            log.warning("stopping_now", signal=signal.Signals(stop.signum).name, exit_code=code)
+            supervisor.stop_now(grace_s=HANGUP_GRACE_S if first else 0.0)
+        stopped = True
+    finally:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            progress.close()
+        except OSError:  # the terminal is gone (SIGHUP)
+            pass
+        if stopped:
+            remove_lock(launch.run_dir, launch_id)
+            watchdog.done()
+        # otherwise the watchdog sees its pipe close when we exit, and ends what is left
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        log.info("launcher_exit", exit_code=code, run_dir=str(launch.run_dir))
+    return code
 
 
-def report_failure(service, code: int) -> None:
-    """Say which service died and show the end of its log."""
-    log.error("service_failed", service=service.name, exit_code=code, log=str(service.log_path))
+def report_failure(service, code: int, reason: str, progress: Progress) -> None:
+    """Say which service ended the run and why, and show the end of its log."""
+    log.error(
+        "service_failed",
+        service=service.name,
+        **exit_fields(code),
+        reason=reason,
+        log=str(service.log_path),
+    )
+    progress.note(f"{reason}; see {service.log_path}")
     sys.stderr.write(
-        f"\n{service.name} ended ({describe_exit(code)}); the other services are being stopped.\n"
+        f"\n{service.name} {describe_exit(code)}; the other services are being stopped.\n"
         f"--- last lines of {service.log_path} ---\n{service.tail()}\n--- end of {service.name} log ---\n"
     )
     sys.stderr.flush()

@@ -19,6 +19,7 @@ import structlog
 from rlbus.configs import SFTConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
 from rlbus.launch.plan import torchrun_argv
+from rlbus.launch.restarts import shell_exit_code
 from rlbus.launch.scripts import config_path, describe_written, write_launch
 from rlbus.launch.supervisor import ServiceProcess
 from rlbus.monitors.sinks import check_sinks_installed
@@ -55,7 +56,8 @@ def plan_sft(config: SFTConfig, command: str) -> tuple[ServiceProcess, list[Path
 
 
 def launch(process: ServiceProcess) -> int:
-    """Run torchrun in the foreground (its output on this terminal); its exit code."""
+    """Run torchrun in the foreground (its output on this terminal); its exit code (128 + N
+    when torchrun itself was killed by signal N)."""
     if importlib.util.find_spec("rlbus_trainer") is None:
         exit_with_config_error(
             f"{SFT_RANK_MODULE} is not in this installation, so SFT cannot train: "
@@ -66,9 +68,9 @@ def launch(process: ServiceProcess) -> int:
     log.info("sft_started", argv=process.argv)
     child = subprocess.Popen(process.argv, cwd=process.cwd)
     try:
-        return child.wait()
+        return shell_exit_code(child.wait())
     except KeyboardInterrupt:  # the ranks got the same SIGINT from the terminal
-        return child.wait()
+        return shell_exit_code(child.wait())
 
 
 def main(argv: list[str] | None = None) -> None:

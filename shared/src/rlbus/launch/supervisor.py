@@ -1,14 +1,13 @@
-"""Child processes of the `rl` launcher: start, watch, restart, stop, with no orphans.
+"""Child processes of the `rl` launcher: start, watch, stop, with no orphans.
 
 Every service runs in its own session (process group), because torchrun and vLLM spawn children
 of their own: stopping a service signals its whole group, then waits, then kills what is left.
-Each service's stdout and stderr go to `<run_dir>/logs/<service>.log` (appended across restarts).
+Each service's stdout and stderr go to `<run_dir>/logs/<service>.log`.
 
-Every process also carries the launch's mark (`rlbus.procs.mark_env`: launch id + service name),
-inherited by all it spawns, and asks for SIGTERM when the launcher dies (`die_with_parent`). The
-mark finds what left the group (torchrun's ranks start sessions of their own) when a service is
-stopped or restarted, and lets the watchdog (rlbus.launch.watchdog) end everything when the
-launcher itself is killed.
+With a launch id, a service also carries the run's mark in its environment
+(`rlbus.procs.mark_env`, inherited by everything it spawns) and the kernel's parent-death signal
+(`procs.die_with_parent`, SIGTERM when the launcher dies): processes that leave the group
+(torchrun's ranks) are still found by their mark and ended with the service.
 """
 
 import os
@@ -26,51 +25,6 @@ from rlbus import procs
 log = structlog.get_logger()
 
 
-def describe_exit(code: int) -> str:
-    """`exit code 1`, or `killed by SIGKILL` for a Popen return code of -9."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def launcher_exit_code(code: int) -> int:
-    """The code `rl` exits with for a service that ended with `code`: 128 + N for signal N, the
-    code itself otherwise, 1 for a 0 that was not expected."""
-    if code < 0:
-        return 128 - code
-    return code or 1
-
-
-@dataclass
-class RestartPolicy:
-    """At most `max_restarts` restarts within a sliding `window_s`, each after a backoff that
-    starts at `backoff_s` and doubles per restart still in the window, up to `max_backoff_s`."""
-
-    max_restarts: int
-    window_s: float
-    backoff_s: float
-    max_backoff_s: float
-    restarts: list[float] = field(default_factory=list)
-    """Monotonic times of the restarts granted so far (within the window)."""
-
-    def next_delay(self, now: float) -> float | None:
-        """Seconds to wait before restarting after a death at `now`; None: the budget is spent.
-        A granted restart is counted at once."""
-        self.restarts = [t for t in self.restarts if now - t < self.window_s]
-        if len(self.restarts) >= self.max_restarts:
-            return None
-        delay = min(self.backoff_s * 2 ** len(self.restarts), self.max_backoff_s)
-        self.restarts.append(now)
-        return delay
-
-    @property
-    def used(self) -> int:
-        return len(self.restarts)
-
-
 @dataclass
 class ServiceProcess:
     """One service launched as a process group."""
@@ -82,43 +36,28 @@ class ServiceProcess:
     cwd: Path | None = None
     popen: subprocess.Popen | None = None
     launch_id: str | None = None
-    """Set by the launcher: the mark every process of this service carries."""
-    restart_at: float | None = None
-    """Monotonic time of a pending restart (the service died and waits for its backoff)."""
+    """Set by the launcher: the service's processes carry `procs.mark_env(launch_id, name)`."""
 
     def start(self) -> None:
+        """Start (or, after it died, start again) this service with the same argv; output is
+        appended to its log."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab", buffering=0)
-        mark = procs.mark_env(self.launch_id, self.name) if self.launch_id else {}
+        env = {**os.environ, **self.env}
+        if self.launch_id is not None:
+            env.update(procs.mark_env(self.launch_id, self.name))
         self.popen = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env, **mark},
+            env=env,
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=procs.die_with_parent,
+            preexec_fn=procs.die_with_parent if self.launch_id is not None else None,
         )
         log_file.close()
-        self.restart_at = None
         log.info("service_started", service=self.name, pid=self.popen.pid, log=str(self.log_path))
-
-    def leftovers(self) -> list[int]:
-        """Live processes with this service's mark (e.g. ranks or engine processes of a dead
-        leader, whatever their session)."""
-        if not self.launch_id:
-            return []
-        return procs.marked_pids(self.launch_id, self.name)
-
-    def end_leftovers(self, grace_s: float = 5.0) -> None:
-        """SIGKILL the group, then SIGTERM/SIGKILL every marked process that is left."""
-        if self.popen is not None:
-            self.signal_group(signal.SIGKILL)
-        left = self.leftovers()
-        if left:
-            log.warning("service_leftovers", service=self.name, pids=left)
-            procs.terminate(left, grace_s=grace_s)
 
     @property
     def pid(self) -> int:
@@ -135,8 +74,26 @@ class ServiceProcess:
         except ProcessLookupError:
             pass
 
+    def leftovers(self) -> list[int]:
+        """Live processes carrying this service's mark (none without a launch id)."""
+        if self.launch_id is None:
+            return []
+        return procs.marked_pids(self.launch_id, self.name)
+
+    def end_leftovers(self, grace_s: float = 5.0) -> list[int]:
+        """SIGKILL the group, then SIGTERM (SIGKILL after `grace_s`) every process still carrying
+        the mark: what a dead leader left behind. Returns the pids that were ended."""
+        if self.popen is not None:
+            self.signal_group(signal.SIGKILL)
+        found = self.leftovers()
+        survivors = procs.terminate(found, grace_s=grace_s)
+        if found:
+            log.info("leftovers_ended", service=self.name, pids=found, survivors=survivors)
+        return found
+
     def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM the group, wait up to timeout_s, then SIGKILL the group. Returns the exit code."""
+        """SIGTERM the group, wait up to timeout_s, then SIGKILL the group and every marked
+        leftover. Returns the exit code."""
         if self.popen is None:
             return None
         if self.popen.poll() is None:
@@ -145,13 +102,13 @@ class ServiceProcess:
                 self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 log.warning("service_kill", service=self.name, pid=self.pid, after_s=timeout_s)
-        # Children (vLLM engine core, torchrun ranks) may outlive the leader: kill the group
-        # anyway, and whatever else carries this service's mark.
-        self.end_leftovers(grace_s=2.0)
+        # Children (vLLM engine core, torchrun ranks) may outlive the leader: kill the group anyway.
+        self.signal_group(signal.SIGKILL)
         try:
             self.popen.wait(5)
         except subprocess.TimeoutExpired:
             pass
+        self.end_leftovers(grace_s=min(timeout_s, 5.0))
         return self.popen.returncode
 
     def group_alive(self) -> bool:
@@ -170,7 +127,7 @@ class ServiceProcess:
             os.killpg(self.pid, 0)
             return True
         except ProcessLookupError:
-            return bool(self.leftovers())
+            return False
 
     def tail(self, num_lines: int = 30) -> str:
         """The last lines of this service's log."""
@@ -209,19 +166,55 @@ class Supervisor:
         for service in reversed(self.services):
             code = service.stop(timeout_s)
             log.info("service_stopped", service=service.name, pid=service.pid, exit_code=code)
-        deadline = time.monotonic() + 5
-        while any(s.group_alive() for s in self.services) and time.monotonic() < deadline:
+        self.assert_none_survive()
+
+    def stop_now(self, grace_s: float = 0.0) -> None:
+        """Stop every service at once, no drain: SIGTERM every group and marked process (unless
+        `grace_s` is 0), wait up to `grace_s`, then SIGKILL all that is left."""
+        started = [s for s in self.services if s.popen is not None]
+        if grace_s > 0:
+            for service in started:
+                service.signal_group(signal.SIGTERM)
+                for pid in service.leftovers():
+                    _signal(pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and any(
+                s.poll() is None or s.leftovers() for s in started
+            ):
+                time.sleep(0.1)
+        for service in started:
+            service.signal_group(signal.SIGKILL)
+            for pid in service.leftovers():
+                _signal(pid, signal.SIGKILL)
+        for service in started:
+            try:
+                service.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            service.end_leftovers(grace_s=0.5)
+            log.info("service_stopped", service=service.name, pid=service.pid, now=True)
+        self.assert_none_survive()
+
+    def assert_none_survive(self, timeout_s: float = 5.0) -> None:
+        """Wait up to `timeout_s` for every group and marked process to be gone; fail loudly
+        naming them if any is not."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.survivors():
             time.sleep(0.1)
-        survivors = [s.name for s in self.services if s.group_alive()]
+        survivors = self.survivors()
         assert not survivors, f"processes survived SIGKILL: {survivors}"
 
-    def kill_all(self) -> None:
-        """Stop now (a second Ctrl-C, SIGHUP): SIGKILL every group and every marked process."""
-        for service in reversed(self.services):
-            if service.popen is not None:
-                service.end_leftovers(grace_s=0.0)
-                try:
-                    service.popen.wait(5)
-                except subprocess.TimeoutExpired:
-                    pass
-        log.info("services_killed", services=[s.name for s in self.services])
+    def survivors(self) -> list[str]:
+        found = []
+        for service in self.services:
+            if service.group_alive():
+                found.append(f"{service.name} (group {service.pid})")
+            found += [f"{service.name} (pid {pid})" for pid in service.leftovers()]
+        return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,73 +1,123 @@
-"""The launcher's watchdog: if `rl` dies without saying goodbye, end every process it started.
+"""The launcher's watchdog: ends a run whose `rl` launcher died without stopping it.
 
-    python -m rlbus.launch.watchdog <launch_id> <run_dir>      (stdin: a pipe from the launcher)
+    python -m rlbus.launch.watchdog --launch-id <hex> --run-dir <run_dir> [--grace-s 4]
 
-`rl` starts this process in its own session (so a terminal's SIGHUP or the launcher's process
-group being killed does not reach it) with the read end of a pipe as stdin and keeps the write
-end. A launcher that exits cleanly writes `done` first. When stdin reaches end-of-file without it
-(the launcher was SIGKILLed, crashed, or lost its terminal and died), the watchdog:
-- SIGTERMs every live process marked with the launch id (rlbus.procs), SIGKILLs what is left
-  after `GRACE_S`: services, torchrun ranks, vLLM's engine processes, nats-server, whatever their
-  session or parent;
-- appends one `watchdog_cleanup` line to `<run_dir>/logs/rl.log`;
-- removes `<run_dir>/launcher.json` if it still names this launch (rlbus.launch.lock).
-All within 10 s of the launcher's death.
+The launcher starts it first, in its own session and without the run's mark, with a pipe on its
+stdin, and writes `done` there after it stopped every service itself. When the pipe closes
+without `done` (the launcher was SIGKILLed, crashed, or lost its terminal), the watchdog SIGTERMs
+every process carrying the launch's mark (`rlbus.procs.marked_pids`), SIGKILLs what is left after
+`--grace-s`, logs `launcher_lost` to `<run_dir>/logs/rl.log`, removes the run-directory lock
+(`rlbus.launch.lock`) if it is still this launch's, and exits. The services' parent-death signal
+(`procs.die_with_parent`) has normally already asked the direct children to stop.
 """
 
-import json
+import argparse
 import os
+import signal
+import subprocess
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import structlog
 
 from rlbus import procs
 
+log = structlog.get_logger()
+
+DONE = b"done\n"
 GRACE_S = 4.0
-DONE = b"done"
 
 
-def _log(run_dir: Path, **event) -> None:
-    event = {**event, "service": "rl-watchdog", "level": "warning"}
-    event["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    try:
-        with open(run_dir / "logs" / "rl.log", "a") as f:
-            f.write(json.dumps(event) + "\n")
-    except OSError:
-        pass
+@dataclass
+class Watchdog:
+    """The launcher's end of the pipe to a running watchdog."""
+
+    popen: subprocess.Popen
+
+    def done(self, timeout_s: float = 5.0) -> None:
+        """Tell the watchdog the launcher stopped everything itself; it exits without acting."""
+        if self.popen.stdin is None:
+            return
+        try:
+            self.popen.stdin.write(DONE)
+            self.popen.stdin.close()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
+        self.popen.stdin = None
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
 
 
-def wait_for_launcher(stream) -> bool:
-    """Read until end-of-file; whether the launcher said `done` first."""
-    said = b""
+def start_watchdog(launch_id: str, run_dir: Path, grace_s: float = GRACE_S) -> Watchdog:
+    """Start the watchdog of one launch (own session: a terminal hang-up does not reach it)."""
+    env = {k: v for k, v in os.environ.items() if k not in (procs.LAUNCH_ID_ENV, procs.SERVICE_ENV)}
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "rlbus.launch.watchdog", "--launch-id", launch_id,
+         "--run-dir", str(run_dir), "--grace-s", str(grace_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    return Watchdog(popen)
+
+
+def wait_for_launcher() -> bool:
+    """Block until the pipe closes; True when the launcher said `done` first."""
+    data = b""
     while True:
-        chunk = stream.read(64)
+        try:
+            chunk = os.read(sys.stdin.fileno(), 64)
+        except InterruptedError:
+            continue
+        except OSError:
+            break
         if not chunk:
-            return said.endswith(DONE)
-        said = (said + chunk)[-len(DONE) :]
+            break
+        data += chunk
+    return DONE in data
 
 
-def clean_up(launch_id: str, run_dir: Path) -> list[int]:
-    """End every process of the launch; returns the pids it found."""
+def end_launch(launch_id: str, run_dir: Path, grace_s: float) -> list[int]:
+    """End every marked process of the launch; returns the pids that were found."""
     from rlbus.launch.lock import remove_lock
 
     found = procs.marked_pids(launch_id)
-    survivors = procs.terminate(found, grace_s=GRACE_S) if found else []
-    _log(run_dir, event="watchdog_cleanup", launch_id=launch_id, pids=found, survivors=survivors)
+    survivors = procs.terminate(found, grace_s=grace_s)
+    # A service may have spawned something while we waited: one more sweep, no grace.
+    late = procs.marked_pids(launch_id)
+    survivors += procs.terminate(late, grace_s=0.5)
+    log.warning(
+        "launcher_lost",
+        launch_id=launch_id,
+        ended=[*found, *late],
+        survivors=survivors,
+        hint="the rl launcher died without stopping its services; its watchdog ended them",
+    )
     remove_lock(run_dir, launch_id)
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m rlbus.launch.watchdog <launch_id> <run_dir>", file=sys.stderr)
-        return 2
-    launch_id, run_dir = args[0], Path(args[1])
-    if wait_for_launcher(os.fdopen(sys.stdin.fileno(), "rb", buffering=0)):
-        return 0
-    clean_up(launch_id, run_dir)
-    return 0
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlbus.launch.watchdog")
+    parser.add_argument("--launch-id", required=True)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--grace-s", type=float, default=GRACE_S)
+    args = parser.parse_args(argv)
+    # Signals meant for the launcher's terminal or group must not take the watchdog with it.
+    for sig in (signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    if wait_for_launcher():
+        return
+    from rlbus.obs.logging import setup_logging
+
+    setup_logging("rl", run_dir=args.run_dir, stream=sys.stderr)
+    end_launch(args.launch_id, args.run_dir, args.grace_s)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
