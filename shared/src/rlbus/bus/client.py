@@ -163,18 +163,16 @@ class Bus(BusCore):
     async def read_replicas(self) -> list[replicas.ReplicaInfo]:
         """Every inference replica registered now (the leases in `subjects.replicas_bucket`).
 
-        An entry that does not decode is logged and skipped, so one bad writer cannot hide the
-        other replicas from the rollout workers and the trainer."""
+        An entry that does not decode is skipped and quarantined (once per key and revision, kind
+        `replica-entry`), so one bad writer cannot hide the other replicas from the rollout
+        workers and the trainer."""
         kv = self.kv(self.subjects.replicas_bucket)
         infos = []
         for key in await kv.keys():
-            entry = await kv.get(key)
-            if entry is None or not entry.value:  # expired between keys() and get()
+            entry = await kv.get(key, replicas.decoder)
+            if entry is None or entry.value is None:  # expired between keys() and get(), or garbage
                 continue
-            try:
-                infos.append(replicas.decoder.decode(entry.value))
-            except msgspec.DecodeError as error:  # ValidationError is a DecodeError too
-                log.warning("replica_entry_undecodable", key=key, error=str(error))
+            infos.append(entry.value)
         return infos
 
     def lease(

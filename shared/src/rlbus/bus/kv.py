@@ -8,6 +8,10 @@ with the TTL header and `Nats-Expected-Last-Subject-Sequence` (docs/facts.md:
 someone else took it), the lease is lost: `lease.lost` is set and `on_lost` runs. Observers learn
 about expiry with `KV.watch_presence()` (polling: TTL expiry writes no marker unless limit markers
 are on, which we keep off for lease buckets).
+
+An entry that does not decode (a garbage writer) never ends a `watch` or fails a `get`: it is
+quarantined once per revision (`BusCore.dead_letter`, kind from the bucket, e.g.
+`weights-record`) with one error line, and treated as absent; the watch goes on.
 """
 
 import asyncio
@@ -55,16 +59,56 @@ class KV:
     def _decode(self, data: bytes | None, decoder: msgspec.msgpack.Decoder | None) -> Any:
         if data is None or decoder is None:
             return data
+        if not data:  # an empty value (e.g. written by a TTL expiry): no value, not garbage
+            return None
         return decoder.decode(data)
 
+    async def quarantine(self, key: str, revision: int, data: bytes, error: Exception) -> None:
+        """Dead-letter revision `revision` of `key` (undecodable), logging it once per revision.
+        A failed copy is logged, never raised: the caller goes on without the entry."""
+        reason = f"{type(error).__name__}: {error}"
+        try:
+            first = await self.bus.dead_letter(
+                self.bucket, f"$KV.{self.bucket}.{key}", data, None, reason, stream_seq=revision
+            )
+        except Exception as dead_error:
+            log.error(
+                "kv_entry_undecodable",
+                bucket=self.bucket,
+                key=key,
+                revision=revision,
+                reason=reason,
+                dead_letter_error=repr(dead_error),
+            )
+            return
+        if first:
+            log.error(
+                "kv_entry_quarantined",
+                bucket=self.bucket,
+                key=key,
+                revision=revision,
+                reason=reason,
+            )
+
+    async def decode_or_quarantine(
+        self, key: str, revision: int, data: bytes, decoder: msgspec.msgpack.Decoder | None
+    ) -> tuple[bool, Any]:
+        """`(True, value)`, or `(False, None)` for an entry that does not decode (quarantined)."""
+        try:
+            return True, self._decode(data, decoder)
+        except msgspec.DecodeError as error:  # ValidationError is a DecodeError too
+            await self.quarantine(key, revision, data, error)
+            return False, None
+
     async def get(self, key: str, decoder: msgspec.msgpack.Decoder | None = None) -> Entry | None:
-        """The current entry of `key`, or None when absent/deleted."""
+        """The current entry of `key`, or None when absent/deleted (or undecodable: quarantined)."""
         kv = await self.handle()
         try:
             entry = await kv.get(key)
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None
-        return Entry(key, self._decode(entry.value, decoder), entry.revision, entry.operation)
+        ok, value = await self.decode_or_quarantine(key, entry.revision, entry.value, decoder)
+        return Entry(key, value, entry.revision, entry.operation) if ok else None
 
     async def put(self, key: str, value: msgspec.Struct | bytes) -> int:
         """Write unconditionally; returns the new revision."""
@@ -102,7 +146,8 @@ class KV:
         *,
         initial: bool = True,
     ) -> AsyncIterator[Entry]:
-        """Yield entries as they change (current values first when `initial`); deletes have value None."""
+        """Yield entries as they change (current values first when `initial`); deletes have value
+        None; an entry that does not decode is quarantined and skipped (module docstring)."""
         kv = await self.handle()
         watcher = await kv.watch(key)
         try:
@@ -111,8 +156,13 @@ class KV:
                     continue
                 if not initial and entry.delta is not None and entry.delta > 0:
                     continue
-                deleted = entry.operation in ("DEL", "PURGE")
-                value = None if deleted else self._decode(entry.value, decoder)
+                value = None
+                if entry.operation not in ("DEL", "PURGE"):
+                    ok, value = await self.decode_or_quarantine(
+                        entry.key, entry.revision, entry.value, decoder
+                    )
+                    if not ok:
+                        continue
                 yield Entry(entry.key, value, entry.revision, entry.operation)
         finally:
             await watcher.stop()

@@ -70,8 +70,12 @@ class BusConfig(BaseConfig):
     """AckWait of the durable consumers; the bus sends in_progress() every third of it while a
     message is held, so long handlers are not redelivered."""
 
-    max_deliver: int = Field(-1)
-    """Deliveries of one message before JetStream gives up (-1: unlimited)."""
+    max_deliver: int = Field(5, ge=1)
+    """Deliveries of one message whose handler raises before it is quarantined: the consumer then
+    copies it to the run's dead-letter stream with the handler's error and terminates it. Naks in
+    between back off (`nak_delay_s * 2^(n-1)`, capped). JetStream's own limit is one more, so a
+    message whose handler's process died on every try is also quarantined, not dropped
+    (docs/bus.md, "Dead letters")."""
 
     max_ack_pending: int = Field(1000, ge=1)
     """Unacknowledged messages a durable consumer may have outstanding."""
