@@ -185,8 +185,10 @@ class Bus(BusCore):
         heartbeat_s: float | None = None,
         on_lost: Callable[[], Any] | None = None,
         wait_s: float = 0.0,
+        grace_s: float | None = None,
     ) -> Lease:
-        """A TTL lease on `key` of `bucket`, heartbeated while held (`async with bus.lease(...)`)."""
+        """A TTL lease on `key` of `bucket`, heartbeated while held (`async with bus.lease(...)`);
+        it survives a NATS outage shorter than `grace_s` (default `bus.lease_grace_s`)."""
         lease = Lease(
             self,
             bucket,
@@ -196,6 +198,7 @@ class Bus(BusCore):
             heartbeat_s=heartbeat_s,
             on_lost=on_lost,
             wait_s=wait_s,
+            grace_s=grace_s,
         )
         self._leases.append(lease)
         return lease
@@ -203,12 +206,15 @@ class Bus(BusCore):
     async def request(
         self, service: str, request: control.ControlRequest, *, timeout_s: float = 5.0
     ) -> control.ControlReply:
-        """Send a control request to `service` and wait for its reply."""
+        """Send a control request to `service` and wait at most `timeout_s` for its reply.
+
+        A service that is not listening yet ("no responders") or a connection that is
+        reconnecting is retried until the deadline; then the error is raised with a log line
+        naming the service and how long it waited."""
         headers = tracing.inject_headers({})
-        deadline = time.monotonic() + timeout_s
-        while (
-            True
-        ):  # a service that is starting may not listen yet: retry "no responders" until the timeout
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while True:
             try:
                 reply = await self.nc.request(
                     self.subjects.control(service),
@@ -217,8 +223,18 @@ class Bus(BusCore):
                     headers=headers,
                 )
                 return control.reply_decoder.decode(reply.data)
-            except nats.errors.NoRespondersError:
+            except (
+                nats.errors.NoRespondersError,
+                nats.errors.ConnectionReconnectingError,
+                nats.errors.TimeoutError,
+            ) as error:
                 if time.monotonic() + 0.1 > deadline:
+                    log.warning(
+                        "control_request_timeout",
+                        service=service,
+                        waited_s=round(time.monotonic() - started, 1),
+                        error=type(error).__name__,
+                    )
                     raise
                 await asyncio.sleep(0.1)
 

@@ -297,7 +297,10 @@ class BusCore:
     async def _publish_with_retry(
         self, subject: str, payload: bytes, headers: dict, msg_ttl: float | None
     ):
-        deadline = time.monotonic() + self.config.publish_retry_s
+        """Publish, retrying with the same msg id until `bus.publish_retry_s` (a NATS outage is
+        waited out; each retry logs what waits and for how long)."""
+        started = time.monotonic()
+        deadline = started + self.config.publish_retry_s
         delay = 0.05
         while True:
             try:
@@ -320,6 +323,8 @@ class BusCore:
                     "publish_retry",
                     subject=subject,
                     msg_id=headers[MSG_ID_HEADER],
+                    waited_s=round(time.monotonic() - started, 1),
+                    deadline_s=self.config.publish_retry_s,
                     error=type(error).__name__,
                 )
                 await asyncio.sleep(delay)

@@ -77,6 +77,12 @@ class BusConfig(BaseConfig):
     message whose handler's process died on every try is also quarantined, not dropped
     (docs/bus.md, "Dead letters")."""
 
+    lease_grace_s: float = Field(30.0, ge=0)
+    """A lease whose heartbeat finds its key expired or rewritten keeps it when its last good
+    heartbeat is at most this old (a NATS outage): it re-creates the expired key, or adopts a
+    revision that holds its own value (a heartbeat stored whose ack was lost). A key another holder
+    took, or an older last heartbeat, means the lease is lost (docs/bus.md, "Lease")."""
+
     max_ack_pending: int = Field(1000, ge=1)
     """Unacknowledged messages a durable consumer may have outstanding."""
 
