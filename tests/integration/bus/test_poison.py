@@ -100,3 +100,35 @@ async def test_garbage_weights_record_is_quarantined_and_the_watch_goes_on(bus, 
     (dead,) = await bus.dead_letters()
     assert (dead.kind, dead.stream_seq) == ("weights-record", garbage_revision)
     assert "DecodeError" in dead.reason
+
+
+async def test_a_lease_whose_key_expired_in_an_outage_within_grace_recreates_it(bus, make_bus):
+    bucket = bus.subjects.replicas_bucket
+    lost = asyncio.Event()
+    lease = await bus.lease(
+        bucket, "r0", b"mine", ttl_s=1, heartbeat_s=0.3, on_lost=lost.set, grace_s=20
+    ).acquire()
+    lease._task.cancel()  # no heartbeats for longer than the TTL (as in an outage)
+    presence = bus.kv(bucket).watch_presence(poll_s=0.2)
+    assert await anext(presence) == ("added", "r0")
+    assert await asyncio.wait_for(anext(presence), 10) == ("expired", "r0")
+    await presence.aclose()
+    lease._task = asyncio.create_task(lease._heartbeat())
+    await wait_for(lambda: lease.revision is not None and lease.held, 5)
+    await asyncio.sleep(1.0)
+    entry = await bus.kv(bucket).get("r0")
+    assert entry is not None and entry.value == b"mine" and not lost.is_set()
+    await lease.release()
+
+
+async def test_a_lease_out_for_longer_than_its_grace_is_lost(bus):
+    bucket = bus.subjects.replicas_bucket
+    lost = asyncio.Event()
+    lease = await bus.lease(
+        bucket, "r1", b"mine", ttl_s=1, heartbeat_s=0.3, on_lost=lost.set, grace_s=0.5
+    ).acquire()
+    lease._task.cancel()
+    await asyncio.sleep(2.5)  # the key expired, and the last good heartbeat is older than grace
+    lease._task = asyncio.create_task(lease._heartbeat())
+    await asyncio.wait_for(lost.wait(), 5)
+    assert not lease.held
