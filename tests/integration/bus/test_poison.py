@@ -50,14 +50,39 @@ async def test_always_failing_handler_quarantines_after_max_deliver_and_goes_on(
     assert (await bus.js.stream_info(s.tasks_stream)).state.messages == 0  # terminated
 
 
-async def test_consumer_is_updated_to_the_configured_max_deliver(make_bus):
-    old = await make_bus(max_deliver=50)
+async def test_a_durable_with_old_settings_is_updated_and_jetstream_never_gives_up(make_bus):
+    old = await make_bus(ack_wait_s=50)
     s = old.subjects
-    info = await old.js.consumer_info(s.tasks_stream, s.tasks_durable)
-    assert info.config.max_deliver == 51
-    new = await make_bus(max_deliver=4)  # a restart with a new setting updates the durable
+    # as an older rlbus left it: a JetStream delivery limit that would drop deferred tasks silently
+    config = (await old.js.consumer_info(s.tasks_stream, s.tasks_durable)).config
+    config.max_deliver = 6
+    await old.js.add_consumer(s.tasks_stream, config)
+    assert (await old.js.consumer_info(s.tasks_stream, s.tasks_durable)).config.max_deliver == 6
+    new = await make_bus(ack_wait_s=20)  # a restart with new settings updates the durable
     info = await new.js.consumer_info(s.tasks_stream, s.tasks_durable)
-    assert info.config.max_deliver == 5
+    assert (info.config.ack_wait, info.config.max_deliver) == (20, -1)
+
+
+async def test_deferrals_do_not_drop_a_message_but_count_toward_the_bound(make_bus):
+    bus = await make_bus(max_deliver=3)
+    s = bus.subjects
+    await bus.publish(s.tasks, make_task(0), msg_id="0-0")
+    attempts: list[int] = []
+
+    async def handle(delivery):  # defers (like a worker with no replica), then fails
+        attempts.append(delivery.num_delivered)
+        if delivery.num_delivered <= 4:
+            await delivery.nak(0.05)
+            return
+        raise RuntimeError("broken after all")
+
+    async with bus.consumer(
+        s.tasks_stream, s.tasks_durable, tasks.decoder, handle, nak_delay_s=0.05
+    ) as consumer:
+        await wait_for(lambda: consumer.num_dead == 1, 20)
+    assert attempts == [1, 2, 3, 4, 5]  # five deliveries: more than max_deliver, none dropped
+    (dead,) = await bus.dead_letters()
+    assert dead.num_delivered == 5 and "RuntimeError: broken after all" in dead.reason
 
 
 async def test_quarantining_the_same_message_twice_stores_it_once(make_bus):

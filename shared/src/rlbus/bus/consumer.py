@@ -16,9 +16,9 @@ How it behaves:
 - a message that cannot be decoded (or whose claim check is corrupt) is copied to the dead-letter
   subject with the reason, terminated, logged, and the loop goes on;
 - a handler that raises naks its message with a backoff (`nak_delay_s * 2^(n-1)`, at most
-  `MAX_NAK_DELAY_S`); when it raises on delivery `bus.max_deliver`, the message is quarantined the
-  same way with the handler's error as reason; one delivered more often than that (its handler's
-  process died before settling it, every time) is quarantined without running the handler;
+  `MAX_NAK_DELAY_S`); when it raises on delivery `bus.max_deliver` or later (JetStream's count:
+  deliveries the handler deferred with `nak()` count too), the message is quarantined the same
+  way with the handler's error as reason;
 - `stop()` stops fetching, waits for running handlers, and naks messages fetched but not started
   so they are redelivered at once elsewhere.
 """
@@ -247,13 +247,6 @@ class Consumer(Generic[T]):
     async def _handle(self, msg) -> None:
         headers = msg.headers
         max_deliver = self.bus.config.max_deliver
-        if msg.metadata.num_delivered > max_deliver:
-            await self._dead_letter(
-                msg,
-                f"delivered {msg.metadata.num_delivered} times without being settled "
-                f"(bus.max_deliver={max_deliver}): its handler's process died or hung each time",
-            )
-            return
         try:
             data = self.decoder.decode(self.bus.decode_payload(msg.data, headers))
         except (msgspec.DecodeError, ClaimCheckError) as error:

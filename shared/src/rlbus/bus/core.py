@@ -182,18 +182,19 @@ class BusCore:
             log.info("stream_updated", stream=spec.name)
 
     async def ensure_consumer(self, spec: ConsumerSpec) -> None:
-        """Create the durable, or update it to today's settings (e.g. a changed `max_deliver`).
+        """Create the durable, or update it to today's settings (e.g. a changed `ack_wait_s`).
 
-        JetStream delivers a message `bus.max_deliver + 1` times: the consumer quarantines it when
-        its handler raised on delivery `max_deliver`, and the extra delivery lets it quarantine a
-        message whose handler never settled it (its process died on every try) instead of
-        JetStream dropping it silently."""
+        JetStream's own `max_deliver` is unlimited on purpose: the bound is the consumer's
+        (`bus.max_deliver` deliveries whose handler raised, then a dead letter with the error).
+        A JetStream limit would count the deliveries a handler defers with `nak()` too (a
+        rollout worker naks its tasks while no replica is up) and then drop the message
+        silently, with no dead letter: data loss."""
         config = api.ConsumerConfig(
             durable_name=spec.durable,
             name=spec.durable,
             ack_policy=api.AckPolicy.EXPLICIT,
             ack_wait=self.config.ack_wait_s,
-            max_deliver=self.config.max_deliver + 1,
+            max_deliver=-1,
             max_ack_pending=self.config.max_ack_pending,
             filter_subject=spec.filter_subject,
             deliver_policy=api.DeliverPolicy.ALL,

@@ -71,11 +71,11 @@ class BusConfig(BaseConfig):
     message is held, so long handlers are not redelivered."""
 
     max_deliver: int = Field(5, ge=1)
-    """Deliveries of one message whose handler raises before it is quarantined: the consumer then
-    copies it to the run's dead-letter stream with the handler's error and terminates it. Naks in
-    between back off (`nak_delay_s * 2^(n-1)`, capped). JetStream's own limit is one more, so a
-    message whose handler's process died on every try is also quarantined, not dropped
-    (docs/bus.md, "Dead letters")."""
+    """A message whose handler raises on its delivery number `max_deliver` (or later) is quarantined:
+    the consumer copies it to the run's dead-letter stream with the handler's error and terminates
+    it. Naks in between back off (`nak_delay_s * 2^(n-1)`, capped). Deliveries a handler deferred
+    with `nak()` count too; JetStream itself never stops delivering, so nothing is dropped without
+    a dead letter (docs/bus.md, "Dead letters")."""
 
     lease_grace_s: float = Field(30.0, ge=0)
     """A lease whose heartbeat finds its key expired or rewritten keeps it when its last good
