@@ -29,7 +29,7 @@ import structlog
 from rlbus.bus.connection import open_connection
 from rlbus.bus.consumer import Consumer, Delivery
 from rlbus.bus.core import BusCore, encode
-from rlbus.bus.errors import ClaimCheckError
+from rlbus.bus.errors import BusError, ClaimCheckError
 from rlbus.bus.kv import KV, Lease
 from rlbus.bus.steplog import StepLog
 from rlbus.configs.bus import BusConfig
@@ -222,7 +222,6 @@ class Bus(BusCore):
                     timeout=max(deadline - time.monotonic(), 0.01),
                     headers=headers,
                 )
-                return control.reply_decoder.decode(reply.data)
             except (
                 nats.errors.NoRespondersError,
                 nats.errors.ConnectionReconnectingError,
@@ -237,6 +236,11 @@ class Bus(BusCore):
                     )
                     raise
                 await asyncio.sleep(0.1)
+                continue
+            try:
+                return control.reply_decoder.decode(reply.data)
+            except msgspec.DecodeError as error:  # a garbage reply is the replier's bug: say so
+                raise BusError(f"the control reply of {service} does not decode: {error}") from None
 
     async def serve_control(
         self,
