@@ -35,16 +35,24 @@ async def test_registered_leases_are_read_decoded(bus, make_bus):
     assert await bus.read_replicas() == []  # released leases leave the registry
 
 
-async def test_a_garbage_entry_is_skipped_and_logged_not_fatal(bus):
+async def test_a_garbage_entry_is_skipped_and_quarantined_once_not_fatal(bus):
     registry = bus.kv(bus.subjects.replicas_bucket)
     await registry.put("good", info("good", 2))
     await registry.put("garbage", b"\xc1 not msgpack")
     await registry.put("wrong-shape", replicas.encoder.encode({"replica_id": 7}))
     with capture_logs() as logs:
         found = await bus.read_replicas()
+        again = await bus.read_replicas()  # polled again: no second dead letter, no second line
     assert [(i.replica_id, i.weights_version) for i in found] == [("good", 2)]
-    skipped = sorted(e["key"] for e in logs if e["event"] == "replica_entry_undecodable")
+    assert [i.replica_id for i in again] == ["good"]
+    skipped = sorted(e["key"] for e in logs if e["event"] == "kv_entry_quarantined")
     assert skipped == ["garbage", "wrong-shape"]
+    dead = await bus.dead_letters()
+    assert sorted(d.subject for d in dead) == [
+        f"$KV.{bus.subjects.replicas_bucket}.garbage",
+        f"$KV.{bus.subjects.replicas_bucket}.wrong-shape",
+    ]
+    assert {d.kind for d in dead} == {"replica-entry"}
 
 
 async def test_an_expired_lease_drops_out(bus):

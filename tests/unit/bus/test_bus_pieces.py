@@ -74,3 +74,26 @@ def test_bus_config_rejects_inconsistent_fields():
         BusConfig(user="u")
     with pytest.raises(ValueError, match="tls_cert"):
         BusConfig(tls_key="k.pem")
+
+
+def test_nak_backoff_doubles_per_delivery_and_is_capped():
+    from rlbus.bus.consumer import MAX_NAK_DELAY_S, nak_delay
+
+    assert [nak_delay(1.0, n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
+    assert nak_delay(1.0, 50) == MAX_NAK_DELAY_S
+
+
+def test_max_deliver_must_be_at_least_one():
+    assert BusConfig().max_deliver == 5
+    with pytest.raises(ValueError, match="max_deliver"):
+        BusConfig(max_deliver=0)
+
+
+def test_dead_letter_kinds_follow_the_stream_or_bucket():
+    from rlbus.wire.subjects import RunSubjects
+
+    s = RunSubjects("r")
+    kinds = [s.dead_kind(name) for name in (s.rollouts_stream, s.batches_stream, s.tasks_stream)]
+    assert kinds == ["rollout", "batch", "task"]
+    assert s.dead_kind(s.weights_bucket) == "weights-record"
+    assert s.dead_kind(s.replicas_bucket) == "replica-entry"

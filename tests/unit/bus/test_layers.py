@@ -1,7 +1,8 @@
 """Import boundaries of the bus, read from the source with `ast` (TYPE_CHECKING blocks included).
 
 - Inside `rlbus.bus`, imports run one way: errors/claimcheck <- core/connection <-
-  consumer/kv/steplog <- client (no module takes helpers back from a module above it).
+  consumer/kv/steplog <- client <- deadletters (no module takes helpers back from a module above
+  it).
 - nats-py is imported only inside `shared/src/rlbus/bus/` and by `benchmarks/bus.py`, whose job is
   to compare bare nats-py with the facade (docs/bus.md, "Benchmark").
 """
@@ -24,6 +25,7 @@ BUS_LAYERS = {
     "kv": 3,
     "steplog": 3,
     "client": 4,
+    "deadletters": 5,
 }
 
 

@@ -71,3 +71,24 @@ def test_acks_arriving_after_their_row_go_into_the_next_row_not_a_second_row():
     steps = [row["step"] for row, _ in written]
     assert steps == [1, 2]
     assert written[1][0]["weights/applied/r0"] == 1 and written[1][0]["weights/num_applied"] == 1
+
+
+def test_resume_marks_written_steps_and_ignores_rows_of_monitor_keys_only():
+    joiner = StepJoiner()
+    joiner.resume([
+        {"step": 1, "loss": 1.0, "reward/mean": 0.1},
+        {"step": 2, "weights/num_applied": 1, "dead_letters/total": 0},  # an old weights-only row
+    ])  # fmt: skip
+    assert joiner.is_written(1) and not joiner.is_written(2)
+    assert joiner.last_written == 2
+    joiner.add_metrics(make_metrics("orchestrator", 2, r=1.0))
+    ((row, _),) = joiner.add_metrics(make_metrics("trainer", 2, loss=2.0))
+    assert row["step"] == 2 and joiner.is_written(2)
+
+
+def test_rows_not_ready_are_held_with_their_tokens_not_written():
+    joiner = StepJoiner()
+    joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0), "o1")
+    joiner.add_weights(WeightsApplied(version=1, replica_id="r0", duration_s=0.1), "w1")
+    assert sorted(joiner.held_tokens()) == ["o1", "w1"]
+    assert not joiner.is_written(1)

@@ -29,7 +29,7 @@ import structlog
 from rlbus.bus.connection import open_connection
 from rlbus.bus.consumer import Consumer, Delivery
 from rlbus.bus.core import BusCore, encode
-from rlbus.bus.errors import ClaimCheckError
+from rlbus.bus.errors import BusError, ClaimCheckError
 from rlbus.bus.kv import KV, Lease
 from rlbus.bus.steplog import StepLog
 from rlbus.configs.bus import BusConfig
@@ -163,18 +163,16 @@ class Bus(BusCore):
     async def read_replicas(self) -> list[replicas.ReplicaInfo]:
         """Every inference replica registered now (the leases in `subjects.replicas_bucket`).
 
-        An entry that does not decode is logged and skipped, so one bad writer cannot hide the
-        other replicas from the rollout workers and the trainer."""
+        An entry that does not decode is skipped and quarantined (once per key and revision, kind
+        `replica-entry`), so one bad writer cannot hide the other replicas from the rollout
+        workers and the trainer."""
         kv = self.kv(self.subjects.replicas_bucket)
         infos = []
         for key in await kv.keys():
-            entry = await kv.get(key)
-            if entry is None or not entry.value:  # expired between keys() and get()
+            entry = await kv.get(key, replicas.decoder)
+            if entry is None or entry.value is None:  # expired between keys() and get(), or garbage
                 continue
-            try:
-                infos.append(replicas.decoder.decode(entry.value))
-            except msgspec.DecodeError as error:  # ValidationError is a DecodeError too
-                log.warning("replica_entry_undecodable", key=key, error=str(error))
+            infos.append(entry.value)
         return infos
 
     def lease(
@@ -187,8 +185,10 @@ class Bus(BusCore):
         heartbeat_s: float | None = None,
         on_lost: Callable[[], Any] | None = None,
         wait_s: float = 0.0,
+        grace_s: float | None = None,
     ) -> Lease:
-        """A TTL lease on `key` of `bucket`, heartbeated while held (`async with bus.lease(...)`)."""
+        """A TTL lease on `key` of `bucket`, heartbeated while held (`async with bus.lease(...)`);
+        it survives a NATS outage shorter than `grace_s` (default `bus.lease_grace_s`)."""
         lease = Lease(
             self,
             bucket,
@@ -198,6 +198,7 @@ class Bus(BusCore):
             heartbeat_s=heartbeat_s,
             on_lost=on_lost,
             wait_s=wait_s,
+            grace_s=grace_s,
         )
         self._leases.append(lease)
         return lease
@@ -205,12 +206,15 @@ class Bus(BusCore):
     async def request(
         self, service: str, request: control.ControlRequest, *, timeout_s: float = 5.0
     ) -> control.ControlReply:
-        """Send a control request to `service` and wait for its reply."""
+        """Send a control request to `service` and wait at most `timeout_s` for its reply.
+
+        A service that is not listening yet ("no responders") or a connection that is
+        reconnecting is retried until the deadline; then the error is raised with a log line
+        naming the service and how long it waited."""
         headers = tracing.inject_headers({})
-        deadline = time.monotonic() + timeout_s
-        while (
-            True
-        ):  # a service that is starting may not listen yet: retry "no responders" until the timeout
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while True:
             try:
                 reply = await self.nc.request(
                     self.subjects.control(service),
@@ -218,11 +222,25 @@ class Bus(BusCore):
                     timeout=max(deadline - time.monotonic(), 0.01),
                     headers=headers,
                 )
-                return control.reply_decoder.decode(reply.data)
-            except nats.errors.NoRespondersError:
+            except (
+                nats.errors.NoRespondersError,
+                nats.errors.ConnectionReconnectingError,
+                nats.errors.TimeoutError,
+            ) as error:
                 if time.monotonic() + 0.1 > deadline:
+                    log.warning(
+                        "control_request_timeout",
+                        service=service,
+                        waited_s=round(time.monotonic() - started, 1),
+                        error=type(error).__name__,
+                    )
                     raise
                 await asyncio.sleep(0.1)
+                continue
+            try:
+                return control.reply_decoder.decode(reply.data)
+            except msgspec.DecodeError as error:  # a garbage reply is the replier's bug: say so
+                raise BusError(f"the control reply of {service} does not decode: {error}") from None
 
     async def serve_control(
         self,

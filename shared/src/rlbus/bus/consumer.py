@@ -15,6 +15,10 @@ How it behaves:
   JetStream does not redeliver work that is still being done;
 - a message that cannot be decoded (or whose claim check is corrupt) is copied to the dead-letter
   subject with the reason, terminated, logged, and the loop goes on;
+- a handler that raises naks its message with a backoff (`nak_delay_s * 2^(n-1)`, at most
+  `MAX_NAK_DELAY_S`); when it raises on delivery `bus.max_deliver` or later (JetStream's count:
+  deliveries the handler deferred with `nak()` count too), the message is quarantined the same
+  way with the handler's error as reason;
 - `stop()` stops fetching, waits for running handlers, and naks messages fetched but not started
   so they are redelivered at once elsewhere.
 """
@@ -37,6 +41,13 @@ log = structlog.get_logger()
 
 T = TypeVar("T")
 FETCH_TIMEOUTS = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.FetchTimeoutError)
+MAX_NAK_DELAY_S = 30.0
+"""Cap of the redelivery backoff of a message whose handler raised."""
+
+
+def nak_delay(base_s: float, num_delivered: int) -> float:
+    """Redelivery delay after the handler raised on delivery `num_delivered` (1-based)."""
+    return min(base_s * 2 ** max(num_delivered - 1, 0), MAX_NAK_DELAY_S)
 
 
 class Delivery(Generic[T]):
@@ -235,6 +246,7 @@ class Consumer(Generic[T]):
 
     async def _handle(self, msg) -> None:
         headers = msg.headers
+        max_deliver = self.bus.config.max_deliver
         try:
             data = self.decoder.decode(self.bus.decode_payload(msg.data, headers))
         except (msgspec.DecodeError, ClaimCheckError) as error:
@@ -251,23 +263,53 @@ class Consumer(Generic[T]):
             else:
                 await self.handler(delivery)
         except Exception as error:
+            num_delivered = delivery.num_delivered
             log.exception(
-                "handler_failed", stream=self.stream, msg_id=delivery.msg_id, error=repr(error)
+                "handler_failed",
+                stream=self.stream,
+                msg_id=delivery.msg_id,
+                num_delivered=num_delivered,
+                error=repr(error),
             )
             if not delivery.settled:
-                await self._settle_quietly(delivery.nak(self.nak_delay_s))
+                if num_delivered >= max_deliver:
+                    delivery._settle()
+                    await self._dead_letter(
+                        msg,
+                        f"handler failed on {num_delivered} deliveries "
+                        f"(bus.max_deliver={max_deliver}): {type(error).__name__}: {error}",
+                    )
+                else:
+                    delay = nak_delay(self.nak_delay_s, num_delivered)
+                    await self._settle_quietly(delivery.nak(delay))
         else:
             if self.auto_ack and not delivery.settled:
                 await self._settle_quietly(delivery.ack())
         self.num_handled += 1
 
     async def _dead_letter(self, msg, reason: str) -> None:
+        """Quarantine `msg` (copy to the dead-letter stream), then terminate it. A failed copy
+        leaves the message unsettled: it comes back after AckWait and is tried again."""
         self.num_dead += 1
-        log.error("message_dead_lettered", stream=self.stream, subject=msg.subject, reason=reason)
-        try:
-            await self.bus.dead_letter(self.stream, msg.subject, msg.data, msg.headers, reason)
-        finally:
-            await msg.term()
+        metadata = msg.metadata
+        log.error(
+            "message_dead_lettered",
+            stream=self.stream,
+            subject=msg.subject,
+            msg_id=(msg.headers or {}).get(MSG_ID_HEADER),
+            num_delivered=metadata.num_delivered,
+            reason=reason,
+        )
+        await self.bus.dead_letter(
+            self.stream,
+            msg.subject,
+            msg.data,
+            msg.headers,
+            reason,
+            num_delivered=metadata.num_delivered,
+            stream_seq=metadata.sequence.stream,
+        )
+        await self._settle_quietly(msg.term())
 
     @staticmethod
     async def _settle_quietly(coro) -> None:

@@ -8,6 +8,8 @@ imports run one way: core <- consumer / kv / steplog <- client (tests/unit/bus/t
 """
 
 import asyncio
+import os
+import socket
 import time
 import uuid
 from collections.abc import Iterable
@@ -41,7 +43,59 @@ RETRYABLE_PUBLISH_ERRORS = (
     nats.errors.StaleConnectionError,
 )
 
+# Headers of a dead letter (docs/bus.md, "Dead letters"); the payload is the original message's.
+DEAD_REASON = "Rlbus-Dead-Reason"
+DEAD_SUBJECT = "Rlbus-Dead-Subject"
+DEAD_STREAM = "Rlbus-Dead-Stream"
+DEAD_KIND = "Rlbus-Dead-Kind"
+DEAD_ORIGIN = "Rlbus-Dead-Origin"
+DEAD_NUM_DELIVERED = "Rlbus-Dead-Num-Delivered"
+DEAD_STREAM_SEQ = "Rlbus-Dead-Stream-Seq"
+DEAD_MSG_ID = "Rlbus-Dead-Msg-Id"
+DEAD_REASON_MAX_CHARS = 1000
+
 _encoder = msgspec.msgpack.Encoder()
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    """One quarantined message as `BusCore.dead_letters()` lists it (payload left out)."""
+
+    seq: int
+    """Sequence in the run's dead-letter stream."""
+    time: float
+    """When it was quarantined (Unix seconds, the server's clock)."""
+    kind: str
+    stream: str
+    subject: str
+    origin: str
+    """`<bus client name>@<host>:<pid>` of the process that quarantined it."""
+    reason: str
+    num_delivered: int | None = None
+    stream_seq: int | None = None
+    """Sequence (or KV revision) of the original message, when known."""
+    msg_id: str | None = None
+    """Nats-Msg-Id of the original message, when it had one."""
+
+    @classmethod
+    def from_message(cls, msg: api.RawStreamMsg) -> "DeadLetter":
+        headers = msg.headers or {}
+
+        def number(name: str) -> int | None:
+            value = headers.get(name)
+            return int(value) if value and value.isdigit() else None
+
+        return cls(
+            seq=msg.seq or 0,
+            time=msg.time.timestamp() if msg.time else 0.0,
+            kind=headers.get(DEAD_KIND, "-"),
+            stream=headers.get(DEAD_STREAM, "-"),
+            subject=headers.get(DEAD_SUBJECT, msg.subject or "-"),
+            origin=headers.get(DEAD_ORIGIN, "-"),
+            reason=headers.get(DEAD_REASON, "-"),
+            num_delivered=number(DEAD_NUM_DELIVERED),
+            stream_seq=number(DEAD_STREAM_SEQ),
+            msg_id=headers.get(DEAD_MSG_ID),
+        )
 
 
 def encode(message: msgspec.Struct | bytes) -> bytes:
@@ -69,6 +123,9 @@ class BusCore:
         )
         self._ensure_lock = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
+        self._quarantined: set[str] = set()
+        """Dead-letter msg ids this client already stored (a re-read garbage KV entry is
+        quarantined and logged once, not on every poll)."""
 
     # ---- topology -------------------------------------------------------------------------
 
@@ -125,12 +182,19 @@ class BusCore:
             log.info("stream_updated", stream=spec.name)
 
     async def ensure_consumer(self, spec: ConsumerSpec) -> None:
+        """Create the durable, or update it to today's settings (e.g. a changed `ack_wait_s`).
+
+        JetStream's own `max_deliver` is unlimited on purpose: the bound is the consumer's
+        (`bus.max_deliver` deliveries whose handler raised, then a dead letter with the error).
+        A JetStream limit would count the deliveries a handler defers with `nak()` too (a
+        rollout worker naks its tasks while no replica is up) and then drop the message
+        silently, with no dead letter: data loss."""
         config = api.ConsumerConfig(
             durable_name=spec.durable,
             name=spec.durable,
             ack_policy=api.AckPolicy.EXPLICIT,
             ack_wait=self.config.ack_wait_s,
-            max_deliver=self.config.max_deliver,
+            max_deliver=-1,
             max_ack_pending=self.config.max_ack_pending,
             filter_subject=spec.filter_subject,
             deliver_policy=api.DeliverPolicy.ALL,
@@ -234,7 +298,10 @@ class BusCore:
     async def _publish_with_retry(
         self, subject: str, payload: bytes, headers: dict, msg_ttl: float | None
     ):
-        deadline = time.monotonic() + self.config.publish_retry_s
+        """Publish, retrying with the same msg id until `bus.publish_retry_s` (a NATS outage is
+        waited out; each retry logs what waits and for how long)."""
+        started = time.monotonic()
+        deadline = started + self.config.publish_retry_s
         delay = 0.05
         while True:
             try:
@@ -257,6 +324,8 @@ class BusCore:
                     "publish_retry",
                     subject=subject,
                     msg_id=headers[MSG_ID_HEADER],
+                    waited_s=round(time.monotonic() - started, 1),
+                    deadline_s=self.config.publish_retry_s,
                     error=type(error).__name__,
                 )
                 await asyncio.sleep(delay)
@@ -268,16 +337,77 @@ class BusCore:
             return claimcheck.load(self.storage_dir, claims.decoder.decode(data))
         return data
 
+    def origin(self) -> str:
+        """`<client name>@<host>:<pid>`: who quarantined a message (the `Rlbus-Dead-Origin` header)."""
+        return f"{self.name}@{socket.gethostname()}:{os.getpid()}"
+
     async def dead_letter(
-        self, stream: str, subject: str, data: bytes, headers: dict | None, reason: str
-    ) -> None:
-        """Copy an unprocessable message to `subjects.dead(stream)` with the reason."""
+        self,
+        stream: str,
+        subject: str,
+        data: bytes,
+        headers: dict | None,
+        reason: str,
+        *,
+        kind: str | None = None,
+        num_delivered: int | None = None,
+        stream_seq: int | None = None,
+    ) -> bool:
+        """Copy an unprocessable message of `stream` (or KV bucket) to `subjects.dead(stream)`.
+
+        The copy keeps the payload and carries the reason, original subject, stream, kind
+        (default: `subjects.dead_kind(stream)`), origin, delivery count and original sequence as
+        `Rlbus-Dead-*` headers. Its Nats-Msg-Id is `dead-<original msg id>` (else
+        `dead-<kind>-<stream_seq>`), so quarantining the same message twice within
+        `bus.duplicate_window_s` (a restarted service meeting it again) stores it once, and this
+        client skips one it already stored. Returns False for such a skip (nothing was sent)."""
+        kind = kind or self.subjects.dead_kind(stream)
+        original_id = headers.get(MSG_ID_HEADER) if headers else None
+        if original_id:
+            dead_id = f"dead-{original_id}"
+        elif stream_seq is not None:
+            dead_id = f"dead-{kind}-{stream_seq}"
+        else:
+            dead_id = f"dead-{uuid.uuid4().hex}"
+        if dead_id in self._quarantined:
+            return False
         dead_headers = {
-            "Rlbus-Dead-Reason": reason[:1000],
-            "Rlbus-Dead-Subject": subject,
+            DEAD_REASON: reason[:DEAD_REASON_MAX_CHARS],
+            DEAD_SUBJECT: subject,
+            DEAD_STREAM: stream,
+            DEAD_KIND: kind,
+            DEAD_ORIGIN: self.origin(),
+            MSG_ID_HEADER: dead_id,
         }
-        if headers and headers.get(MSG_ID_HEADER):
-            dead_headers["Rlbus-Dead-Msg-Id"] = headers[MSG_ID_HEADER]
+        if num_delivered is not None:
+            dead_headers[DEAD_NUM_DELIVERED] = str(num_delivered)
+        if stream_seq is not None:
+            dead_headers[DEAD_STREAM_SEQ] = str(stream_seq)
+        if original_id:
+            dead_headers[DEAD_MSG_ID] = original_id
         if headers and headers.get(claimcheck.CLAIM_HEADER):
             dead_headers[claimcheck.CLAIM_HEADER] = "1"
         await self._publish_with_retry(self.subjects.dead(stream), data, dead_headers, None)
+        self._quarantined.add(dead_id)
+        return True
+
+    async def dead_letters(self, *, limit: int | None = None) -> list[DeadLetter]:
+        """The run's quarantined messages, oldest first (at most `limit`, the newest ones)."""
+        stream = self.subjects.dead_stream
+        state = (await self.js.stream_info(stream)).state
+        seq = state.first_seq
+        if limit is not None:
+            seq = max(seq, state.last_seq - limit + 1)
+        letters = []
+        while seq <= state.last_seq:
+            try:
+                msg = await self.js.get_msg(stream, seq, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            letters.append(DeadLetter.from_message(msg))
+            seq = (msg.seq or seq) + 1
+        return letters
+
+    async def dead_letter_count(self) -> int:
+        """How many messages the run's dead-letter stream holds."""
+        return (await self.js.stream_info(self.subjects.dead_stream)).state.messages

@@ -5,9 +5,15 @@ watch, with optional msgspec decoding. `Lease` holds a key with a per-key TTL (e
 replica's registry entry): `create(msg_ttl)` acquires it, and a heartbeat republishes the value
 with the TTL header and `Nats-Expected-Last-Subject-Sequence` (docs/facts.md:
 `kv.update()` drops the TTL). When a heartbeat finds another revision (the key expired, or
-someone else took it), the lease is lost: `lease.lost` is set and `on_lost` runs. Observers learn
+someone else took it), the lease is lost: `lease.lost` is set and `on_lost` runs; except after a
+NATS outage shorter than `bus.lease_grace_s` (counted from the last good heartbeat), when an
+expired key is re-created and a revision holding our own value is adopted. Observers learn
 about expiry with `KV.watch_presence()` (polling: TTL expiry writes no marker unless limit markers
 are on, which we keep off for lease buckets).
+
+An entry that does not decode (a garbage writer) never ends a `watch` or fails a `get`: it is
+quarantined once per revision (`BusCore.dead_letter`, kind from the bucket, e.g.
+`weights-record`) with one error line, and treated as absent; the watch goes on.
 """
 
 import asyncio
@@ -20,13 +26,18 @@ import nats.errors
 import nats.js.errors
 import structlog
 
-from rlbus.bus.core import BusCore, encode
+from rlbus.bus.core import RETRYABLE_PUBLISH_ERRORS, BusCore, encode
 from rlbus.bus.errors import CasMismatch, LeaseHeld
 
 log = structlog.get_logger()
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE_CODES = (10071, 10164)
+WATCH_CHECK_S = 5.0
+"""A watch that got nothing for this long checks whether the bucket moved on without it (a
+watcher nats-py could not re-create during an outage) and, if so, starts a new one."""
+KV_RETRY_ERRORS = RETRYABLE_PUBLISH_ERRORS
+"""Errors after which a get/put/delete/keys is retried (until `bus.publish_retry_s`)."""
 
 
 class Entry(NamedTuple):
@@ -52,23 +63,87 @@ class KV:
             self._kv = await self.bus.js.key_value(self.bucket)
         return self._kv
 
+    async def _retried(self, what: str, key: str, operation: Callable[[Any], Any]) -> Any:
+        """`await operation(kv)`, retried on connection trouble until `bus.publish_retry_s` (a NATS
+        outage is waited out, with a log line naming what waits). Safe for get/put/delete/keys:
+        repeating one changes nothing a reader sees (a put may add a revision of the same value)."""
+        started = time.monotonic()
+        delay = 0.1
+        while True:
+            try:
+                return await operation(await self.handle())
+            except KV_RETRY_ERRORS as error:
+                waited = time.monotonic() - started
+                if waited + delay > self.bus.config.publish_retry_s:
+                    raise
+                log.warning(
+                    "kv_retry",
+                    op=what,
+                    bucket=self.bucket,
+                    key=key,
+                    waited_s=round(waited, 1),
+                    error=type(error).__name__,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
     def _decode(self, data: bytes | None, decoder: msgspec.msgpack.Decoder | None) -> Any:
         if data is None or decoder is None:
             return data
+        if not data:  # an empty value (e.g. written by a TTL expiry): no value, not garbage
+            return None
         return decoder.decode(data)
 
-    async def get(self, key: str, decoder: msgspec.msgpack.Decoder | None = None) -> Entry | None:
-        """The current entry of `key`, or None when absent/deleted."""
-        kv = await self.handle()
+    async def quarantine(self, key: str, revision: int, data: bytes, error: Exception) -> None:
+        """Dead-letter revision `revision` of `key` (undecodable), logging it once per revision.
+        A failed copy is logged, never raised: the caller goes on without the entry."""
+        reason = f"{type(error).__name__}: {error}"
         try:
-            entry = await kv.get(key)
+            first = await self.bus.dead_letter(
+                self.bucket, f"$KV.{self.bucket}.{key}", data, None, reason, stream_seq=revision
+            )
+        except Exception as dead_error:
+            log.error(
+                "kv_entry_undecodable",
+                bucket=self.bucket,
+                key=key,
+                revision=revision,
+                reason=reason,
+                dead_letter_error=repr(dead_error),
+            )
+            return
+        if first:
+            log.error(
+                "kv_entry_quarantined",
+                bucket=self.bucket,
+                key=key,
+                revision=revision,
+                reason=reason,
+            )
+
+    async def decode_or_quarantine(
+        self, key: str, revision: int, data: bytes, decoder: msgspec.msgpack.Decoder | None
+    ) -> tuple[bool, Any]:
+        """`(True, value)`, or `(False, None)` for an entry that does not decode (quarantined)."""
+        try:
+            return True, self._decode(data, decoder)
+        except msgspec.DecodeError as error:  # ValidationError is a DecodeError too
+            await self.quarantine(key, revision, data, error)
+            return False, None
+
+    async def get(self, key: str, decoder: msgspec.msgpack.Decoder | None = None) -> Entry | None:
+        """The current entry of `key`, or None when absent/deleted (or undecodable: quarantined)."""
+        try:
+            entry = await self._retried("get", key, lambda kv: kv.get(key))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None
-        return Entry(key, self._decode(entry.value, decoder), entry.revision, entry.operation)
+        ok, value = await self.decode_or_quarantine(key, entry.revision, entry.value, decoder)
+        return Entry(key, value, entry.revision, entry.operation) if ok else None
 
     async def put(self, key: str, value: msgspec.Struct | bytes) -> int:
         """Write unconditionally; returns the new revision."""
-        return await (await self.handle()).put(key, encode(value))
+        payload = encode(value)
+        return await self._retried("put", key, lambda kv: kv.put(key, payload))
 
     async def create(
         self, key: str, value: msgspec.Struct | bytes, *, ttl_s: int | None = None
@@ -87,11 +162,11 @@ class KV:
             raise CasMismatch(f"{self.bucket}/{key} is no longer at revision {revision}") from error
 
     async def delete(self, key: str, *, revision: int | None = None) -> None:
-        await (await self.handle()).delete(key, last=revision)
+        await self._retried("delete", key, lambda kv: kv.delete(key, last=revision))
 
     async def keys(self) -> list[str]:
         try:
-            return await (await self.handle()).keys()
+            return await self._retried("keys", ">", lambda kv: kv.keys())
         except nats.js.errors.NoKeysError:
             return []
 
@@ -101,21 +176,79 @@ class KV:
         decoder: msgspec.msgpack.Decoder | None = None,
         *,
         initial: bool = True,
+        check_s: float = WATCH_CHECK_S,
     ) -> AsyncIterator[Entry]:
-        """Yield entries as they change (current values first when `initial`); deletes have value None."""
-        kv = await self.handle()
-        watcher = await kv.watch(key)
+        """Yield entries as they change (current values first when `initial`); deletes have value
+        None; an entry that does not decode is quarantined and skipped (module docstring).
+
+        Survives NATS outages: after `check_s` without an entry the watch compares the newest
+        revision in the bucket with the last one it yielded and, when it fell behind, starts a new
+        nats-py watcher, yielding only revisions it had not yielded (nothing twice, nothing lost
+        beyond intermediate values of one key)."""
+        last_revision = 0
+        first_watcher = True
+        while True:
+            try:
+                watcher = await (await self.handle()).watch(key)
+            except Exception as error:  # the server is away: try again
+                log.warning("kv_watch_start_failed", bucket=self.bucket, key=key, error=repr(error))
+                await asyncio.sleep(min(check_s, 1.0))
+                continue
+            try:
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=check_s)
+                    except (TimeoutError, nats.errors.TimeoutError):
+                        if await self._fell_behind(key, last_revision):
+                            log.warning(
+                                "kv_watch_restarted",
+                                bucket=self.bucket,
+                                key=key,
+                                after=last_revision,
+                            )
+                            break
+                        continue
+                    if entry is None:  # end of the initial values
+                        continue
+                    if entry.revision <= last_revision:
+                        continue
+                    if (
+                        first_watcher
+                        and not initial
+                        and entry.delta is not None
+                        and entry.delta > 0
+                    ):
+                        continue
+                    last_revision = entry.revision
+                    value = None
+                    if entry.operation not in ("DEL", "PURGE"):
+                        ok, value = await self.decode_or_quarantine(
+                            entry.key, entry.revision, entry.value, decoder
+                        )
+                        if not ok:
+                            continue
+                    yield Entry(entry.key, value, entry.revision, entry.operation)
+            finally:
+                first_watcher = False
+                try:
+                    await watcher.stop()
+                except Exception:
+                    pass
+
+    async def _fell_behind(self, key: str, last_revision: int) -> bool:
+        """Whether the bucket holds a revision of `key` (any key for `>`) newer than `last_revision`
+        (False when the server cannot say now: the watch keeps waiting)."""
         try:
-            async for entry in watcher:
-                if entry is None:  # end of the initial values
-                    continue
-                if not initial and entry.delta is not None and entry.delta > 0:
-                    continue
-                deleted = entry.operation in ("DEL", "PURGE")
-                value = None if deleted else self._decode(entry.value, decoder)
-                yield Entry(entry.key, value, entry.revision, entry.operation)
-        finally:
-            await watcher.stop()
+            if "*" in key or ">" in key:
+                info = await self.bus.js.stream_info(f"KV_{self.bucket}")
+                return info.state.last_seq > last_revision
+            entry = await (await self.handle()).get(key)
+            return entry.revision > last_revision
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return False
+        except Exception as error:
+            log.debug("kv_watch_check_failed", bucket=self.bucket, error=repr(error))
+            return False
 
     async def watch_presence(self, *, poll_s: float = 1.0) -> AsyncIterator[tuple[str, str]]:
         """Yield `("added", key)` / `("expired", key)` as keys appear and disappear (TTL leases)."""
@@ -144,6 +277,7 @@ class Lease:
         heartbeat_s: float | None = None,
         on_lost: Callable[[], Any] | None = None,
         wait_s: float = 0.0,
+        grace_s: float | None = None,
     ):
         if int(ttl_s) != ttl_s or ttl_s < 1:
             raise ValueError(f"lease ttl_s must be a whole number of seconds >= 1 (got {ttl_s})")
@@ -156,7 +290,10 @@ class Lease:
         self.heartbeat_s = heartbeat_s or self.ttl_s / 3
         self.on_lost = on_lost
         self.wait_s = wait_s
+        self.grace_s = bus.config.lease_grace_s if grace_s is None else grace_s
         self.revision: int | None = None
+        self._renewed_at = 0.0
+        """monotonic time of the last acquire or heartbeat the server confirmed."""
         self.lost = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._renew_lock = asyncio.Lock()
@@ -181,6 +318,7 @@ class Lease:
                     ) from error
                 await asyncio.sleep(min(0.5, self.ttl_s / 4))
         self.lost.clear()
+        self._renewed_at = time.monotonic()
         self._task = asyncio.create_task(self._heartbeat())
         log.info("lease_acquired", bucket=self.bucket, key=self.key, ttl_s=self.ttl_s)
         return self
@@ -200,6 +338,7 @@ class Lease:
                 msg_ttl=self.ttl_s,
             )
             self.revision = ack.seq
+            self._renewed_at = time.monotonic()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -208,6 +347,8 @@ class Lease:
                 await self._renew()
             except nats.js.errors.APIError as error:
                 if error.err_code in WRONG_LAST_SEQUENCE_CODES:
+                    if await self._recover_after_outage():
+                        continue
                     await self._mark_lost("revision changed (expired or taken over)")
                     return
                 log.warning(
@@ -219,6 +360,37 @@ class Lease:
                 log.warning(
                     "lease_heartbeat_failed", bucket=self.bucket, key=self.key, error=repr(error)
                 )
+
+    async def _recover_after_outage(self) -> bool:
+        """After a wrong-revision heartbeat within `grace_s` of the last good one: keep the lease
+        if the key expired (re-create it) or holds our own value (adopt its revision)."""
+        out_for = time.monotonic() - self._renewed_at
+        if out_for > self.grace_s:
+            return False
+        try:
+            current = await self.kv.get(self.key)
+            if current is None:
+                async with self._renew_lock:
+                    self.revision = await self.kv.create(self.key, self.value, ttl_s=self.ttl_s)
+                    self._renewed_at = time.monotonic()
+                how = "recreated"
+            elif current.value == self.value:
+                self.revision = current.revision
+                how = "adopted"
+            else:
+                return False
+        except Exception as error:  # taken meanwhile (CasMismatch), or the server is away again
+            log.warning("lease_recover_failed", bucket=self.bucket, key=self.key, error=repr(error))
+            return isinstance(error, RETRYABLE_PUBLISH_ERRORS)
+        log.warning(
+            "lease_kept_after_outage",
+            bucket=self.bucket,
+            key=self.key,
+            how=how,
+            out_for_s=round(out_for, 1),
+            revision=self.revision,
+        )
+        return True
 
     async def _mark_lost(self, reason: str) -> None:
         log.warning("lease_lost", bucket=self.bucket, key=self.key, reason=reason)

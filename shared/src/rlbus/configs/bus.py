@@ -70,8 +70,18 @@ class BusConfig(BaseConfig):
     """AckWait of the durable consumers; the bus sends in_progress() every third of it while a
     message is held, so long handlers are not redelivered."""
 
-    max_deliver: int = Field(-1)
-    """Deliveries of one message before JetStream gives up (-1: unlimited)."""
+    max_deliver: int = Field(5, ge=1)
+    """A message whose handler raises on its delivery number `max_deliver` (or later) is quarantined:
+    the consumer copies it to the run's dead-letter stream with the handler's error and terminates
+    it. Naks in between back off (`nak_delay_s * 2^(n-1)`, capped). Deliveries a handler deferred
+    with `nak()` count too; JetStream itself never stops delivering, so nothing is dropped without
+    a dead letter (docs/bus.md, "Dead letters")."""
+
+    lease_grace_s: float = Field(30.0, ge=0)
+    """A lease whose heartbeat finds its key expired or rewritten keeps it when its last good
+    heartbeat is at most this old (a NATS outage): it re-creates the expired key, or adopts a
+    revision that holds its own value (a heartbeat stored whose ack was lost). A key another holder
+    took, or an older last heartbeat, means the lease is lost (docs/bus.md, "Lease")."""
 
     max_ack_pending: int = Field(1000, ge=1)
     """Unacknowledged messages a durable consumer may have outstanding."""

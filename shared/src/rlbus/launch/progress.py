@@ -7,7 +7,8 @@ step. `MetricsTail` reads the new complete lines on each poll and merges rows by
 
     Step 3 | Reward 0.4213 | Loss 0.0123 | Tok/s 512 | Weights v2 (vm-8000: v2) | Lag 0.50
 
-(`-` for a value not known yet). On a terminal the launcher shows the lines above a rich Live
+(`-` for a value not known yet), followed by `| Quarantined N` once the run has quarantined
+messages (`dead_letters/total`, docs/bus.md "Dead letters"). On a terminal the launcher shows the lines above a rich Live
 status panel; otherwise it prints the plain lines only, once per step, when the step's row has
 both the trainer's and the orchestrator's metrics (or, when the run ends, any step a service
 reported; a row holding only weights acks is never a step line of its own).
@@ -99,15 +100,21 @@ def has_step_metrics(row: dict[str, Any]) -> bool:
     return "loss" in row or "reward/mean" in row
 
 
+DEAD_LETTERS_KEY = "dead_letters/total"
+"""How many messages the run had quarantined when the monitor wrote the row."""
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 def step_line(step: int, row: dict[str, Any], replicas: dict[str, int]) -> str:
-    """`Step N | Reward x.xxxx | Loss x.xxxx | Tok/s n | Weights v<k> (<replica>: v<k>, ...) | Lag l`."""
+    """`Step N | Reward x.xxxx | Loss x.xxxx | Tok/s n | Weights v<k> (<replica>: v<k>, ...) | Lag l`
+    (`| Quarantined N` appended when N > 0)."""
     newest = max(replicas.values(), default=None)
     per_replica = ", ".join(f"{name}: v{version}" for name, version in sorted(replicas.items()))
     weights = "-" if newest is None else f"v{newest} ({per_replica})"
+    quarantined = int(row.get(DEAD_LETTERS_KEY, 0))
     return " | ".join([
         f"Step {step}",
         f"Reward {_fmt(row.get('reward/mean'), '.4f')}",
@@ -115,6 +122,7 @@ def step_line(step: int, row: dict[str, Any], replicas: dict[str, int]) -> str:
         f"Tok/s {_fmt(trainer_tokens_per_s(row), '.0f')}",
         f"Weights {weights}",
         f"Lag {_fmt(mean_lag(row), '.2f')}",
+        *([f"Quarantined {quarantined}"] if quarantined > 0 else []),
     ])  # fmt: skip
 
 

@@ -6,7 +6,8 @@
 Trainer and orchestrator each publish a `StepMetrics` per step; the joiner writes one row per step
 once both have arrived (or when the run has moved on, so a missing one never blocks the file).
 Events are acked only after their row is written, so a monitor killed mid-run re-reads what it
-had not written yet. `python -m rlbus.monitors @ <run_dir>/configs/rl.toml` runs it as a process.
+had not written yet; a restarted monitor starts from the steps already in metrics.jsonl, so each
+step has one row across restarts (monitors/join.py). Every row carries `dead_letters/total`. `python -m rlbus.monitors @ <run_dir>/configs/rl.toml` runs it as a process.
 """
 
 from rlbus.monitors.join import StepJoiner

@@ -1,4 +1,12 @@
-"""Joining the per-service step metrics of one step into one row."""
+"""Joining the per-service step metrics of one step into one row, once per step.
+
+A step's row is written once across monitor restarts: a restarted monitor starts from the steps
+already in metrics.jsonl (`StepJoiner.resume`), and events of a step already written (redelivered
+because the monitor died between writing and acking, or republished by a trainer that retrains
+the step after a resume) are acked without a second row. A row that is not ready when the monitor
+stops is not written: its events stay unacked for the next monitor (`held_tokens`), so a partial
+row (e.g. only weights acks for step k+1) never takes the place of the real one.
+"""
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -7,6 +15,13 @@ from rlbus.wire.events import StepMetrics
 from rlbus.wire.weights import WeightsApplied, WeightsFailed
 
 JOINED_SERVICES = ("orchestrator", "trainer")
+MONITOR_PREFIXES = ("weights/", "dead_letters/")
+"""Keys the monitor adds to a row itself (weights acks, the dead-letter count)."""
+
+
+def has_step_metrics(row: dict[str, Any]) -> bool:
+    """Whether a written row holds a service's metrics (not only what the monitor adds to it)."""
+    return any(key != "step" and not key.startswith(MONITOR_PREFIXES) for key in row)
 
 
 @dataclass
@@ -31,8 +46,23 @@ class StepJoiner:
     """A row is released anyway once this many newer steps have data (a service is gone)."""
     pending: dict[int, PendingRow] = field(default_factory=dict)
     last_written: int = -1
+    written: set[int] = field(default_factory=set)
+    """Steps whose row (with a service's metrics) is written: never written again."""
+
+    def resume(self, rows: list[dict[str, Any]]) -> None:
+        """Start after the rows a previous monitor wrote (metrics.jsonl, in file order)."""
+        steps = [int(row["step"]) for row in rows if "step" in row]
+        self.written.update(
+            int(row["step"]) for row in rows if "step" in row and has_step_metrics(row)
+        )
+        self.last_written = max([self.last_written, *steps])
+
+    def is_written(self, step: int) -> bool:
+        return step in self.written
 
     def add_metrics(self, event: StepMetrics, token: Any = None) -> list[tuple[dict, list]]:
+        """Add a service's metrics of a step; the caller skips (and acks) a step `is_written`."""
+        assert not self.is_written(event.step), "ack a step already written, do not add it"
         row = self._row(event.step, token)
         for key, value in event.metrics.items():
             # Same metric name from two services: keep both, prefixed by service.
@@ -86,8 +116,12 @@ class StepJoiner:
         return out
 
     def flush(self) -> list[tuple[dict, list]]:
-        """Every buffered row, complete or not (at shutdown)."""
+        """Every buffered row, complete or not (a one-shot join; the monitor uses `held_tokens`)."""
         return [self._pop(step) for step in sorted(self.pending)]
+
+    def held_tokens(self) -> list[Any]:
+        """Tokens of the rows not written yet (at shutdown: handed back for the next monitor)."""
+        return [token for row in self.pending.values() for token in row.tokens]
 
     def _row(self, step: int, token: Any) -> PendingRow:
         row = self.pending.setdefault(step, PendingRow())
@@ -98,7 +132,10 @@ class StepJoiner:
     def _pop(self, step: int) -> tuple[dict, list]:
         row = self.pending.pop(step)
         self.last_written = max(self.last_written, step)
-        return {"step": step, **row.values}, row.tokens
+        out = {"step": step, **row.values}
+        if has_step_metrics(out):
+            self.written.add(step)
+        return out, row.tokens
 
 
 def _own_keys(row: PendingRow, service: str) -> set[str]:

@@ -1,10 +1,16 @@
 """The monitor process: consumes the events stream of a run and writes the joined rows.
 
-It runs in the service shell (rlbus.runtime): the first SIGTERM/SIGINT flushes the rows still held
-by the joiner and exits 0, a second one exits at once.
+It runs in the service shell (rlbus.runtime): the first SIGTERM/SIGINT stops it cleanly (rows not
+ready yet are handed back to the bus for the next monitor, see monitors/join.py) and exits 0, a
+second one exits at once. Every row carries `dead_letters/total`, the number of messages the run
+has quarantined (docs/bus.md, "Dead letters").
 """
 
 import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import structlog
 
@@ -21,19 +27,62 @@ from rlbus.wire.weights import WeightsApplied, WeightsFailed
 log = structlog.get_logger()
 
 MONITOR_DURABLE = "monitor"
+DEAD_LETTERS_KEY = "dead_letters/total"
+DEAD_COUNT_EVERY_S = 1.0
+"""The dead-letter stream is asked for its count at most this often."""
+
+
+def read_rows(path: Path | None) -> list[dict]:
+    """The complete rows of a metrics.jsonl (a torn last line, from a killed writer, is left out)."""
+    if path is None or not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 class Monitor:
-    """Feeds events into a StepJoiner and writes released rows to every sink, then acks."""
+    """Feeds events into a StepJoiner and writes released rows to every sink, then acks.
 
-    def __init__(self, sinks: list, joiner: StepJoiner | None = None):
+    `count_dead` returns the run's dead-letter count (None: the rows carry none)."""
+
+    def __init__(
+        self,
+        sinks: list,
+        joiner: StepJoiner | None = None,
+        count_dead: Callable[[], Awaitable[int]] | None = None,
+    ):
         self.sinks = sinks
         self.joiner = joiner or StepJoiner()
+        self.count_dead = count_dead
         self.num_rows = 0
+        self.num_skipped = 0
+        self.dead_letters = 0
+        self._dead_checked_at = float("-inf")
+
+    def resume(self, rows: list[dict]) -> None:
+        """Continue after the rows already written (one row per step across restarts)."""
+        self.joiner.resume(rows)
+        self.dead_letters = max(
+            [self.dead_letters, *(int(r.get(DEAD_LETTERS_KEY, 0)) for r in rows)]
+        )
+        if rows:
+            log.info("monitor_resumed", num_rows=len(rows), last_step=self.joiner.last_written)
 
     async def handle(self, delivery) -> None:
         event = delivery.data
         if isinstance(event, StepMetrics) and event.service in self.joiner.expected:
+            if self.joiner.is_written(event.step):  # redelivered, or a retrained step
+                self.num_skipped += 1
+                log.info("monitor_step_already_written", step=event.step, of=event.service)
+                await delivery.ack()
+                return
             await self.write(self.joiner.add_metrics(event, delivery))
         elif isinstance(event, (WeightsApplied, WeightsFailed)):
             await self.write(self.joiner.add_weights(event, delivery))
@@ -44,8 +93,31 @@ class Monitor:
                 )
             await delivery.ack()
 
+    async def update_dead_count(self) -> None:
+        if self.count_dead is None:
+            return
+        now = time.monotonic()
+        if now - self._dead_checked_at < DEAD_COUNT_EVERY_S:
+            return
+        self._dead_checked_at = now
+        try:
+            count = await self.count_dead()
+        except Exception as error:  # the stream may be briefly unavailable: keep the last count
+            log.warning("dead_letter_count_failed", error=repr(error))
+            return
+        if count > self.dead_letters:
+            log.warning("dead_letters", total=count, new=count - self.dead_letters)
+        self.dead_letters = count
+
     async def write(self, rows) -> None:
+        """Write each row to every sink, then ack its events (a kill in between: the next monitor
+        skips the step, see `resume`)."""
+        if not rows:
+            return
+        await self.update_dead_count()
         for row, deliveries in rows:
+            if self.count_dead is not None:
+                row[DEAD_LETTERS_KEY] = self.dead_letters
             for sink in self.sinks:
                 sink.write(row)
             self.num_rows += 1
@@ -53,17 +125,32 @@ class Monitor:
                 await delivery.ack()
 
     async def close(self) -> None:
-        await self.write(self.joiner.flush())
+        """Hand the events of rows not ready back to the bus (nak: the next monitor gets them at
+        once), then close the sinks."""
+        for delivery in self.joiner.held_tokens():
+            if delivery is not None and not delivery.settled:
+                try:
+                    await delivery.nak()
+                except Exception as error:  # disconnected: redelivered after AckWait anyway
+                    log.warning("monitor_nak_failed", error=repr(error))
+        self.joiner.pending.clear()
         for sink in self.sinks:
             sink.close()
+
+
+def metrics_path(config: RLConfig, run_dir: Path) -> Path | None:
+    return run_dir / config.monitors.file.path if config.monitors.file is not None else None
 
 
 async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
     run_dir = run_dir_of(config)
     bus = await Bus.connect(config.bus, storage_dir=run_dir, name="monitor")
+    written = read_rows(metrics_path(config, run_dir))
     monitor = Monitor(
-        build_sinks(config.monitors, config.run.name or run_dir.name, run_dir, config.model_dump())
+        build_sinks(config.monitors, config.run.name or run_dir.name, run_dir, config.model_dump()),
+        count_dead=bus.dead_letter_count,
     )
+    monitor.resume(written)
     subjects = bus.subjects
     consumer = bus.consumer(
         subjects.events_stream,
@@ -80,7 +167,7 @@ async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
     finally:
         await monitor.close()
         await bus.close()
-        log.info("monitor_stopped", num_rows=monitor.num_rows)
+        log.info("monitor_stopped", num_rows=monitor.num_rows, num_skipped=monitor.num_skipped)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,11 +15,15 @@ WANDB_MISSING = (
 
 
 class JsonlSink:
-    """Appends one JSON object per step to a file, flushed to disk row by row."""
+    """Appends one JSON object per step to a file, flushed to disk row by row.
+
+    A torn last line (the writer was killed mid-row) is cut off on open, so the next row starts
+    on a line of its own; that row's events were not acked, so it is written again whole."""
 
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        cut_torn_tail(path)
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
@@ -29,6 +33,17 @@ class JsonlSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def cut_torn_tail(path: Path) -> None:
+    """Truncate `path` after its last newline (nothing to do for a missing or clean file)."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            f.truncate(end)
 
 
 class WandbSink:

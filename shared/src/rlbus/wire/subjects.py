@@ -113,8 +113,22 @@ class RunSubjects:
         return f"{self.prefix}.control.{service}"
 
     def dead(self, stream: str) -> str:
-        """Dead-letter subject for undecodable messages of `stream`."""
+        """Dead-letter subject of quarantined messages of `stream` (or KV bucket)."""
         return f"{self.prefix}.dead.{stream}"
+
+    def dead_kind(self, stream: str) -> str:
+        """What a quarantined message of `stream` (or KV bucket) is, for the `Rlbus-Dead-Kind`
+        header and the dead-letter listing (`rollout`, `batch`, `weights-record`, ...)."""
+        kinds = {
+            self.tasks_stream: "task",
+            self.rollouts_stream: "rollout",
+            self.batches_stream: "batch",
+            self.events_stream: "event",
+            self.weights_bucket: "weights-record",
+            self.replicas_bucket: "replica-entry",
+            self.state_bucket: "state-entry",
+        }
+        return kinds.get(stream, stream.lower())
 
     def streams(self) -> list[StreamSpec]:
         return [
