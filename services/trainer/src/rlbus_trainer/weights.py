@@ -136,6 +136,9 @@ class FilesystemWeightPublisher:
         state = await asyncio.to_thread(engine.full_state_dict)
         if not self.world.is_main:
             return {}
+        if await latest_version(self.bus) >= step:  # never rewrite a directory replicas may serve
+            log.warning("weights_version_not_newer", version=step)
+            return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
         out = await asyncio.to_thread(
             write_hf_dir,
             state,
