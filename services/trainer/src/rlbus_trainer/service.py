@@ -217,7 +217,7 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
     from rlbus_trainer.loss import build_loss_fn
     from rlbus_trainer.weights import build_weight_publisher
 
-    world = setup_distributed()
+    world = setup_distributed(config.collective_timeout_s)
     run_dir = require_run_dir(config, SERVICE)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = run_id_of(config.bus.run_id, config.run.name)
