@@ -319,6 +319,12 @@ async def wait_for_ranks(proc, count: int, timeout_s: float = 120.0) -> list[int
         await asyncio.sleep(0.2)
 
 
+def kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        if is_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 async def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while (alive := [pid for pid in pids if is_alive(pid)]) and time.monotonic() < deadline:
@@ -333,6 +339,7 @@ async def test_no_rank_outlives_a_sigkilled_torchrun_agent_and_a_killed_rank_end
     bus, config = await trainer_run(make_bus, nats_server, tmp_path, "agent", max_steps=None)
     run_log = tmp_path / "trainer-agent.log"
     proc = start_ranks(tmp_path, config, 2, "trainer")  # no batch: the ranks wait for step 1
+    ranks: list[int] = []
     try:
         await wait_until(
             lambda: asyncio.sleep(0, run_log.read_text().count("trainer_started") >= 2)
@@ -343,6 +350,7 @@ async def test_no_rank_outlives_a_sigkilled_torchrun_agent_and_a_killed_rank_end
         assert await wait_gone(ranks, 10.0) == [], run_log.read_text()[-3000:]
     finally:
         kill_tree(proc)
+        kill_pids(ranks)  # reparented away from the agent: kill_tree no longer finds them
 
     config["run"]["name"] = "agent2"
     run_log = tmp_path / "trainer-agent2.log"
@@ -358,3 +366,27 @@ async def test_no_rank_outlives_a_sigkilled_torchrun_agent_and_a_killed_rank_end
         assert await wait_gone(ranks, 10.0) == []
     finally:
         kill_tree(proc)
+        kill_pids(ranks)
+
+
+@pytest.mark.slow
+async def test_the_trainer_rides_out_a_20_s_nats_outage(make_bus, nats_server, tmp_path):
+    """nats-server SIGKILLed for 20 s while the trainer waits for step 3 (and restarted on the
+    same store): the trainer keeps polling, then trains 3..4 and exits 0, steps consecutive."""
+    bus, config = await trainer_run(make_bus, nats_server, tmp_path, "outage", max_steps=4)
+    for step in (1, 2):
+        await bus.step_log.publish(make_train_batch(step))
+    proc = start_ranks(tmp_path, config, 1, "trainer")
+    try:
+        await wait_until(lambda: metrics_reached(bus, 2))
+        nats_server.kill()
+        await asyncio.sleep(20)
+        nats_server.start()
+        for step in (3, 4):
+            await bus.step_log.publish(make_train_batch(step))
+    except BaseException:
+        kill_tree(proc)
+        raise
+    wait_ranks(tmp_path, proc, config, "trainer", timeout_s=300)
+    assert [m.step for m in await read_step_metrics(bus)] == [1, 2, 3, 4]
+    assert await published_versions(bus) == [1, 2, 3, 4]
