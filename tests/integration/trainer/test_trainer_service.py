@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+from msgspec.structs import replace
 from transformers import AutoModelForCausalLM
 
 from rlbus.checksums import sha256_file
@@ -257,6 +258,18 @@ async def test_a_trainer_started_again_with_its_original_command_continues_the_r
     log_text = (tmp_path / "trainer-again.log").read_text()
     assert "trainer_resumed" in log_text and "latest_checkpoint" in log_text
 
+    # Killed between checkpoint 6 and its publish: the bus says 5. Version 6 is published right
+    # after loading, so the orchestrator does not wait for it forever.
+    kv = bus.kv(bus.subjects.weights_bucket)
+    entry = await kv.get(WEIGHTS_LATEST_KEY, weights.published_decoder)
+    await kv.put(WEIGHTS_LATEST_KEY, weights.encoder.encode(replace(entry.value, version=5)))
+    wait_ranks(
+        tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
+    )
+    entry = await kv.get(WEIGHTS_LATEST_KEY, weights.published_decoder)
+    assert entry.value.version == 6
+    assert [m.step for m in await read_step_metrics(bus)] == [1, 2, 3, 3, 4, 5, 6]
+
     shutil.rmtree(run_dir / "checkpoints")
     config["max_steps"] = 8
     proc = start_ranks(tmp_path, config, 1, "trainer")
@@ -271,7 +284,10 @@ async def test_a_trainer_started_again_with_its_original_command_continues_the_r
     refusal = [line for line in log_text.splitlines() if "trainer_cannot_resume" in line]
     assert len(refusal) == 1, log_text[-3000:]
     assert "weights version 6" in refusal[0] and str(run_dir / "checkpoints") in refusal[0]
-    assert await published_versions(bus) == [1, 2, 3, 4, 5, 6]
+    versions = await published_versions(
+        bus
+    )  # the re-announce of 6 may fall out of the dedup window
+    assert versions[:6] == [1, 2, 3, 4, 5, 6] and set(versions[6:]) <= {6}
 
 
 @pytest.mark.slow

@@ -160,7 +160,10 @@ class FilesystemWeightPublisher:
         )
         if not announced:
             return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
-        await self.prune(step)
+        try:
+            await self.prune(step)
+        except Exception as error:  # the replica registry unreadable (an outage): prune next time
+            log.warning("broadcasts_prune_skipped", version=step, error=type(error).__name__)
         log.info("weights_published", version=step, path=str(out), write_s=round(t1 - t0, 3))
         return {"publish_write_s": t1 - t0, "publish_s": time.perf_counter() - t0}
 
