@@ -297,7 +297,14 @@ async def test_poison_batches_are_quarantined_and_their_steps_skipped(
     """Undecodable bytes at batches.2 and out-of-vocabulary token ids at batches.3: both go to
     the dead-letter stream, both steps are skipped (no update, version still published), step 4
     trains."""
-    bus, config = await trainer_run(make_bus, nats_server, tmp_path, "poison", max_steps=4)
+    bus, config = await trainer_run(
+        make_bus,
+        nats_server,
+        tmp_path,
+        "poison",
+        max_steps=4,
+        ckpt={"interval": 1, "keep_last": 4},
+    )
     subjects = bus.subjects
     await bus.step_log.publish(make_train_batch(1))
     await bus.publish(subjects.batch(2), b"\xc1 not msgpack", msg_id=subjects.batch_msg_id(2))
@@ -322,6 +329,21 @@ async def test_poison_batches_are_quarantined_and_their_steps_skipped(
     assert "outside the vocabulary" in dead[1].headers["Rlbus-Dead-Reason"]
     log_text = (tmp_path / "trainer-poison.log").read_text()
     assert log_text.count("batch_quarantined") == 2
+
+    # A restart from checkpoint 1 meets both poison entries again: skipped again, no crash.
+    run_dir = tmp_path / "out" / "poison"
+    for step in (2, 3, 4):
+        shutil.rmtree(run_dir / "checkpoints" / f"step_{step}")
+    wait_ranks(
+        tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
+    )
+    again = (await read_step_metrics(bus))[4:]
+    assert [m.step for m in again] == [2, 3, 4]
+    assert [m.metrics.get("skipped", 0.0) for m in again] == [1.0, 1.0, 0]
+    assert all(m.metrics["retrained"] == 1.0 for m in again)
+    assert await published_versions(bus) == [1, 2, 3, 4]
+    dead = await read_stream(bus, subjects.dead(subjects.batches_stream), subjects.dead_stream)
+    assert len(dead) == 4
 
 
 async def wait_for_ranks(proc, count: int, timeout_s: float = 120.0) -> list[int]:

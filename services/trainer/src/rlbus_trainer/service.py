@@ -175,6 +175,12 @@ async def publish_event(bus, message) -> None:
     )
 
 
+def vocab_size_of(model) -> int:
+    """Rows of the input embedding (what a token id must stay below), the config's as fallback."""
+    embedding = model.get_input_embeddings()
+    return int(getattr(embedding, "num_embeddings", None) or model.config.vocab_size)
+
+
 def agreed_max(value: int) -> int:
     """The largest `value` over the ranks (collective), so every rank decides alike."""
     tensor = torch.tensor([float(value)])
@@ -225,7 +231,7 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
     bus, start, bus_version = await connect_and_start(config, world, run_dir, run_id)
     engine = build_engine(config, world)
     loss_fn = build_loss_fn(config.loss)
-    vocab_size = int(engine.model.config.vocab_size)
+    vocab_size = vocab_size_of(engine.model)
 
     last_step = start.from_step
     if start.from_step:
