@@ -165,6 +165,41 @@ def resolve_resume_step(run_dir: Path, step: int | None) -> int | None:
 
 
 @dataclass(frozen=True)
+class TrainerStart:
+    """Where a starting trainer continues from (`trainer_start`)."""
+
+    from_step: int
+    """Checkpoint step to load; 0: none (a fresh run, from the model)."""
+    why: str
+    """`resume.step`, `latest_checkpoint` or `fresh_run`: logged as `trainer_resumed`."""
+
+
+def trainer_start(run_dir: Path, resume_step: int | None, bus_version: int) -> TrainerStart:
+    """The one auto-resume rule of the trainer (docs/run-directories.md, "Restarts").
+
+    A trainer is started again with the command it was first started with (the launcher,
+    compose, SLURM, systemd), so `resume` may well be unset: it continues from the newest complete
+    checkpoint whenever there is one. `--resume.step N` picks checkpoint N (which must be
+    complete). With no checkpoint, a run whose bus already has weights (`bus_version` > 0, the
+    weights KV `latest`) has trained: starting again from step 1 would retrain it and publish
+    versions that go backwards, so that is refused (`RunDirError`), never done silently.
+    """
+    if resume_step is not None:
+        return TrainerStart(resolve_resume_step(run_dir, resume_step), "resume.step")
+    steps = complete_steps(run_dir)
+    if steps:
+        return TrainerStart(steps[-1], "latest_checkpoint")
+    if bus_version > 0:
+        raise RunDirError(
+            f"the bus of this run is at weights version {bus_version} but no complete checkpoint "
+            f"exists in {Path(run_dir) / CHECKPOINTS_DIR}: the trainer cannot continue it. Enable "
+            "[ckpt] (--ckpt.interval N) so restarts can resume, or start a new run with another "
+            "--run.name or with --clean"
+        )
+    return TrainerStart(0, "fresh_run")
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """What a launcher decided about its run directory."""
 

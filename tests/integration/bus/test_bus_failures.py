@@ -13,7 +13,8 @@ import time
 import pytest
 from bus_factories import make_batch, make_task
 
-from rlbus.bus import Bus, BusAuthError, ClaimCheckError, LeaseHeld, NatsServer
+from rlbus.bus import Bus, BusAuthError, LeaseHeld, NatsServer
+from rlbus.bus.errors import PoisonBatch
 from rlbus.configs.bus import BusConfig
 from rlbus.wire import tasks
 
@@ -125,8 +126,10 @@ async def test_corrupted_claim_check_is_detected(make_bus, tmp_path):
     data = bytearray(claim_file.read_bytes())
     data[100] ^= 0xFF
     claim_file.write_bytes(bytes(data))
-    with pytest.raises(ClaimCheckError, match="sha256"):
+    # The step log names the step and keeps the stored bytes, for the trainer to dead-letter.
+    with pytest.raises(PoisonBatch, match="step 1 .*ClaimCheckError.*sha256") as poison:
         await bus.step_log.get(1, timeout_s=2)
+    assert poison.value.step == 1 and poison.value.data
 
 
 async def test_corrupted_claim_check_message_goes_to_dead_letter(make_bus, tmp_path):

@@ -3,9 +3,12 @@ survives kill -9 + --resume without training a step twice or skipping one."""
 
 import asyncio
 import os
+import shutil
+import signal
 import time
 
 import pytest
+from msgspec.structs import replace
 from transformers import AutoModelForCausalLM
 
 from rlbus.checksums import sha256_file
@@ -14,6 +17,7 @@ from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_trainer.ckpt import complete_steps
 from rlbus_trainer.testing import (
     descendants,
+    is_alive,
     kill_tree,
     make_train_batch,
     make_trainer_config,
@@ -23,19 +27,30 @@ from rlbus_trainer.testing import (
 from rlbus_trainer.tiny_model import build_tiny_model
 
 
-async def read_step_metrics(bus) -> list[events.StepMetrics]:
-    sub = await bus.js.pull_subscribe(
-        bus.subjects.metrics("trainer"), stream=bus.subjects.events_stream
-    )
+async def read_stream(bus, subject: str, stream: str) -> list:
+    """Every message stored on `subject` (oldest first)."""
+    sub = await bus.js.pull_subscribe(subject, stream=stream)
     out = []
     while True:
         try:
             msgs = await sub.fetch(100, timeout=1)
         except (TimeoutError, Exception):
             break
-        out += [events.decoder.decode(m.data) for m in msgs]
+        out += msgs
     await sub.unsubscribe()
     return out
+
+
+async def read_step_metrics(bus) -> list[events.StepMetrics]:
+    msgs = await read_stream(bus, bus.subjects.metrics("trainer"), bus.subjects.events_stream)
+    return [events.decoder.decode(m.data) for m in msgs]
+
+
+async def published_versions(bus) -> list[int]:
+    """Versions in the order the trainer announced them (weights-published events)."""
+    stream = await bus.js.find_stream_name_by_subject(bus.subjects.weights_published)
+    msgs = await read_stream(bus, bus.subjects.weights_published, stream)
+    return [weights.published_decoder.decode(m.data).version for m in msgs]
 
 
 async def metrics_reached(bus, step: int) -> bool:
@@ -201,3 +216,215 @@ async def test_a_stop_request_leaves_no_checkpoint_nor_weights_for_the_step_in_h
         WEIGHTS_LATEST_KEY, weights.published_decoder
     )
     assert entry.value.version == 1
+
+
+@pytest.mark.slow
+async def test_a_trainer_started_again_with_its_original_command_continues_the_run(
+    make_bus, nats_server, tmp_path
+):
+    """No `resume` in the config (what `rl`, compose and SLURM restart with): the trainer resumes
+    from its newest checkpoint, retrains up to the bus's version without publishing it again, and
+    once the checkpoints are gone it refuses (exit != 0, one line) instead of starting over."""
+    bus, config = await trainer_run(
+        make_bus,
+        nats_server,
+        tmp_path,
+        "again",
+        max_steps=6,
+        ckpt={"interval": 2, "keep_last": 2},
+    )
+    assert "resume" not in config
+    run_dir = tmp_path / "out" / "again"
+    for step in (1, 2, 3):
+        await bus.step_log.publish(make_train_batch(step))
+    proc = start_ranks(tmp_path, config, 1, "trainer")
+    try:
+        await wait_until(lambda: metrics_reached(bus, 3))
+    finally:
+        kill_tree(proc)
+    assert complete_steps(run_dir) == [2]
+
+    for step in (4, 5, 6):
+        await bus.step_log.publish(make_train_batch(step))
+    wait_ranks(
+        tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
+    )
+    metrics = await read_step_metrics(bus)
+    assert [m.step for m in metrics] == [1, 2, 3, 3, 4, 5, 6]
+    assert [m.metrics.get("retrained", 0.0) for m in metrics] == [0, 0, 0, 1.0, 0, 0, 0]
+    assert metrics[2].metrics["loss"] == pytest.approx(metrics[3].metrics["loss"], rel=1e-5)
+    # Version 3 was on the bus before the kill: it is never announced a second time.
+    assert await published_versions(bus) == [1, 2, 3, 4, 5, 6]
+    log_text = (tmp_path / "trainer-again.log").read_text()
+    assert "trainer_resumed" in log_text and "latest_checkpoint" in log_text
+
+    # Killed between checkpoint 6 and its publish: the bus says 5. Version 6 is published right
+    # after loading, so the orchestrator does not wait for it forever.
+    kv = bus.kv(bus.subjects.weights_bucket)
+    entry = await kv.get(WEIGHTS_LATEST_KEY, weights.published_decoder)
+    await kv.put(WEIGHTS_LATEST_KEY, weights.encoder.encode(replace(entry.value, version=5)))
+    wait_ranks(
+        tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
+    )
+    entry = await kv.get(WEIGHTS_LATEST_KEY, weights.published_decoder)
+    assert entry.value.version == 6
+    assert [m.step for m in await read_step_metrics(bus)] == [1, 2, 3, 3, 4, 5, 6]
+
+    shutil.rmtree(run_dir / "checkpoints")
+    config["max_steps"] = 8
+    proc = start_ranks(tmp_path, config, 1, "trainer")
+    try:
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    log_text = (tmp_path / "trainer-again.log").read_text()
+    assert rc != 0, log_text[-3000:]
+    assert "exitcode  : 2" in log_text or "exitcode: 2" in log_text, log_text[-3000:]
+    refusal = [line for line in log_text.splitlines() if "trainer_cannot_resume" in line]
+    assert len(refusal) == 1, log_text[-3000:]
+    assert "weights version 6" in refusal[0] and str(run_dir / "checkpoints") in refusal[0]
+    versions = await published_versions(
+        bus
+    )  # the re-announce of 6 may fall out of the dedup window
+    assert versions[:6] == [1, 2, 3, 4, 5, 6] and set(versions[6:]) <= {6}
+
+
+@pytest.mark.slow
+async def test_poison_batches_are_quarantined_and_their_steps_skipped(
+    make_bus, nats_server, tmp_path
+):
+    """Undecodable bytes at batches.2 and out-of-vocabulary token ids at batches.3: both go to
+    the dead-letter stream, both steps are skipped (no update, version still published), step 4
+    trains."""
+    bus, config = await trainer_run(
+        make_bus,
+        nats_server,
+        tmp_path,
+        "poison",
+        max_steps=4,
+        ckpt={"interval": 1, "keep_last": 4},
+    )
+    subjects = bus.subjects
+    await bus.step_log.publish(make_train_batch(1))
+    await bus.publish(subjects.batch(2), b"\xc1 not msgpack", msg_id=subjects.batch_msg_id(2))
+    bad = make_train_batch(3)
+    bad.micro_batches[0][0].input_ids[0] = 10**7
+    await bus.step_log.publish(bad)
+    await bus.step_log.publish(make_train_batch(4))
+
+    wait_ranks(
+        tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
+    )
+    metrics = await read_step_metrics(bus)
+    assert [m.step for m in metrics] == [1, 2, 3, 4]
+    assert [m.metrics.get("skipped", 0.0) for m in metrics] == [0, 1.0, 1.0, 0]
+    assert "loss" in metrics[3].metrics and "loss" not in metrics[1].metrics
+    assert await published_versions(bus) == [1, 2, 3, 4]
+
+    dead = await read_stream(bus, subjects.dead(subjects.batches_stream), subjects.dead_stream)
+    assert [m.headers["Rlbus-Dead-Subject"] for m in dead] == [subjects.batch(2), subjects.batch(3)]
+    assert dead[0].data == b"\xc1 not msgpack"
+    assert "DecodeError" in dead[0].headers["Rlbus-Dead-Reason"]
+    assert "outside the vocabulary" in dead[1].headers["Rlbus-Dead-Reason"]
+    log_text = (tmp_path / "trainer-poison.log").read_text()
+    assert log_text.count("batch_quarantined") == 2
+
+    # A restart from checkpoint 1 meets both poison entries again: skipped again, no crash.
+    run_dir = tmp_path / "out" / "poison"
+    for step in (2, 3, 4):
+        shutil.rmtree(run_dir / "checkpoints" / f"step_{step}")
+    wait_ranks(
+        tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
+    )
+    again = (await read_step_metrics(bus))[4:]
+    assert [m.step for m in again] == [2, 3, 4]
+    assert [m.metrics.get("skipped", 0.0) for m in again] == [1.0, 1.0, 0]
+    assert all(m.metrics["retrained"] == 1.0 for m in again)
+    assert await published_versions(bus) == [1, 2, 3, 4]
+    dead = await read_stream(bus, subjects.dead(subjects.batches_stream), subjects.dead_stream)
+    assert len(dead) == 4
+
+
+async def wait_for_ranks(proc, count: int, timeout_s: float = 120.0) -> list[int]:
+    """PIDs of `count` ranks under the torchrun agent `proc` (python processes below it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ranks = [pid for pid in descendants(proc.pid) if is_alive(pid)]
+        if len(ranks) >= count:
+            return ranks
+        assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start"
+        await asyncio.sleep(0.2)
+
+
+def kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        if is_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (alive := [pid for pid in pids if is_alive(pid)]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return alive
+
+
+@pytest.mark.slow
+async def test_no_rank_outlives_a_sigkilled_torchrun_agent_and_a_killed_rank_ends_the_agent(
+    make_bus, nats_server, tmp_path
+):
+    bus, config = await trainer_run(make_bus, nats_server, tmp_path, "agent", max_steps=None)
+    run_log = tmp_path / "trainer-agent.log"
+    proc = start_ranks(tmp_path, config, 2, "trainer")  # no batch: the ranks wait for step 1
+    ranks: list[int] = []
+    try:
+        await wait_until(
+            lambda: asyncio.sleep(0, run_log.read_text().count("trainer_started") >= 2)
+        )
+        ranks = await wait_for_ranks(proc, 2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert await wait_gone(ranks, 10.0) == [], run_log.read_text()[-3000:]
+    finally:
+        kill_tree(proc)
+        kill_pids(ranks)  # reparented away from the agent: kill_tree no longer finds them
+
+    config["run"]["name"] = "agent2"
+    run_log = tmp_path / "trainer-agent2.log"
+    proc = start_ranks(tmp_path, config, 2, "trainer")
+    try:
+        await wait_until(
+            lambda: asyncio.sleep(0, run_log.read_text().count("trainer_started") >= 2)
+        )
+        ranks = await wait_for_ranks(proc, 2)
+        os.kill(ranks[-1], signal.SIGKILL)
+        rc = await asyncio.to_thread(proc.wait, 60)
+        assert rc != 0  # torchrun's max_restarts is 0: a dead rank ends the group
+        assert await wait_gone(ranks, 10.0) == []
+    finally:
+        kill_tree(proc)
+        kill_pids(ranks)
+
+
+@pytest.mark.slow
+async def test_the_trainer_rides_out_a_20_s_nats_outage(make_bus, nats_server, tmp_path):
+    """nats-server SIGKILLed for 20 s while the trainer waits for step 3 (and restarted on the
+    same store): the trainer keeps polling, then trains 3..4 and exits 0, steps consecutive."""
+    bus, config = await trainer_run(make_bus, nats_server, tmp_path, "outage", max_steps=4)
+    for step in (1, 2):
+        await bus.step_log.publish(make_train_batch(step))
+    proc = start_ranks(tmp_path, config, 1, "trainer")
+    try:
+        await wait_until(lambda: metrics_reached(bus, 2))
+        nats_server.kill()
+        await asyncio.sleep(20)
+        nats_server.start()
+        for step in (3, 4):
+            await bus.step_log.publish(make_train_batch(step))
+    except BaseException:
+        kill_tree(proc)
+        raise
+    wait_ranks(tmp_path, proc, config, "trainer", timeout_s=300)
+    assert [m.step for m in await read_step_metrics(bus)] == [1, 2, 3, 4]
+    assert await published_versions(bus) == [1, 2, 3, 4]

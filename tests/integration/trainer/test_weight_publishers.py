@@ -116,3 +116,28 @@ async def test_filesystem_publisher_checksums_and_keeps_versions_in_use(bus, tmp
     # keep_last=1 keeps step 3; step 1 survives because replica r1 still serves it.
     assert sorted(p.name for p in (tmp_path / "broadcasts").iterdir()) == ["step_1", "step_3"]
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "broadcasts").iterdir())
+
+
+async def test_the_weights_version_never_goes_backwards(bus, tmp_path):
+    """The KV key `latest` is written by compare-and-set: a version not above the bus's is
+    refused (nothing announced), a newer one goes through; a garbage record counts as 0."""
+    from rlbus_trainer.weights import latest_version
+
+    model = build_tiny_model(tmp_path / "tiny")
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    config = TrainerConfig(model={"name": str(model)}, weight_broadcast={"keep_last": 4})
+    publisher = FilesystemWeightPublisher(
+        config, bus=bus, run_dir=tmp_path, world=World(0, 1, torch.device("cpu"))
+    )
+    kv = bus.kv(bus.subjects.weights_bucket)
+    await kv.put(WEIGHTS_LATEST_KEY, b"\xc1 garbage")
+    assert await latest_version(bus) == 0
+    assert "publish_refused" not in await publisher.publish(3, make_engine(state))
+    assert await latest_version(bus) == 3
+    for stale in (3, 2):
+        assert (await publisher.publish(stale, make_engine(state)))["publish_refused"] == 1.0
+        assert (await latest(bus)).version == 3
+    assert "publish_refused" not in await publisher.publish(4, make_engine(state))
+    assert await latest_version(bus) == 4

@@ -116,7 +116,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, progress: dict) -> Path:
 
 
 def load_for_resume(engine, run_dir: Path, resume) -> int:
-    """With `resume` (a ResumeConfig, or None for a fresh start) load the checkpoint the run
+    """SFT: with `resume` (a ResumeConfig, or None for a fresh start) load the checkpoint the run
     continues from (rlbus.runs.resolve_resume_step) and return its step; 0 when there is none."""
     if resume is None:
         return 0

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import structlog
 import torch
@@ -52,20 +53,26 @@ class World:
         return self.rank == 0
 
 
-def setup_distributed() -> World:
-    """Join torchrun's process group (or make a 1-rank one when started without torchrun)."""
+def setup_distributed(timeout_s: float | None = None) -> World:
+    """Join torchrun's process group (or make a 1-rank one when started without torchrun).
+    `timeout_s`: the deadline of every collective (torch's default when None)."""
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if "RANK" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, **timeout)
         else:
             # A 1-rank group through an explicit address, not RANK/MASTER_* in os.environ: those
             # would leak into every process this one starts later and make an `sft` or `trainer`
             # child believe it runs under torchrun.
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+                backend,
+                init_method=f"tcp://127.0.0.1:{free_port()}",
+                rank=0,
+                world_size=1,
+                **timeout,
             )
     device = (
         torch.device("cuda", torch.cuda.current_device())

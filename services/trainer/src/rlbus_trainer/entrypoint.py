@@ -4,15 +4,33 @@
 `rl` starts it as `python -m torch.distributed.run --standalone --nproc-per-node N
 -m rlbus_trainer.entrypoint @ <run_dir>/configs/trainer.toml`; a bare `trainer @ ...` is one rank.
 torch is imported by `rlbus_trainer.service`, after parsing, so `--help` is instant.
+
+Under torchrun each rank first asks the kernel for SIGKILL when its parent (torchrun's agent)
+dies (rlbus.procs.die_with_parent): the ranks live in sessions of their own, so a SIGKILLed agent
+would otherwise leave them running. A bare `trainer` (no torchrun) keeps its parent's rules.
 """
+
+import os
+import signal
 
 from rlbus import runtime
 from rlbus.configs import TrainerConfig
 from rlbus.configs.base import parse_cli
+from rlbus.procs import die_with_parent
 from rlbus.runs import ensure_run_name, run_id_of
+
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+"""Set by torchrun's agent in every rank it starts."""
+
+
+def die_with_agent() -> None:
+    """Under torchrun: SIGKILL this rank when the agent that started it exits."""
+    if TORCHRUN_ENV in os.environ:
+        die_with_parent(signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_agent()
     config = parse_cli(TrainerConfig, argv, prog="trainer")
     run_dir = ensure_run_name(config, "trainer")
     runtime.main(

@@ -11,9 +11,11 @@ from rlbus import runtime
 from rlbus.configs import SFTConfig
 from rlbus.configs.base import parse_cli
 from rlbus.runs import ensure_run_name
+from rlbus_trainer.entrypoint import die_with_agent
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_agent()  # a SIGKILLed torchrun agent takes its ranks along
     config = parse_cli(SFTConfig, argv, prog="sft")
     run_dir = ensure_run_name(config, "sft")
     runtime.main(

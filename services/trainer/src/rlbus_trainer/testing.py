@@ -10,6 +10,8 @@ import textwrap
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, sys
+    from rlbus_trainer.entrypoint import die_with_agent
+    die_with_agent()
     from rlbus.obs.logging import setup_logging
     setup_logging(sys.argv[1])
     if sys.argv[1] == "sft":

@@ -15,6 +15,11 @@
   inference workers receive with. gloo on CPU (testable here), vLLM's PyNccl on CUDA. Every
   collective runs under `timeout_s`; a failure is published as `WeightsFailed(replica_id=
   "trainer")` and the group is rebuilt next time, never a hang.
+
+The version under `latest` never goes backwards: `_announce` writes it by compare-and-set on the
+KV revision and refuses a version that is not above the current one (a trainer resumed from an
+older checkpoint retrains without publishing until it passes the bus, service.py). Bus calls are
+retried through an outage for `ANNOUNCE_RETRY_S`, with a log line per retry.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import structlog
 import torch
 
 from rlbus import broadcast
+from rlbus.bus.core import RETRYABLE_PUBLISH_ERRORS
+from rlbus.bus.errors import CasMismatch
 from rlbus.checksums import weight_files
 from rlbus.netutil import free_port
 from rlbus.wire import weights
@@ -47,15 +55,72 @@ class WeightPublisher(Protocol):
     async def close(self) -> None: ...
 
 
-async def _announce(bus, message: weights.WeightsPublished) -> None:
-    """Put the version under the weights KV key (what agents watch) and on the events stream."""
+ANNOUNCE_RETRY_S = 120.0
+"""How long a weights KV read or write is retried through a NATS outage before it fails."""
+
+
+async def _retrying(what: str, call):
+    """`await call()`, retried on transient bus errors for ANNOUNCE_RETRY_S (one log per try)."""
+    deadline = time.monotonic() + ANNOUNCE_RETRY_S
+    delay = 0.1
+    while True:
+        try:
+            return await call()
+        except RETRYABLE_PUBLISH_ERRORS as error:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("weights_kv_retry", what=what, error=type(error).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def _latest_entry(bus):
+    """(revision, version) of the weights KV key `latest`; (None, 0) when absent; a record that
+    does not decode counts as version 0 (it is overwritten by the next publish)."""
+    entry = await _retrying(
+        "read_latest", lambda: bus.kv(bus.subjects.weights_bucket).get(WEIGHTS_LATEST_KEY)
+    )
+    if entry is None:
+        return None, 0
+    try:
+        return entry.revision, weights.published_decoder.decode(entry.value).version
+    except msgspec.DecodeError:
+        log.warning("weights_latest_undecodable", revision=entry.revision)
+        return entry.revision, 0
+
+
+async def latest_version(bus) -> int:
+    """The weights version the bus announces (0: none yet): how far this run has trained."""
+    return (await _latest_entry(bus))[1]
+
+
+async def _announce(bus, message: weights.WeightsPublished) -> bool:
+    """Put the version under the weights KV key (what agents watch) and on the events stream;
+    False (nothing written) when the key already holds this version or a newer one."""
     payload = weights.encoder.encode(message)
-    await bus.kv(bus.subjects.weights_bucket).put(WEIGHTS_LATEST_KEY, payload)
+    kv = bus.kv(bus.subjects.weights_bucket)
+    while True:
+        revision, current = await _latest_entry(bus)
+        if current >= message.version:
+            log.warning("weights_version_not_newer", version=message.version, latest=current)
+            return False
+        try:
+            if revision is None:
+                await _retrying("create_latest", lambda: kv.create(WEIGHTS_LATEST_KEY, payload))
+            else:
+                await _retrying(
+                    "update_latest",
+                    lambda r=revision: kv.update(WEIGHTS_LATEST_KEY, payload, revision=r),
+                )
+            break
+        except CasMismatch:  # written meanwhile (or a retried write landed): look again
+            continue
     await bus.publish(
         bus.subjects.weights_published,
         payload,
         msg_id=f"weights-{message.version}-{message.transport}",
     )
+    return True
 
 
 class FilesystemWeightPublisher:
@@ -71,6 +136,9 @@ class FilesystemWeightPublisher:
         state = await asyncio.to_thread(engine.full_state_dict)
         if not self.world.is_main:
             return {}
+        if await latest_version(self.bus) >= step:  # never rewrite a directory replicas may serve
+            log.warning("weights_version_not_newer", version=step)
+            return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
         out = await asyncio.to_thread(
             write_hf_dir,
             state,
@@ -80,7 +148,7 @@ class FilesystemWeightPublisher:
         )
         files = await asyncio.to_thread(weight_files, out)
         t1 = time.perf_counter()
-        await _announce(
+        announced = await _announce(
             self.bus,
             weights.WeightsPublished(
                 version=step,
@@ -90,7 +158,12 @@ class FilesystemWeightPublisher:
                 dtype=self.config.model.dtype,
             ),
         )
-        await self.prune(step)
+        if not announced:
+            return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
+        try:
+            await self.prune(step)
+        except Exception as error:  # the replica registry unreadable (an outage): prune next time
+            log.warning("broadcasts_prune_skipped", version=step, error=type(error).__name__)
         log.info("weights_published", version=step, path=str(out), write_s=round(t1 - t0, 3))
         return {"publish_write_s": t1 - t0, "publish_s": time.perf_counter() - t0}
 
@@ -147,12 +220,14 @@ class NcclWeightPublisher:
         self.group = None
         self.location: str | None = None
 
-    async def _open_group(self, step: int) -> None:
-        """Host a new group on a free port and announce it (its first version) on the bus."""
+    async def _open_group(self, step: int) -> bool:
+        """Host a new group on a free port and announce it (its first version) on the bus;
+        False when the bus already has this version or a newer one (no group then)."""
         port = free_port("")  # all interfaces: replicas on other hosts join this store
         self.location = f"{self.host}:{port}"
         # Announce first: the replica learns the rendezvous address from the KV key.
-        await self._announce(step)
+        if not await self._announce(step):
+            return False
         self.group = await asyncio.to_thread(
             broadcast.open_group,
             self.host,
@@ -162,9 +237,10 @@ class NcclWeightPublisher:
             self.timeout_s,
             _sender_device(),
         )
+        return True
 
-    async def _announce(self, step: int) -> None:
-        await _announce(
+    async def _announce(self, step: int) -> bool:
+        return await _announce(
             self.bus,
             weights.WeightsPublished(
                 version=step,
@@ -183,10 +259,11 @@ class NcclWeightPublisher:
             state, bool(getattr(engine.model.config, "tie_word_embeddings", False))
         )
         try:
-            if self.group is None:
-                await self._open_group(step)
-            else:
-                await self._announce(step)
+            announced = (
+                await self._open_group(step) if self.group is None else await self._announce(step)
+            )
+            if not announced:
+                return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
             await asyncio.to_thread(broadcast.send_state_dict, self.group, step, tensors)
         except Exception as error:  # a timeout or a vanished peer: report, rebuild next time
             reason = f"{type(error).__name__}: {error}"[:1000]

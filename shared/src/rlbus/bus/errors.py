@@ -27,3 +27,16 @@ class LeaseHeld(BusError):
 
 class CasMismatch(BusError):
     """A KV compare-and-set found a different revision."""
+
+
+class PoisonBatch(BusError):
+    """A step-log entry that cannot be turned into a `TrainBatch` (undecodable bytes, a missing or
+    corrupt claim check). Carries the stored message so the trainer can dead-letter it as is."""
+
+    def __init__(self, step: int, subject: str, data: bytes, headers: dict[str, str], reason: str):
+        super().__init__(f"batch of step {step} at {subject}: {reason}")
+        self.step = step
+        self.subject = subject
+        self.data = data
+        self.headers = headers
+        self.reason = reason

@@ -5,22 +5,35 @@ get before publishing, so repeats are no-ops even after the dedup window). The t
 `get(step)`, which reads `rlbus.<run>.batches.<step>` by direct get and, while it is absent,
 waits for a core-NATS notification of that subject (polling as a fallback across reconnects).
 Nothing is consumed, so a trainer restarted from checkpoint K simply reads K+1, K+2, ...
+
+A stored entry that cannot be decoded (garbage bytes, a claim check whose file is missing or
+corrupt) raises `PoisonBatch` with the stored bytes and headers, never a bare decode error: the
+trainer quarantines it on the dead-letter stream and skips the step (docs/trainer.md).
 """
 
 import asyncio
 import time
 
+import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
 
 from rlbus.bus.core import BusCore
-from rlbus.bus.errors import StepNotFound
+from rlbus.bus.errors import ClaimCheckError, PoisonBatch, StepNotFound
 from rlbus.wire import batches
 
 log = structlog.get_logger()
 
-TRANSIENT_READ_ERRORS = (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError)
+TRANSIENT_READ_ERRORS = (
+    TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.ServiceUnavailableError,
+)
+"""A read that got no answer (server restarting, reconnecting): the step may well be stored."""
 
 
 class StepLog:
@@ -63,8 +76,7 @@ class StepLog:
                 raw = None
             if raw is not None:
                 headers = dict(raw.headers or {})
-                payload = self.bus.decode_payload(raw.data or b"", headers)
-                return batches.decoder.decode(payload), headers
+                return self.decode(step, raw.data or b"", headers), headers
             wait = self.poll_s
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
@@ -81,9 +93,22 @@ class StepLog:
         raw = await self._raw(step)
         if raw is None:
             return None
-        return batches.decoder.decode(
-            self.bus.decode_payload(raw.data or b"", dict(raw.headers or {}))
-        )
+        return self.decode(step, raw.data or b"", dict(raw.headers or {}))
+
+    def decode(self, step: int, data: bytes, headers: dict[str, str]) -> batches.TrainBatch:
+        """The `TrainBatch` of a stored entry; `PoisonBatch` (with the stored bytes) when it
+        cannot be one. A retry would meet the same bytes, so this is never transient."""
+        try:
+            return batches.decoder.decode(self.bus.decode_payload(data, headers))
+        except (msgspec.DecodeError, ClaimCheckError) as error:
+            reason = f"{type(error).__name__}: {error}"
+            raise PoisonBatch(step, self.bus.subjects.batch(step), data, headers, reason) from None
+
+    async def stored(self, step: int) -> tuple[bytes, dict[str, str]] | None:
+        """The stored bytes and headers of step `step` as they are on the stream (a claim check
+        stays a reference), for dead-lettering an entry that decodes but is unusable."""
+        raw = await self._raw(step)
+        return None if raw is None else (raw.data or b"", dict(raw.headers or {}))
 
     async def exists(self, step: int) -> bool:
         return await self._raw(step) is not None

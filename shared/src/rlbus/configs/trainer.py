@@ -202,6 +202,11 @@ class TrainerConfig(TrainingRunConfig):
     seed: int = 0
     """Seed for torch and data order."""
 
+    collective_timeout_s: float = Field(1800.0, gt=0)
+    """Deadline of one collective between the ranks (all-reduce, barrier, gather): a rank stuck
+    longer ends the group with an error naming the collective, never a silent hang. It must cover
+    the longest step rank 0 does alone (writing a checkpoint or a broadcast of a large model)."""
+
     @model_validator(mode="after")
     def _full_offload_rules(self):
         if self.model.full_offload_config is None:
