@@ -50,6 +50,29 @@ class EvalConfig(BaseConfig):
     """Greedy decoding (otherwise the training sampling args)."""
 
 
+class InferenceHttpConfig(BaseConfig):
+    """Deadlines and back-off of the rollout workers' HTTP calls to inference replicas."""
+
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Connecting to a replica (also the write and connection-pool timeouts)."""
+
+    read_timeout_s: float = Field(300.0, gt=0)
+    """Waiting for a replica's answer: a completion is one response, so this bounds one turn."""
+
+    max_attempts: int = Field(4, ge=1)
+    """Replicas tried for one request before the task waits for a replica."""
+
+    backoff_s: float = Field(1.0, gt=0)
+    """A replica that fails (connection error, timeout, 5xx) is skipped this long ..."""
+
+    backoff_max_s: float = Field(30.0, gt=0)
+    """... doubling at each further failure up to this; one success resets it."""
+
+    no_replica_wait_s: float = Field(60.0, ge=0)
+    """With every replica down, a task waits this long for one (registry re-read meanwhile)
+    before it is nak'ed for later."""
+
+
 class OrchestratorConfig(RunnableConfig):
     """The orchestrator: task coordinator, rollout workers, advantages, batch assembly."""
 
@@ -103,6 +126,9 @@ class OrchestratorConfig(RunnableConfig):
 
     inference_urls: list[str] = []
     """Static OpenAI API roots (e.g. http://host:8000/v1) used instead of the replica registry."""
+
+    http: InferenceHttpConfig = InferenceHttpConfig()
+    """Timeouts and replica back-off of the calls to inference."""
 
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many steps."""
