@@ -1,6 +1,7 @@
-"""A real coordinator process on a real nats-server, with stand-ins for the worker and the trainer
-(orch_support.py): it rides out a NATS stall, and a SIGKILL + restart with the same command
-continues the run (no step twice, none skipped, every task accounted)."""
+"""A real coordinator on a real nats-server, with stand-ins for the worker and the trainer
+(orch_support.py): it rides out a NATS stall, a SIGKILL + restart with the same command continues
+the run (no step twice, none skipped, every task accounted), and poison rollouts are quarantined
+while batching goes on."""
 
 import asyncio
 import json
@@ -13,6 +14,7 @@ from orch_support import (
     AnsweringWorker,
     apply_weights_after_each_batch,
     cli_args,
+    good_rollout,
     kill,
     start,
     wait_for_batch,
@@ -22,6 +24,7 @@ from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus_orchestrator.coordinator import STATE_KEY, CoordinatorState
+from rlbus_orchestrator.service import serve
 
 STALL_S = 10.0
 
@@ -141,3 +144,51 @@ async def test_coordinator_sigkilled_and_restarted_with_its_command_continues_th
         if '"coordinator_state_loaded"' in line
     ]
     assert loaded and loaded[0]["next_step"] >= 4
+
+
+def poison_every_third_task(task):
+    """A good rollout, except for every third task: logprobs shorter than the tokens (packing
+    would fail on it and, redelivered, stall batching forever)."""
+    rollout = good_rollout(task)
+    if int(task.task_id.split("-")[1]) % 3 == 1:
+        rollout.samples[0].completion_logprobs = [-0.1]
+    return rollout
+
+
+async def test_poison_rollouts_are_quarantined_and_accounted_and_batching_goes_on(
+    nats_server, client, tmp_path
+):
+    config, bus = client
+    config = config.model_copy(update={"max_steps": 4, "output_dir": str(tmp_path)})
+    worker = AnsweringWorker(bus, answer=poison_every_third_task)
+    stop = asyncio.Event()
+    async with worker.consumer:
+        trainer = asyncio.create_task(apply_weights_after_each_batch(bus, stop))
+        try:
+            await asyncio.wait_for(serve(config), 90)  # returns at max_steps
+        finally:
+            stop.set()
+            await trainer
+    batches = [await bus.step_log.read(step) for step in range(1, 5)]
+    task_ids = [t for b in batches for t in b.task_ids]
+    poisoned = [t for t in worker.received if int(t.split("-")[1]) % 3 == 1]
+    assert poisoned and not set(poisoned) & set(task_ids), "a poison rollout was trained"
+    state = await read_state(bus)
+    assert state.dropped.get("invalid", 0) >= len(poisoned) - len(state.outstanding)
+    assert state.accounting()["unaccounted"] == 0 and state.trained == len(task_ids)
+    # Each quarantined rollout is in the dead-letter stream with its reason, once.
+    sub = await bus.js.subscribe(bus.subjects.dead_all, stream=bus.subjects.dead_stream)
+    reasons = []
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=2)
+            reasons.append((msg.headers or {}).get("Rlbus-Dead-Reason", ""))
+    except Exception:
+        pass
+    finally:
+        await sub.unsubscribe()
+    assert len(reasons) == state.dropped["invalid"]
+    assert all("completion tokens" in r and "logprobs" in r for r in reasons)
+    # Nothing left to redeliver: the rollouts consumer has no pending or unacked messages.
+    info = await bus.js.consumer_info(bus.subjects.rollouts_stream, bus.subjects.rollouts_durable)
+    assert info.num_pending == 0 and info.num_ack_pending == 0
