@@ -26,8 +26,6 @@ from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus_orchestrator.coordinator import STATE_KEY, CoordinatorState
 from rlbus_orchestrator.service import serve
 
-STALL_S = 10.0
-
 
 def make_config(server, run_id: str, **overrides) -> OrchestratorConfig:
     fields = dict(
@@ -65,8 +63,9 @@ async def read_state(bus) -> CoordinatorState:
     return CoordinatorState.decode(entry.value)
 
 
+@pytest.mark.parametrize("stall_s", [10.0, pytest.param(30.0, marks=pytest.mark.slow)])
 async def test_issue_loop_rides_out_a_nats_stall_that_starts_while_it_issues(
-    nats_server, client, tmp_path
+    nats_server, client, tmp_path, stall_s
 ):
     config, bus = client
     loop = asyncio.get_running_loop()
@@ -78,7 +77,7 @@ async def test_issue_loop_rides_out_a_nats_stall_that_starts_while_it_issues(
         if version == 3 and not stalled.is_set():
             os.kill(nats_server.pid, signal.SIGSTOP)
             stalled.set()
-            loop.call_later(STALL_S, os.kill, nats_server.pid, signal.SIGCONT)
+            loop.call_later(stall_s, os.kill, nats_server.pid, signal.SIGCONT)
 
     worker = AnsweringWorker(bus)
     stop = asyncio.Event()
@@ -88,7 +87,7 @@ async def test_issue_loop_rides_out_a_nats_stall_that_starts_while_it_issues(
             trainer = asyncio.create_task(
                 apply_weights_after_each_batch(bus, stop, on_applied=stall_when_step_4_may_start)
             )
-            await wait_for_batch(bus, 8, 120, [proc])
+            await wait_for_batch(bus, 8, 120 + stall_s, [proc])
             stop.set()
             await trainer
         assert stalled.is_set()

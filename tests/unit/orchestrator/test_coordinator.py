@@ -224,3 +224,26 @@ def test_rollout_for_a_task_never_issued_or_with_a_garbage_id_is_quarantined():
         asyncio.run(c.on_rollout(d))
         assert d.termed and not c.pool
     assert len(c.bus.dead) == 3 and c.state.dropped == {}
+
+
+def test_a_task_whose_rollout_never_comes_is_dropped_as_timeout_and_replaced(monkeypatch):
+    from rlbus_orchestrator import coordinator as coordinator_module
+
+    now = [1000.0]
+    monkeypatch.setattr(coordinator_module.time, "monotonic", lambda: now[0])
+    c = make_coordinator(async_level=0, task_timeout_s=60.0)
+    c.state.cursor = 2
+    c.state.outstanding = {"train-0": 0, "train-1": 1}
+    c.issued_at = {"train-0": 1000.0, "train-1": 1000.0}
+    c.pool["train-0"] = PooledGroup(
+        make_rollout("train-0", [0.0, 1.0]), FakeDelivery(None), [-0.5, 0.5]
+    )
+    now[0] = 1059.0
+    assert asyncio.run(c.expire_overdue_tasks()) == 0
+    now[0] = 1061.0
+    assert asyncio.run(c.expire_overdue_tasks()) == 1  # train-1; train-0 came back (pooled)
+    assert c.state.outstanding == {"train-0": 0} and c.state.dropped == {"timeout": 1}
+    assert c.num_tasks_to_issue() == 1 and c.state.accounting()["unaccounted"] == 0
+    late = FakeDelivery(make_rollout("train-1", [0.0, 1.0]))
+    asyncio.run(c.on_rollout(late))
+    assert late.acked and "train-1" not in c.pool  # a late rollout is ignored

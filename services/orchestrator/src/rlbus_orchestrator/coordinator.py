@@ -21,7 +21,8 @@
 | watch_weights  | 1 s poll of replicas KV; `weights.applied` | inference applying a new version         |
 |                | events (core subscription)                 |                                          |
 | issue_tasks    | `changed` event                            | a rollout accepted/dropped, new weights, |
-|                |                                            | a batch published                        |
+|                |                                            | a batch published, a task timed out      |
+| expire_tasks   | a poll (`task_timeout_s` / 4, at most 5 s) | -                                        |
 | rollouts       | pull fetch on the `coordinator` durable    | a worker publishing a group              |
 | (handler)      | `lock` (one rollout at a time)             | -                                        |
 
@@ -93,7 +94,7 @@ DRAIN_TIMEOUT_S = 20.0
 """How long a drain waits for the rollouts in flight (less than the 30 s the `rl` launcher gives
 a drain before it signals)."""
 DRAIN_POLL_S = 0.2
-DROP_REASONS = ("invalid", "stale", "zero_advantage", "error")
+DROP_REASONS = ("invalid", "stale", "zero_advantage", "error", "timeout")
 """Why an issued training task ended without being trained (counted in the state and metrics)."""
 BUS_RETRY_MAX_DELAY_S = 1.0
 
@@ -186,6 +187,8 @@ class Coordinator:
         self.num_batches_published = 0
         self.service = ServiceState("orchestrator")
         """Paused / draining / stopping: replaced by the service's own in `run`."""
+        self.issued_at: dict[str, float] = {}
+        """task_id -> monotonic time it was issued (or the coordinator started, after a restart)."""
         self.tasks = TaskSupervisor()
         """issue_tasks, watch_weights and evaluation runs: one that raises ends the coordinator."""
 
@@ -212,6 +215,8 @@ class Coordinator:
         entry = await self.retry_bus("read_state", lambda: self.state_kv().get(STATE_KEY))
         self.state = CoordinatorState.decode(entry.value) if entry else CoordinatorState()
         await self.adopt_published_batches()
+        started = time.monotonic()
+        self.issued_at = dict.fromkeys(self.state.outstanding, started)
         if self.state.publishing:
             await self.publish_tasks(self.state.publishing)
         log.info(
@@ -305,6 +310,7 @@ class Coordinator:
                     self.state.cursor += num
                     for c in cursors:
                         self.state.outstanding[task_id_of(c)] = c
+                        self.issued_at[task_id_of(c)] = started
                     self.state.publishing = cursors
                     await self.save_state()
                     await self.publish_tasks(cursors)
@@ -312,6 +318,37 @@ class Coordinator:
                     await self.save_state()
                     log.debug("tasks_published", num_tasks=num, cursor=self.state.cursor)
                 self.stats.own_s += time.monotonic() - started
+
+    def overdue_tasks(self, now: float) -> list[str]:
+        """In-flight tasks (issued, no rollout pooled) older than `task_timeout_s`."""
+        timeout = self.config.task_timeout_s
+        if timeout is None:
+            return []
+        return [
+            task_id
+            for task_id in self.state.outstanding
+            if task_id not in self.pool and now - self.issued_at.get(task_id, now) > timeout
+        ]
+
+    async def expire_overdue_tasks(self) -> int:
+        """Drop overdue tasks as `timeout` (replacements follow); returns how many."""
+        async with self.lock:
+            overdue = self.overdue_tasks(time.monotonic())
+            for task_id in overdue:
+                self.drop(task_id, "timeout")
+            if overdue:
+                log.warning("tasks_timed_out", num_tasks=len(overdue), first=overdue[0])
+                await self.save_state()
+                self.changed.set()
+        return len(overdue)
+
+    async def expire_tasks(self) -> None:
+        timeout = self.config.task_timeout_s
+        if timeout is None:
+            return
+        while not self.done.is_set():
+            await asyncio.sleep(min(timeout / 4, 5.0))
+            await self.expire_overdue_tasks()
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -401,6 +438,7 @@ class Coordinator:
     def drop(self, task_id: str, reason: str) -> None:
         """End an outstanding training task without training it, counted under `reason`."""
         self.state.outstanding.pop(task_id)
+        self.issued_at.pop(task_id, None)
         self.state.dropped[reason] = self.state.dropped.get(reason, 0) + 1
         self.stats.dropped[reason] += 1
 
@@ -490,6 +528,7 @@ class Coordinator:
             del self.pool[g.rollout.task_id]
             if self.state.outstanding.pop(g.rollout.task_id, None) is not None:
                 self.state.trained += 1
+            self.issued_at.pop(g.rollout.task_id, None)
         self.state.next_step = step + 1
         await self.save_state()
         for g in groups:
@@ -654,6 +693,7 @@ class Coordinator:
             async with self.tasks, consumer:
                 self.tasks.spawn("issue_tasks", self.issue_tasks())
                 self.tasks.spawn("watch_weights", self.watch_weights())
+                self.tasks.spawn("expire_tasks", self.expire_tasks())
                 await self.tasks.wait(self.service.stop_requested, self.done)
                 if self.service.mode == "draining":
                     await self.drain()
