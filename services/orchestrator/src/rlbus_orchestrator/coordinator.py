@@ -34,8 +34,9 @@ State (KV `state`, key `orchestrator`): next step, data cursor, outstanding task
 and not yet in a batch or dropped), the cursors of a publish in progress (written before the
 publish; republished on restart, deduplicated by message id), and the accounting of every issued
 task: `cursor == trained + sum(dropped.values()) + len(outstanding)` after every save. The
-batches stream is the truth for which steps exist: on start, any batch at `next_step` already in the log (crash between publish
-and state save) is adopted and its task ids marked consumed.
+batches stream is the truth for which steps exist: on start, any batch at `next_step` already in
+the log (crash between publish and state save) is adopted and its task ids marked consumed.
+Outstanding tasks whose rollout never comes are dropped after `task_timeout_s` (expire_tasks).
 
 Pause (control `Pause`, until `Resume`): issue_tasks issues nothing; rollouts still in flight are
 pooled and batched as usual. Drain (SIGTERM/SIGINT, control `Drain`): stop issuing, wait up to
@@ -437,7 +438,8 @@ class Coordinator:
 
     def drop(self, task_id: str, reason: str) -> None:
         """End an outstanding training task without training it, counted under `reason`."""
-        self.state.outstanding.pop(task_id)
+        if self.state.outstanding.pop(task_id, None) is None:
+            return  # already batched or dropped: counted then
         self.issued_at.pop(task_id, None)
         self.state.dropped[reason] = self.state.dropped.get(reason, 0) + 1
         self.stats.dropped[reason] += 1
