@@ -3,6 +3,8 @@
 import asyncio
 from importlib.metadata import EntryPoint
 
+import pytest
+
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.wire import batches as batches_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
@@ -247,3 +249,31 @@ def test_a_task_whose_rollout_never_comes_is_dropped_as_timeout_and_replaced(mon
     late = FakeDelivery(make_rollout("train-1", [0.0, 1.0]))
     asyncio.run(c.on_rollout(late))
     assert late.acked and "train-1" not in c.pool  # a late rollout is ignored
+
+
+def test_state_save_is_retried_through_a_transient_bus_error_and_fails_past_the_deadline():
+    from rlbus.bus.core import RETRYABLE_PUBLISH_ERRORS
+
+    transient = RETRYABLE_PUBLISH_ERRORS[0]
+    c = make_coordinator(bus={"publish_retry_s": 1.0})
+    calls = []
+
+    async def flaky(fail_times):
+        calls.append(1)
+        if len(calls) <= fail_times:
+            raise transient()
+        return "saved"
+
+    assert asyncio.run(c.retry_bus("save_state", lambda: flaky(2))) == "saved"
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(transient):  # past bus.publish_retry_s: the task fails (exit 1, one line)
+        asyncio.run(c.retry_bus("save_state", lambda: flaky(1000)))
+    assert 3 <= len(calls) < 20
+
+
+def test_backoff_max_below_backoff_is_one_clear_error():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="http.backoff_max_s"):
+        OrchestratorConfig(http={"backoff_s": 10.0, "backoff_max_s": 1.0})

@@ -2,7 +2,7 @@
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlbus.configs.base import BaseConfig
 from rlbus.configs.common import ModelConfig, RunnableConfig
@@ -71,6 +71,15 @@ class InferenceHttpConfig(BaseConfig):
     no_replica_wait_s: float = Field(60.0, ge=0)
     """With every replica down, a task waits this long for one (registry re-read meanwhile)
     before it is nak'ed for later."""
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> "InferenceHttpConfig":
+        if self.backoff_max_s < self.backoff_s:
+            raise ValueError(
+                f"http.backoff_max_s ({self.backoff_max_s}) must be >= http.backoff_s "
+                f"({self.backoff_s}): the back-off doubles from backoff_s up to backoff_max_s"
+            )
+        return self
 
 
 class OrchestratorConfig(RunnableConfig):
