@@ -23,7 +23,7 @@ from orch_support import (
 from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
-from rlbus_orchestrator.coordinator import STATE_KEY, CoordinatorState
+from rlbus_orchestrator.coordinator import read_saved_state
 from rlbus_orchestrator.service import serve
 
 
@@ -56,11 +56,6 @@ async def client(nats_server, tmp_path):
         yield config, bus
     finally:
         await bus.close()
-
-
-async def read_state(bus) -> CoordinatorState:
-    entry = await bus.kv(bus.subjects.state_bucket).get(STATE_KEY)
-    return CoordinatorState.decode(entry.value)
 
 
 @pytest.mark.parametrize("stall_s", [10.0, pytest.param(30.0, marks=pytest.mark.slow)])
@@ -128,7 +123,7 @@ async def test_coordinator_sigkilled_and_restarted_with_its_command_continues_th
         assert await bus.step_log.read(11) is None
         task_ids = [t for b in batches for t in b.task_ids]
         assert len(task_ids) == len(set(task_ids)), "a task was trained twice"
-        state = await read_state(bus)
+        state = await read_saved_state(bus)
         assert state.next_step == 11
         accounting = state.accounting()
         assert accounting["unaccounted"] == 0, accounting
@@ -172,7 +167,7 @@ async def test_poison_rollouts_are_quarantined_and_accounted_and_batching_goes_o
     task_ids = [t for b in batches for t in b.task_ids]
     poisoned = [t for t in worker.received if int(t.split("-")[1]) % 3 == 1]
     assert poisoned and not set(poisoned) & set(task_ids), "a poison rollout was trained"
-    state = await read_state(bus)
+    state = await read_saved_state(bus)
     assert state.dropped.get("invalid", 0) >= len(poisoned) - len(state.outstanding)
     assert state.accounting()["unaccounted"] == 0 and state.trained == len(task_ids)
     # Each quarantined rollout is in the dead-letter stream with its reason, once.

@@ -138,3 +138,26 @@ def test_http_client_has_the_configured_deadlines():
     http = make_http_client(InferenceHttpConfig(connect_timeout_s=2.0, read_timeout_s=9.0), 4)
     assert (http.timeout.connect, http.timeout.read) == (2.0, 9.0)
     asyncio.run(http.aclose())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"choices": []},
+        {"prompt_token_ids": [1], "choices": [{"message": {}, "token_ids": [5], "logprobs": None}]},
+        {"choices": [{"message": {}, "token_ids": [], "logprobs": None}]},
+        "not json",
+    ],
+)
+def test_a_garbage_200_backs_the_replica_off_and_the_next_one_answers(body):
+    def handler(request):
+        if request.url.host == "a":
+            if isinstance(body, str):
+                return httpx.Response(200, content=body.encode())
+            return httpx.Response(200, json=body)
+        return httpx.Response(200, json=completion_json())
+
+    client, pool = make_client(handler, [make_replica("a"), make_replica("b")])
+    pool.replicas["b"].num_requests = 1  # "a" is tried first
+    turn = asyncio.run(client.chat([], SamplingArgs()))
+    assert turn.replica_id == "b" and pool.replicas["a"].failures == 1

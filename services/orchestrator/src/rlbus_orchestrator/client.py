@@ -7,7 +7,8 @@ ids and each token's logprob, and the weights version from the `X-Rlbus-Weights-
 (falling back to the registry's version).
 
 Deadlines and back-off (`OrchestratorConfig.http`): every call has a connect and a read timeout
-(`make_http_client`). A replica that fails (connection refused, timeout, 5xx) is backed off:
+(`make_http_client`). A replica that fails (connection refused, timeout, 5xx, a 200 that is not a usable
+completion) is backed off:
 skipped for `backoff_s`, doubling with each further failure up to `backoff_max_s`, reset by one
 success; failures of requests already in flight while it is backed off do not count again, so a
 dead replica costs one `replica_backed_off` line per back-off, not one per request. Each back-off
@@ -35,6 +36,10 @@ log = structlog.get_logger()
 
 class NoReplicaError(RuntimeError):
     """No inference replica is reachable right now."""
+
+
+class BadResponseError(ValueError):
+    """A replica answered 200 with something that is not a usable completion."""
 
 
 @dataclass
@@ -148,14 +153,20 @@ def request_body(
 
 
 def parse_turn(data: dict[str, Any], version: int, replica_id: str) -> ChatTurn:
-    """Token ids, logprobs and text of a vLLM chat completion with return_token_ids + logprobs."""
-    choice = data["choices"][0]
-    ids = list(choice.get("token_ids") or [])
-    logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
-    assert data.get("prompt_token_ids") is not None, (
-        "inference must support return_token_ids (vLLM >= 0.10)"
-    )
-    assert len(ids) == len(logprobs), f"{len(ids)} completion tokens but {len(logprobs)} logprobs"
+    """Token ids, logprobs and text of a vLLM chat completion with return_token_ids + logprobs;
+    `BadResponseError` when the answer is not one."""
+    try:
+        choice = data["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    except (KeyError, IndexError, TypeError, AttributeError) as error:
+        raise BadResponseError(f"not a chat completion ({type(error).__name__}: {error})") from None
+    if data.get("prompt_token_ids") is None:
+        raise BadResponseError(
+            "no prompt_token_ids: inference must support return_token_ids (vLLM >= 0.10)"
+        )
+    if len(ids) != len(logprobs):
+        raise BadResponseError(f"{len(ids)} completion tokens but {len(logprobs)} logprobs")
     return ChatTurn(
         prompt_token_ids=list(data["prompt_token_ids"]),
         completion_token_ids=ids,
@@ -167,10 +178,12 @@ def parse_turn(data: dict[str, Any], version: int, replica_id: str) -> ChatTurn:
     )
 
 
-def describe(error: httpx.HTTPError) -> str:
+def describe(error: Exception) -> str:
     """What failed, in a few words (`HTTP 503`, `ConnectError: ...`, `ReadTimeout`)."""
     if isinstance(error, httpx.HTTPStatusError):
         return f"HTTP {error.response.status_code}"
+    if isinstance(error, BadResponseError):
+        return f"bad response: {error}"
     text = str(error)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
@@ -203,7 +216,7 @@ class InferenceClient:
             tried.add(replica.info.replica_id)
             try:
                 turn = await self._send(replica, messages, sampling)
-            except (httpx.TransportError, httpx.HTTPStatusError) as error:
+            except (httpx.TransportError, httpx.HTTPStatusError, BadResponseError) as error:
                 if isinstance(error, httpx.HTTPStatusError) and error.response.status_code < 500:
                     raise
                 self.pool.mark_down(replica, describe(error))
@@ -228,7 +241,11 @@ class InferenceClient:
         finally:
             replica.outstanding -= 1
         header = response.headers.get(WEIGHTS_VERSION_HEADER)
-        version = int(header) if header is not None else replica.info.weights_version
-        turn = parse_turn(response.json(), version, replica.info.replica_id)
+        try:
+            version = int(header) if header is not None else replica.info.weights_version
+            data = response.json()
+        except ValueError as error:
+            raise BadResponseError(f"{type(error).__name__}: {error}") from None
+        turn = parse_turn(data, version, replica.info.replica_id)
         turn.timings["generate"] = time.perf_counter() - started
         return turn

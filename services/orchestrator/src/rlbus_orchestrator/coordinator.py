@@ -134,6 +134,13 @@ class CoordinatorState:
         return cls(**json.loads(data))
 
 
+async def read_saved_state(bus: Bus) -> CoordinatorState | None:
+    """The coordinator state last saved on the bus (None before the first save), e.g. for
+    `state.accounting()` in a test or a tool."""
+    entry = await bus.kv(bus.subjects.state_bucket).get(STATE_KEY)
+    return CoordinatorState.decode(entry.value) if entry else None
+
+
 @dataclass
 class PooledGroup:
     rollout: Rollout
