@@ -92,3 +92,72 @@ def test_finite_dataset_cursor_visits_every_example_once_per_epoch():
     assert sorted(first) == sorted(second) == list(range(10))
     assert first == [dataset_index(c, 10, seed=3) for c in range(10)]
     assert dataset_index(42, None, seed=3) == 42
+
+
+def test_failing_replica_backs_off_exponentially_capped_and_recovers_on_success(monkeypatch):
+    from rlbus_orchestrator import client as client_module
+
+    now = [100.0]
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: now[0])
+    pool = ReplicaPool(backoff_s=1.0, backoff_max_s=5.0)
+    pool.update([make_replica("a")])
+    replica = pool.replicas["a"]
+    delays = []
+    for _ in range(5):
+        pool.mark_down(replica, "HTTP 500")
+        delays.append(replica.down_until - now[0])
+        pool.mark_down(replica, "HTTP 500")  # in flight when it went down: not counted again
+        assert pool.pick(set()) is None
+        now[0] = replica.down_until
+    assert delays == [1.0, 2.0, 4.0, 5.0, 5.0] and replica.failures == 5
+    assert pool.refresh_now.is_set()
+    assert pool.pick(set()) is replica
+    pool.mark_up(replica)
+    pool.mark_down(replica, "HTTP 500")
+    assert replica.down_until - now[0] == 1.0
+
+
+def test_a_replica_that_registers_again_starts_healthy():
+    pool = ReplicaPool()
+    pool.update([make_replica("a")])
+    pool.mark_down(pool.replicas["a"], "ConnectError")
+    restarted = ReplicaInfo(
+        replica_id="a",
+        base_url="http://a/v1",
+        model="m",
+        started_at=pool.replicas["a"].info.started_at + 1,
+    )
+    pool.update([restarted])
+    assert pool.replicas["a"].failures == 0 and pool.pick(set()) is not None
+
+
+def test_http_client_has_the_configured_deadlines():
+    from rlbus.configs.orchestrator import InferenceHttpConfig
+    from rlbus_orchestrator.client import make_http_client
+
+    http = make_http_client(InferenceHttpConfig(connect_timeout_s=2.0, read_timeout_s=9.0), 4)
+    assert (http.timeout.connect, http.timeout.read) == (2.0, 9.0)
+    asyncio.run(http.aclose())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"choices": []},
+        {"prompt_token_ids": [1], "choices": [{"message": {}, "token_ids": [5], "logprobs": None}]},
+        {"choices": [{"message": {}, "token_ids": [], "logprobs": None}]},
+        "not json",
+    ],
+)
+def test_a_garbage_200_backs_the_replica_off_and_the_next_one_answers(body):
+    def handler(request):
+        if request.url.host == "a":
+            if isinstance(body, str):
+                return httpx.Response(200, content=body.encode())
+            return httpx.Response(200, json=body)
+        return httpx.Response(200, json=completion_json())
+
+    client, pool = make_client(handler, [make_replica("a"), make_replica("b")])
+    pool.replicas["b"].num_requests = 1  # "a" is tried first
+    turn = asyncio.run(client.chat([], SamplingArgs()))
+    assert turn.replica_id == "b" and pool.replicas["a"].failures == 1

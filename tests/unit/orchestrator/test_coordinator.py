@@ -3,6 +3,8 @@
 import asyncio
 from importlib.metadata import EntryPoint
 
+import pytest
+
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.wire import batches as batches_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
@@ -15,19 +17,34 @@ class FakeBus:
     def __init__(self):
         self.subjects = RunSubjects("unit")
         self.published = []
+        self.dead = []
 
     async def publish(self, subject, message, msg_id=None):
         self.published.append((subject, message, msg_id))
+
+    async def dead_letter(self, stream, subject, data, headers, reason):
+        self.dead.append((stream, subject, reason))
+
+
+class FakeMsg:
+    subject = "rlbus.unit.rollouts"
+    data = b"raw"
+    headers = {"Nats-Msg-Id": "m"}
 
 
 class FakeDelivery:
     def __init__(self, rollout):
         self.data = rollout
         self.headers = {}
+        self.msg = FakeMsg()
         self.acked = False
+        self.termed = False
 
     async def ack(self):
         self.acked = True
+
+    async def term(self, reason=None):
+        self.termed = True
 
 
 def make_rollout(task_id, rewards, version=0, num_completion=3):
@@ -107,6 +124,7 @@ def test_full_pool_becomes_one_batch_and_acks_after_publishing():
         for i, rewards in enumerate([[0.0, 1.0], [0.3, 0.3], [0.2, 0.6]]):
             task_id = f"train-{i}"
             c.state.outstanding[task_id] = i
+            c.state.cursor = i + 1
             d = FakeDelivery(make_rollout(task_id, rewards))
             deliveries.append(d)
             await c.on_rollout(d)
@@ -123,9 +141,10 @@ def test_full_pool_becomes_one_batch_and_acks_after_publishing():
 
 def test_duplicate_rollout_of_a_batched_task_is_acked_and_ignored():
     c = make_coordinator()
+    c.state.cursor = 10
     d = FakeDelivery(make_rollout("train-9", [0.0, 1.0]))
     asyncio.run(c.on_rollout(d))
-    assert d.acked and not c.pool
+    assert d.acked and not c.pool and not c.bus.dead
 
 
 def test_token_budget_closes_a_batch_by_tokens():
@@ -166,3 +185,95 @@ def test_pooled_group_that_became_stale_is_dropped_before_batching():
     asyncio.run(c.build_batches())
     assert not c.pool and old.acked and c.stats.dropped["stale"] == 1
     assert not [p for p in c.bus.published if p[0].startswith(c.bus.subjects.prefix + ".batches")]
+
+
+def test_poison_rollout_is_quarantined_dropped_as_invalid_and_batching_goes_on():
+    c = make_coordinator()
+    c.state.cursor = 3
+    c.state.outstanding = {"train-0": 0, "train-1": 1, "train-2": 2}
+    poison = make_rollout("train-1", [0.0, 1.0])
+    poison.samples[0].completion_logprobs = [-0.1]  # 3 tokens, 1 logprob: packing would fail
+    bad = FakeDelivery(poison)
+    good = [FakeDelivery(make_rollout(t, [0.0, 1.0])) for t in ("train-0", "train-2")]
+
+    async def feed():
+        await c.on_rollout(good[0])
+        await c.on_rollout(bad)
+        await c.on_rollout(good[1])
+
+    asyncio.run(feed())
+    assert bad.termed and not bad.acked
+    [(stream, subject, reason)] = c.bus.dead
+    assert stream == c.bus.subjects.rollouts_stream and "3 completion tokens, 1 logprobs" in reason
+    batch = next(m for subj, m, _ in c.bus.published if subj == c.bus.subjects.batch(1))
+    assert batch.task_ids == ["train-0", "train-2"] and batch.metrics["tasks/dropped/invalid"] == 1
+    assert c.state.dropped == {"invalid": 1} and c.state.accounting()["unaccounted"] == 0
+    assert c.state.accounting() == {
+        "issued": 3,
+        "trained": 2,
+        "dropped": 1,
+        "outstanding": 0,
+        "unaccounted": 0,
+    }
+    assert c.num_tasks_to_issue() > 0  # the dropped group is replaced by a new task
+
+
+def test_rollout_for_a_task_never_issued_or_with_a_garbage_id_is_quarantined():
+    c = make_coordinator()
+    c.state.cursor = 2
+    for task_id in ("train-7", "nonsense", "eval-x-1"):
+        d = FakeDelivery(make_rollout(task_id, [0.0, 1.0]))
+        asyncio.run(c.on_rollout(d))
+        assert d.termed and not c.pool
+    assert len(c.bus.dead) == 3 and c.state.dropped == {}
+
+
+def test_a_task_whose_rollout_never_comes_is_dropped_as_timeout_and_replaced(monkeypatch):
+    from rlbus_orchestrator import coordinator as coordinator_module
+
+    now = [1000.0]
+    monkeypatch.setattr(coordinator_module.time, "monotonic", lambda: now[0])
+    c = make_coordinator(async_level=0, task_timeout_s=60.0)
+    c.state.cursor = 2
+    c.state.outstanding = {"train-0": 0, "train-1": 1}
+    c.issued_at = {"train-0": 1000.0, "train-1": 1000.0}
+    c.pool["train-0"] = PooledGroup(
+        make_rollout("train-0", [0.0, 1.0]), FakeDelivery(None), [-0.5, 0.5]
+    )
+    now[0] = 1059.0
+    assert asyncio.run(c.expire_overdue_tasks()) == 0
+    now[0] = 1061.0
+    assert asyncio.run(c.expire_overdue_tasks()) == 1  # train-1; train-0 came back (pooled)
+    assert c.state.outstanding == {"train-0": 0} and c.state.dropped == {"timeout": 1}
+    assert c.num_tasks_to_issue() == 1 and c.state.accounting()["unaccounted"] == 0
+    late = FakeDelivery(make_rollout("train-1", [0.0, 1.0]))
+    asyncio.run(c.on_rollout(late))
+    assert late.acked and "train-1" not in c.pool  # a late rollout is ignored
+
+
+def test_state_save_is_retried_through_a_transient_bus_error_and_fails_past_the_deadline():
+    from rlbus.bus.core import RETRYABLE_PUBLISH_ERRORS
+
+    transient = RETRYABLE_PUBLISH_ERRORS[0]
+    c = make_coordinator(bus={"publish_retry_s": 1.0})
+    calls = []
+
+    async def flaky(fail_times):
+        calls.append(1)
+        if len(calls) <= fail_times:
+            raise transient()
+        return "saved"
+
+    assert asyncio.run(c.retry_bus("save_state", lambda: flaky(2))) == "saved"
+    assert len(calls) == 3
+    calls.clear()
+    with pytest.raises(transient):  # past bus.publish_retry_s: the task fails (exit 1, one line)
+        asyncio.run(c.retry_bus("save_state", lambda: flaky(1000)))
+    assert 3 <= len(calls) < 20
+
+
+def test_backoff_max_below_backoff_is_one_clear_error():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="http.backoff_max_s"):
+        OrchestratorConfig(http={"backoff_s": 10.0, "backoff_max_s": 1.0})

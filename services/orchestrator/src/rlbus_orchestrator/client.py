@@ -4,11 +4,20 @@
 static URLs. `InferenceClient.chat` is the `ChatClient` episodes use: it sends one OpenAI chat
 completion with vLLM's `return_token_ids` and `logprobs`, reads the prompt and completion token
 ids and each token's logprob, and the weights version from the `X-Rlbus-Weights-Version` header
-(falling back to the registry's version). A replica that fails (connection error, 5xx) is set
-aside for `cooldown_s` and the request is retried on another; when none is left the call raises
-`NoReplicaError` and the worker naks the task with a delay.
+(falling back to the registry's version).
+
+Deadlines and back-off (`OrchestratorConfig.http`): every call has a connect and a read timeout
+(`make_http_client`). A replica that fails (connection refused, timeout, 5xx, a 200 that is not a usable
+completion) is backed off:
+skipped for `backoff_s`, doubling with each further failure up to `backoff_max_s`, reset by one
+success; failures of requests already in flight while it is backed off do not count again, so a
+dead replica costs one `replica_backed_off` line per back-off, not one per request. Each back-off
+also asks the worker to re-read the registry at once (`ReplicaPool.refresh_now`). The request is
+retried on another replica (`max_attempts`); when none is left the call raises `NoReplicaError`
+and the worker waits for a replica, then naks the task for later.
 """
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +25,7 @@ from typing import Any
 import httpx
 import structlog
 
+from rlbus.configs.orchestrator import InferenceHttpConfig
 from rlbus.wire.replicas import ReplicaInfo
 from rlbus.wire.tasks import SamplingArgs
 from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
@@ -28,32 +38,49 @@ class NoReplicaError(RuntimeError):
     """No inference replica is reachable right now."""
 
 
+class BadResponseError(ValueError):
+    """A replica answered 200 with something that is not a usable completion."""
+
+
 @dataclass
 class Replica:
     info: ReplicaInfo
     outstanding: int = 0
     down_until: float = 0.0
     num_requests: int = 0
+    failures: int = 0
+    """Consecutive failures (0: healthy); sets the back-off."""
 
 
 @dataclass
 class ReplicaPool:
     """Replicas by id, with in-flight counts for least-outstanding choice."""
 
-    cooldown_s: float = 2.0
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
     replicas: dict[str, Replica] = field(default_factory=dict)
+    refresh_now: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a replica is backed off: the registry refresher re-reads at once."""
+
+    @classmethod
+    def from_config(cls, config: InferenceHttpConfig) -> "ReplicaPool":
+        return cls(backoff_s=config.backoff_s, backoff_max_s=config.backoff_max_s)
 
     def update(self, infos: list[ReplicaInfo]) -> None:
-        """Replace the known set (counts of replicas that stay are kept)."""
+        """Replace the known set (counts and back-off of replicas that stay are kept; a replica
+        that registered again, e.g. restarted, starts healthy)."""
         fresh = {i.replica_id: i for i in infos if i.status in ("ready", "updating_weights")}
         for rid in list(self.replicas):
             if rid not in fresh:
                 del self.replicas[rid]
         for rid, info in fresh.items():
-            if rid in self.replicas:
-                self.replicas[rid].info = info
-            else:
+            known = self.replicas.get(rid)
+            if known is None:
                 self.replicas[rid] = Replica(info)
+                continue
+            if (known.info.base_url, known.info.started_at) != (info.base_url, info.started_at):
+                known.failures, known.down_until = 0, 0.0
+            known.info = info
 
     def pick(self, exclude: set[str]) -> Replica | None:
         now = time.monotonic()
@@ -62,8 +89,36 @@ class ReplicaPool:
         ]
         return min(alive, key=lambda r: (r.outstanding, r.num_requests), default=None)
 
-    def mark_down(self, replica: Replica) -> None:
-        replica.down_until = time.monotonic() + self.cooldown_s
+    def mark_down(self, replica: Replica, error: str) -> None:
+        """Back `replica` off (module docstring); logs one line per back-off."""
+        now = time.monotonic()
+        if replica.down_until > now:  # a request sent before the back-off: already counted
+            return
+        replica.failures += 1
+        delay = min(self.backoff_s * 2 ** (replica.failures - 1), self.backoff_max_s)
+        replica.down_until = now + delay
+        self.refresh_now.set()
+        log.warning(
+            "replica_backed_off",
+            replica_id=replica.info.replica_id,
+            url=replica.info.base_url,
+            error=error,
+            failures=replica.failures,
+            retry_in_s=round(delay, 2),
+        )
+
+    def mark_up(self, replica: Replica) -> None:
+        if replica.failures:
+            log.info(
+                "replica_recovered", replica_id=replica.info.replica_id, failures=replica.failures
+            )
+            replica.failures = 0
+
+    def next_up_in_s(self) -> float | None:
+        """Seconds until the first backed-off replica may be tried again (None: no replicas)."""
+        if not self.replicas:
+            return None
+        return max(0.0, min(r.down_until for r in self.replicas.values()) - time.monotonic())
 
     def newest_version(self) -> int:
         return max((r.info.weights_version for r in self.replicas.values()), default=0)
@@ -98,14 +153,20 @@ def request_body(
 
 
 def parse_turn(data: dict[str, Any], version: int, replica_id: str) -> ChatTurn:
-    """Token ids, logprobs and text of a vLLM chat completion with return_token_ids + logprobs."""
-    choice = data["choices"][0]
-    ids = list(choice.get("token_ids") or [])
-    logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
-    assert data.get("prompt_token_ids") is not None, (
-        "inference must support return_token_ids (vLLM >= 0.10)"
-    )
-    assert len(ids) == len(logprobs), f"{len(ids)} completion tokens but {len(logprobs)} logprobs"
+    """Token ids, logprobs and text of a vLLM chat completion with return_token_ids + logprobs;
+    `BadResponseError` when the answer is not one."""
+    try:
+        choice = data["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    except (KeyError, IndexError, TypeError, AttributeError) as error:
+        raise BadResponseError(f"not a chat completion ({type(error).__name__}: {error})") from None
+    if data.get("prompt_token_ids") is None:
+        raise BadResponseError(
+            "no prompt_token_ids: inference must support return_token_ids (vLLM >= 0.10)"
+        )
+    if len(ids) != len(logprobs):
+        raise BadResponseError(f"{len(ids)} completion tokens but {len(logprobs)} logprobs")
     return ChatTurn(
         prompt_token_ids=list(data["prompt_token_ids"]),
         completion_token_ids=ids,
@@ -115,6 +176,27 @@ def parse_turn(data: dict[str, Any], version: int, replica_id: str) -> ChatTurn:
         policy_version=version,
         replica_id=replica_id,
     )
+
+
+def describe(error: Exception) -> str:
+    """What failed, in a few words (`HTTP 503`, `ConnectError: ...`, `ReadTimeout`)."""
+    if isinstance(error, httpx.HTTPStatusError):
+        return f"HTTP {error.response.status_code}"
+    if isinstance(error, BadResponseError):
+        return f"bad response: {error}"
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def make_http_client(config: InferenceHttpConfig, max_connections: int) -> httpx.AsyncClient:
+    """The workers' HTTP client: every call has the configured connect and read deadlines."""
+    timeout = httpx.Timeout(
+        config.read_timeout_s,
+        connect=config.connect_timeout_s,
+        write=config.connect_timeout_s,
+        pool=config.connect_timeout_s,
+    )
+    return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=max_connections))
 
 
 class InferenceClient:
@@ -133,12 +215,14 @@ class InferenceClient:
                 break
             tried.add(replica.info.replica_id)
             try:
-                return await self._send(replica, messages, sampling)
-            except (httpx.TransportError, httpx.HTTPStatusError) as error:
+                turn = await self._send(replica, messages, sampling)
+            except (httpx.TransportError, httpx.HTTPStatusError, BadResponseError) as error:
                 if isinstance(error, httpx.HTTPStatusError) and error.response.status_code < 500:
                     raise
-                self.pool.mark_down(replica)
-                log.warning("replica_failed", replica_id=replica.info.replica_id, error=repr(error))
+                self.pool.mark_down(replica, describe(error))
+                continue
+            self.pool.mark_up(replica)
+            return turn
         raise NoReplicaError(f"no inference replica answered (tried {sorted(tried) or 'none'})")
 
     async def _send(
@@ -157,7 +241,11 @@ class InferenceClient:
         finally:
             replica.outstanding -= 1
         header = response.headers.get(WEIGHTS_VERSION_HEADER)
-        version = int(header) if header is not None else replica.info.weights_version
-        turn = parse_turn(response.json(), version, replica.info.replica_id)
+        try:
+            version = int(header) if header is not None else replica.info.weights_version
+            data = response.json()
+        except ValueError as error:
+            raise BadResponseError(f"{type(error).__name__}: {error}") from None
+        turn = parse_turn(data, version, replica.info.replica_id)
         turn.timings["generate"] = time.perf_counter() - started
         return turn

@@ -8,6 +8,7 @@
     │      ▲  (wakes on `changed`)                                        │               │
     │      │                                                              ▼               │
     │      └──────── changed ◀── on_rollout (consumer handler) ◀──────────┘               │
+    │                              │ invalid (validation.py): dead letter, term (counted)  │
     │                              │ stale / error / no signal: drop (counted), ack        │
     │                              │ eval task: aggregate, ack                            │
     │                              ▼ else: pool (unacked, heartbeated by the consumer)    │
@@ -20,7 +21,8 @@
 | watch_weights  | 1 s poll of replicas KV; `weights.applied` | inference applying a new version         |
 |                | events (core subscription)                 |                                          |
 | issue_tasks    | `changed` event                            | a rollout accepted/dropped, new weights, |
-|                |                                            | a batch published                        |
+|                |                                            | a batch published, a task timed out      |
+| expire_tasks   | a poll (`task_timeout_s` / 4, at most 5 s) | -                                        |
 | rollouts       | pull fetch on the `coordinator` durable    | a worker publishing a group              |
 | (handler)      | `lock` (one rollout at a time)             | -                                        |
 
@@ -29,15 +31,22 @@ samples on the way, where `max_step = applied + 1 + async_level` (never more tha
 steps ahead of the newest applied weights, and never past `max_steps`).
 
 State (KV `state`, key `orchestrator`): next step, data cursor, outstanding task cursors (published
-and not yet in a batch or dropped), and the cursors of a publish in progress (written before the
-publish; republished on restart, deduplicated by message id). The batches stream is the truth for
-which steps exist: on start, any batch at `next_step` already in the log (crash between publish
-and state save) is adopted and its task ids marked consumed.
+and not yet in a batch or dropped), the cursors of a publish in progress (written before the
+publish; republished on restart, deduplicated by message id), and the accounting of every issued
+task: `cursor == trained + sum(dropped.values()) + len(outstanding)` after every save. The
+batches stream is the truth for which steps exist: on start, any batch at `next_step` already in
+the log (crash between publish and state save) is adopted and its task ids marked consumed.
+Outstanding tasks whose rollout never comes are dropped after `task_timeout_s` (expire_tasks).
 
 Pause (control `Pause`, until `Resume`): issue_tasks issues nothing; rollouts still in flight are
 pooled and batched as usual. Drain (SIGTERM/SIGINT, control `Drain`): stop issuing, wait up to
 DRAIN_TIMEOUT_S for the rollouts in flight to come back (batched or dropped), then the clean
 shutdown. Stop (control `Stop`): the clean shutdown at once, without waiting for handlers.
+
+Bus stalls: a state read or save that fails with a transient bus error (timeout, reconnecting) is
+retried with a `coordinator_bus_retry` line for up to `bus.publish_retry_s` (publishes retry
+themselves, rlbus.bus.core), so a NATS outage shorter than that is ridden out; past it the task
+raises and the supervisor ends the service with exit 1 and one `service_task_failed` line.
 
 Clean shutdown: stop issuing, stop the consumer (pooled rollouts stay unacked and are redelivered
 to the next coordinator), save state. Crash (kill -9): the same, minus the last save, which the
@@ -57,6 +66,7 @@ import structlog
 
 from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
+from rlbus.bus.core import RETRYABLE_PUBLISH_ERRORS
 from rlbus.bus.kv import KV
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
@@ -66,6 +76,7 @@ from rlbus.wire.batches import TrainBatch
 from rlbus.wire.events import StepMetrics
 from rlbus.wire.rollouts import Rollout
 from rlbus.wire.tasks import SamplingArgs, Task
+from rlbus_orchestrator import validation
 from rlbus_orchestrator.advantages import group_advantages, has_signal
 from rlbus_orchestrator.envs import Environment, load_environment
 from rlbus_orchestrator.packing import make_train_sample, pack
@@ -84,6 +95,9 @@ DRAIN_TIMEOUT_S = 20.0
 """How long a drain waits for the rollouts in flight (less than the 30 s the `rl` launcher gives
 a drain before it signals)."""
 DRAIN_POLL_S = 0.2
+DROP_REASONS = ("invalid", "stale", "zero_advantage", "error", "timeout")
+"""Why an issued training task ended without being trained (counted in the state and metrics)."""
+BUS_RETRY_MAX_DELAY_S = 1.0
 
 
 @dataclass
@@ -96,6 +110,21 @@ class CoordinatorState:
     """task_id -> data cursor, for tasks published and not yet batched or dropped."""
     publishing: list[int] = field(default_factory=list)
     """Cursors being published right now (republished after a crash)."""
+    trained: int = 0
+    """Training tasks whose group is in a stored batch."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Training tasks dropped, by reason (DROP_REASONS)."""
+
+    def accounting(self) -> dict[str, int]:
+        """Every issued task is trained, dropped (by reason) or outstanding; `unaccounted` is 0."""
+        num_dropped = sum(self.dropped.values())
+        return {
+            "issued": self.cursor,
+            "trained": self.trained,
+            "dropped": num_dropped,
+            "outstanding": len(self.outstanding),
+            "unaccounted": self.cursor - self.trained - num_dropped - len(self.outstanding),
+        }
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__).encode()
@@ -103,6 +132,13 @@ class CoordinatorState:
     @classmethod
     def decode(cls, data: bytes) -> "CoordinatorState":
         return cls(**json.loads(data))
+
+
+async def read_saved_state(bus: Bus) -> CoordinatorState | None:
+    """The coordinator state last saved on the bus (None before the first save), e.g. for
+    `state.accounting()` in a test or a tool."""
+    entry = await bus.kv(bus.subjects.state_bucket).get(STATE_KEY)
+    return CoordinatorState.decode(entry.value) if entry else None
 
 
 @dataclass
@@ -159,6 +195,8 @@ class Coordinator:
         self.num_batches_published = 0
         self.service = ServiceState("orchestrator")
         """Paused / draining / stopping: replaced by the service's own in `run`."""
+        self.issued_at: dict[str, float] = {}
+        """task_id -> monotonic time it was issued (or the coordinator started, after a restart)."""
         self.tasks = TaskSupervisor()
         """issue_tasks, watch_weights and evaluation runs: one that raises ends the coordinator."""
 
@@ -167,10 +205,26 @@ class Coordinator:
     def state_kv(self) -> KV:
         return self.bus.kv(self.bus.subjects.state_bucket)
 
+    async def retry_bus(self, what: str, operation):
+        """`await operation()`, retried on transient bus errors for `bus.publish_retry_s`."""
+        deadline = time.monotonic() + self.config.bus.publish_retry_s
+        delay = 0.1
+        while True:
+            try:
+                return await operation()
+            except RETRYABLE_PUBLISH_ERRORS as error:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("coordinator_bus_retry", what=what, error=repr(error), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, BUS_RETRY_MAX_DELAY_S)
+
     async def load_state(self) -> None:
-        entry = await self.state_kv().get(STATE_KEY)
+        entry = await self.retry_bus("read_state", lambda: self.state_kv().get(STATE_KEY))
         self.state = CoordinatorState.decode(entry.value) if entry else CoordinatorState()
         await self.adopt_published_batches()
+        started = time.monotonic()
+        self.issued_at = dict.fromkeys(self.state.outstanding, started)
         if self.state.publishing:
             await self.publish_tasks(self.state.publishing)
         log.info(
@@ -181,13 +235,15 @@ class Coordinator:
         )
 
     async def save_state(self) -> None:
-        await self.state_kv().put(STATE_KEY, self.state.encode())
+        data = self.state.encode()
+        await self.retry_bus("save_state", lambda: self.state_kv().put(STATE_KEY, data))
 
     async def adopt_published_batches(self) -> None:
         """Steps published before a crash but not recorded in the state: mark their tasks consumed."""
         while (batch := await self.bus.step_log.read(self.state.next_step)) is not None:
             for task_id in batch.task_ids:
-                self.state.outstanding.pop(task_id, None)
+                if self.state.outstanding.pop(task_id, None) is not None:
+                    self.state.trained += 1
             log.warning("coordinator_adopted_published_batch", step=batch.step)
             self.state.next_step += 1
         await self.save_state()
@@ -262,6 +318,7 @@ class Coordinator:
                     self.state.cursor += num
                     for c in cursors:
                         self.state.outstanding[task_id_of(c)] = c
+                        self.issued_at[task_id_of(c)] = started
                     self.state.publishing = cursors
                     await self.save_state()
                     await self.publish_tasks(cursors)
@@ -269,6 +326,37 @@ class Coordinator:
                     await self.save_state()
                     log.debug("tasks_published", num_tasks=num, cursor=self.state.cursor)
                 self.stats.own_s += time.monotonic() - started
+
+    def overdue_tasks(self, now: float) -> list[str]:
+        """In-flight tasks (issued, no rollout pooled) older than `task_timeout_s`."""
+        timeout = self.config.task_timeout_s
+        if timeout is None:
+            return []
+        return [
+            task_id
+            for task_id in self.state.outstanding
+            if task_id not in self.pool and now - self.issued_at.get(task_id, now) > timeout
+        ]
+
+    async def expire_overdue_tasks(self) -> int:
+        """Drop overdue tasks as `timeout` (replacements follow); returns how many."""
+        async with self.lock:
+            overdue = self.overdue_tasks(time.monotonic())
+            for task_id in overdue:
+                self.drop(task_id, "timeout")
+            if overdue:
+                log.warning("tasks_timed_out", num_tasks=len(overdue), first=overdue[0])
+                await self.save_state()
+                self.changed.set()
+        return len(overdue)
+
+    async def expire_tasks(self) -> None:
+        timeout = self.config.task_timeout_s
+        if timeout is None:
+            return
+        while not self.done.is_set():
+            await asyncio.sleep(min(timeout / 4, 5.0))
+            await self.expire_overdue_tasks()
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -319,7 +407,17 @@ class Coordinator:
 
     async def on_rollout(self, delivery: Delivery[Rollout]) -> None:
         rollout = delivery.data
-        if rollout.task_id.startswith("eval-"):
+        async with self.lock:
+            fault = validation.problem(
+                rollout,
+                issued_cursor=self.state.cursor,
+                group_size=self.config.group_size,
+                next_step=self.state.next_step,
+            )
+            if fault is not None:
+                await self.quarantine(delivery, fault)
+                return
+        if validation.eval_step(rollout.task_id) is not None:
             await self.on_eval_rollout(delivery)
             return
         async with self.lock:
@@ -328,6 +426,30 @@ class Coordinator:
             await self.build_batches()
             self.stats.own_s += time.monotonic() - started
         self.changed.set()
+
+    async def quarantine(self, delivery: Delivery[Rollout], fault: str) -> None:
+        """A rollout that cannot be used: to the dead letters, never redelivered, its task
+        dropped as `invalid` (a replacement task is issued; see docs/orchestrator.md)."""
+        rollout = delivery.data
+        log.error("rollout_quarantined", task_id=rollout.task_id, reason=fault)
+        msg = delivery.msg
+        await self.bus.dead_letter(
+            self.bus.subjects.rollouts_stream, msg.subject, msg.data, msg.headers, fault
+        )
+        if rollout.task_id in self.state.outstanding:
+            self.pool.pop(rollout.task_id, None)
+            self.drop(rollout.task_id, "invalid")
+            await self.save_state()
+        await delivery.term(fault)
+        self.changed.set()
+
+    def drop(self, task_id: str, reason: str) -> None:
+        """End an outstanding training task without training it, counted under `reason`."""
+        if self.state.outstanding.pop(task_id, None) is None:
+            return  # already batched or dropped: counted then
+        self.issued_at.pop(task_id, None)
+        self.state.dropped[reason] = self.state.dropped.get(reason, 0) + 1
+        self.stats.dropped[reason] += 1
 
     async def accept_rollout(self, delivery: Delivery[Rollout]) -> None:
         rollout = delivery.data
@@ -339,8 +461,7 @@ class Coordinator:
             return
         reason = self.drop_reason(rollout)
         if reason is not None:
-            self.stats.dropped[reason] += 1
-            self.state.outstanding.pop(rollout.task_id)
+            self.drop(rollout.task_id, reason)
             await self.save_state()
             await delivery.ack()
             log.debug("rollout_dropped", task_id=rollout.task_id, reason=reason)
@@ -389,8 +510,7 @@ class Coordinator:
                 for s in group.rollout.samples
             ):
                 del self.pool[task_id]
-                self.state.outstanding.pop(task_id, None)
-                self.stats.dropped["stale"] += 1
+                self.drop(task_id, "stale")
                 await self.save_state()
                 await group.delivery.ack()
 
@@ -415,7 +535,9 @@ class Coordinator:
             )
         for g in groups:
             del self.pool[g.rollout.task_id]
-            self.state.outstanding.pop(g.rollout.task_id, None)
+            if self.state.outstanding.pop(g.rollout.task_id, None) is not None:
+                self.state.trained += 1
+            self.issued_at.pop(g.rollout.task_id, None)
         self.state.next_step = step + 1
         await self.save_state()
         for g in groups:
@@ -452,10 +574,11 @@ class Coordinator:
             min_policy_version=min(versions),
             max_policy_version=max(versions),
             task_ids=[g.rollout.task_id for g in groups],
-            metrics=self.step_metrics(step, samples),
+            metrics=self.step_metrics(step, samples, num_groups=len(groups)),
         )
 
-    def step_metrics(self, step: int, samples) -> dict[str, float]:
+    def step_metrics(self, step: int, samples, *, num_groups: int = 0) -> dict[str, float]:
+        """The step's metrics; the task counts include the `num_groups` groups of this batch."""
         rewards = [s.reward for s in samples]
         lengths = [len(s.completion_token_ids) for s in samples]
         elapsed = max(time.monotonic() - self.stats.started, 1e-9)
@@ -483,8 +606,12 @@ class Coordinator:
             )
         for lag, count in Counter(off_policy_lag(step, s.policy_version) for s in samples).items():
             m[f"off_policy_lag/{lag}"] = float(count)
-        for reason in ("stale", "zero_advantage", "error"):
+        for reason in DROP_REASONS:
             m[f"dropped/{reason}"] = float(self.stats.dropped[reason])
+            m[f"tasks/dropped/{reason}"] = float(self.state.dropped.get(reason, 0))
+        m["tasks/issued"] = float(self.state.cursor)
+        m["tasks/trained"] = float(self.state.trained + num_groups)
+        m["tasks/outstanding"] = float(len(self.state.outstanding) - num_groups)
         return m
 
     async def publish_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -518,7 +645,7 @@ class Coordinator:
 
     async def on_eval_rollout(self, delivery: Delivery[Rollout]) -> None:
         rollout = delivery.data
-        step = int(rollout.task_id.split("-")[1])
+        step = validation.eval_step(rollout.task_id)
         await delivery.ack()
         rewards = self.eval_pending.get(step)
         if rewards is None:
@@ -575,6 +702,7 @@ class Coordinator:
             async with self.tasks, consumer:
                 self.tasks.spawn("issue_tasks", self.issue_tasks())
                 self.tasks.spawn("watch_weights", self.watch_weights())
+                self.tasks.spawn("expire_tasks", self.expire_tasks())
                 await self.tasks.wait(self.service.stop_requested, self.done)
                 if self.service.mode == "draining":
                     await self.drain()

@@ -82,6 +82,7 @@ async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -
                         static_urls=config.inference_urls,
                         stop=workers_stop,
                         state=state,
+                        http_config=config.http,
                     ),
                 )
             if has_coordinator:

@@ -8,13 +8,17 @@ fewest outstanding requests, then publishes the group as one `Rollout` (message 
 worker that dies after publishing but before acking is deduplicated) and acks the task.
 
 Failure handling:
-- a replica that fails mid-request is retried on another (`InferenceClient`);
-- no replica alive: the task is nak'ed with a delay and comes back later;
+- a replica that fails mid-request is backed off and the request retried on another
+  (`InferenceClient`; deadlines and back-off in `OrchestratorConfig.http`);
+- no replica alive: the group's other episodes are cancelled, the task waits (held, heartbeated)
+  up to `http.no_replica_wait_s` for a replica to come back and is rolled out again; past that it
+  is nak'ed with a delay and comes back later (a wait does not spend a delivery);
 - the worker process dies: the task is never acked and JetStream redelivers it after AckWait;
 - the environment raises: the group is published with `error` set (the coordinator drops it,
   counts it, and issues a replacement task) and the task is acked.
 
-A background loop refreshes the replica registry (bus KV `replicas`, or `inference_urls`).
+A background loop refreshes the replica registry (bus KV `replicas`, or `inference_urls`) every
+second, and at once when a replica is backed off.
 
 On `stop` the workers stop fetching; the episodes in flight finish and are published (drain),
 unless the service was asked to `Stop`: then they are abandoned at once and redelivered.
@@ -26,23 +30,30 @@ import math
 import time
 import uuid
 
-import httpx
 import structlog
 
 from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
+from rlbus.configs.orchestrator import InferenceHttpConfig
 from rlbus.obs import tracing
 from rlbus.runtime import ServiceState, TaskSupervisor
 from rlbus.wire import tasks as tasks_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus.wire.tasks import Task
-from rlbus_orchestrator.client import InferenceClient, NoReplicaError, ReplicaPool, static_replicas
+from rlbus_orchestrator.client import (
+    InferenceClient,
+    NoReplicaError,
+    ReplicaPool,
+    make_http_client,
+    static_replicas,
+)
 from rlbus_orchestrator.envs import Environment, load_environment
 
 log = structlog.get_logger()
 
 NO_REPLICA_NAK_DELAY_S = 2.0
 REGISTRY_REFRESH_S = 1.0
+NO_REPLICA_POLL_S = 0.5
 
 
 class EnvCache:
@@ -70,10 +81,30 @@ async def refresh_replicas(
                 pool.update(await bus.read_replicas())
             except Exception as error:
                 log.warning("replica_registry_read_failed", error=repr(error))
+        pool.refresh_now.clear()
+        waiters = [
+            asyncio.ensure_future(stop.wait()),
+            asyncio.ensure_future(pool.refresh_now.wait()),
+        ]
         try:
-            await asyncio.wait_for(stop.wait(), REGISTRY_REFRESH_S)
-        except TimeoutError:
-            pass
+            await asyncio.wait(
+                waiters, timeout=REGISTRY_REFRESH_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+
+async def gather_or_cancel(*coros):
+    """`asyncio.gather`, but the first error cancels the others (no episode outlives its task)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class RolloutWorker:
@@ -87,9 +118,11 @@ class RolloutWorker:
         max_concurrency: int,
         group_size: int,
         worker_id: str | None = None,
+        no_replica_wait_s: float = 60.0,
     ):
         self.bus = bus
         self.client = client
+        self.no_replica_wait_s = no_replica_wait_s
         self.envs = EnvCache()
         self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
         self.episodes = asyncio.Semaphore(max_concurrency)
@@ -120,10 +153,8 @@ class RolloutWorker:
         with tracing.tracer().start_as_current_span(
             "rollout", attributes={"task_id": task.task_id, "step": task.step}
         ):
-            try:
-                rollout = await self.roll_out(task)
-            except NoReplicaError as error:
-                log.warning("task_deferred_no_replica", task_id=task.task_id, error=str(error))
+            rollout = await self.roll_out_when_a_replica_answers(task)
+            if rollout is None:
                 await delivery.nak(NO_REPLICA_NAK_DELAY_S)
                 return
             # The batch span links to this rollout span itself (the message headers name the
@@ -133,12 +164,44 @@ class RolloutWorker:
         await delivery.ack()
         self.num_rollouts += 1
 
+    async def roll_out_when_a_replica_answers(self, task: Task) -> Rollout | None:
+        """`roll_out`, again while no replica answers, for up to `no_replica_wait_s` (the
+        delivery stays held and heartbeated meanwhile); None when that time ran out."""
+        deadline = time.monotonic() + self.no_replica_wait_s
+        waiting = False
+        while True:
+            try:
+                return await self.roll_out(task)
+            except NoReplicaError as error:
+                if time.monotonic() >= deadline:
+                    log.warning(
+                        "task_deferred_no_replica",
+                        task_id=task.task_id,
+                        error=str(error),
+                        waited_s=self.no_replica_wait_s,
+                    )
+                    return None
+                if not waiting:
+                    log.warning("task_waiting_for_replica", task_id=task.task_id, error=str(error))
+                    waiting = True
+            await self.wait_for_replica(deadline)
+
+    async def wait_for_replica(self, deadline: float) -> None:
+        """Until some replica may be tried again (registry refreshed meanwhile) or `deadline`."""
+        pool = self.client.pool
+        while time.monotonic() < deadline:
+            up_in = pool.next_up_in_s()
+            if up_in is not None and up_in <= 0:
+                return
+            pool.refresh_now.set()
+            await asyncio.sleep(min(NO_REPLICA_POLL_S, max(0.0, deadline - time.monotonic())))
+
     async def roll_out(self, task: Task) -> Rollout:
         """Run the task's group; an environment error becomes `Rollout.error`."""
         started = time.time()
         try:
             env = self.envs.get(task.env_id, task.env_args)
-            samples = await asyncio.gather(
+            samples = await gather_or_cancel(
                 *(self.episode(env, task) for _ in range(task.group_size))
             )
         except NoReplicaError:
@@ -169,13 +232,6 @@ class RolloutWorker:
         )
 
 
-def make_http_client(max_connections: int) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(600.0, connect=5.0),
-        limits=httpx.Limits(max_connections=max_connections),
-    )
-
-
 async def run_workers(
     bus: Bus,
     *,
@@ -186,13 +242,21 @@ async def run_workers(
     static_urls: list[str],
     stop: asyncio.Event,
     state: ServiceState | None = None,
+    http_config: InferenceHttpConfig | None = None,
 ) -> None:
     """Run `num_workers` workers sharing one replica pool until `stop` (see module docstring)."""
-    pool = ReplicaPool()
-    async with make_http_client(num_workers * max_concurrency) as http:
-        client = InferenceClient(pool, http, model)
+    http_config = http_config or InferenceHttpConfig()
+    pool = ReplicaPool.from_config(http_config)
+    async with make_http_client(http_config, num_workers * max_concurrency) as http:
+        client = InferenceClient(pool, http, model, max_attempts=http_config.max_attempts)
         workers = [
-            RolloutWorker(bus, client, max_concurrency=max_concurrency, group_size=group_size)
+            RolloutWorker(
+                bus,
+                client,
+                max_concurrency=max_concurrency,
+                group_size=group_size,
+                no_replica_wait_s=http_config.no_replica_wait_s,
+            )
             for _ in range(num_workers)
         ]
         async with TaskSupervisor() as tasks:

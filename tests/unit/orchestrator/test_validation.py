@@ -1,0 +1,62 @@
+"""Rollout validation (rlbus_orchestrator.validation): each fault that would break batching or
+training is named; a usable rollout passes."""
+
+import math
+
+import pytest
+
+from rlbus.wire.rollouts import Rollout, RolloutSample
+from rlbus_orchestrator.validation import problem
+
+
+def sample(**overrides) -> RolloutSample:
+    fields = dict(
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3, 4],
+        completion_logprobs=[-0.1, -0.2],
+        completion_mask=[1, 1],
+        reward=1.0,
+        policy_version=2,
+    )
+    return RolloutSample(**(fields | overrides))
+
+
+def check(task_id="train-3", samples=None, **kwargs):
+    rollout = Rollout(
+        task_id=task_id, step=3, env_id="e", samples=samples or [sample(), sample()], **kwargs
+    )
+    return problem(rollout, issued_cursor=5, group_size=2, next_step=4)
+
+
+def test_a_usable_rollout_and_a_reported_error_pass():
+    assert check() is None
+    assert check(samples=[], error="boom") is None
+    assert check("eval-2-0", samples=[sample()]) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (dict(completion_mask=[1]), "must be equal"),
+        (dict(completion_logprobs=[-0.1, -0.1, -0.1]), "must be equal"),
+        (dict(completion_token_ids=[3, -4]), "negative token id"),
+        (dict(completion_mask=[1, 2]), "0 or 1"),
+        (dict(reward=math.nan), "reward is nan"),
+        (dict(reward=math.inf), "reward is inf"),
+        (dict(reward_components={"fmt": math.nan}), "reward component 'fmt'"),
+        (dict(completion_logprobs=[-0.1, math.nan]), "logprob"),
+        (dict(completion_logprobs=[-0.1, 3.0]), "logprob"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(policy_version=4), "policy_version 4 outside 0..3"),
+        (dict(policy_version=-1), "policy_version -1"),
+    ],
+)
+def test_each_sample_fault_is_named(overrides, expected):
+    fault = check(samples=[sample(), sample(**overrides)])
+    assert fault is not None and fault.startswith("sample 1: ") and expected in fault
+
+
+def test_task_and_group_faults_are_named():
+    assert "unknown task id" in check("my-task")
+    assert "never issued" in check("train-5")
+    assert "group of 3 samples, expected group_size=2" in check(samples=[sample()] * 3)
