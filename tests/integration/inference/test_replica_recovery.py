@@ -98,11 +98,12 @@ async def wait_registered(bus: Bus, version: int, timeout_s: float = 60.0):
     )
 
 
-def log_events(replica) -> list[str]:
+def log_events(replica, offset: int = 0) -> list[dict]:
+    """The JSON log events of the replica's output from byte `offset` on (starts append to it)."""
     import json
 
     events = []
-    for line in replica.log_path.read_text().splitlines():
+    for line in replica.log_path.read_bytes()[offset:].decode(errors="replace").splitlines():
         if line.startswith("{"):
             try:
                 events.append(json.loads(line))
@@ -145,9 +146,10 @@ async def test_engine_core_death_exits_and_leaves_registry_then_restart_loads_cu
         # A newer version is published while the replica is down; the same command again
         # (same ports, now free) loads it before registering.
         await publish(bus, make_published(2, setup["step"]))
+        offset = replica.log_path.stat().st_size
         again = start(setup, ports=replica.ports)
         await wait_registered(bus, 2)
-        events = log_events(again)
+        events = log_events(again, offset)
         names = [e["event"] for e in events]
         assert names.index("weights_applied") < names.index("replica_registered"), names
         first = next(e for e in events if e["event"] == "replica_registered")

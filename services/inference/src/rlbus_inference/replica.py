@@ -281,12 +281,26 @@ class WeightAgent:
                     "version": target.version,
                     "path": target.location,
                     "sha256": {f.name: f.sha256 for f in target.files},
+                    "timeout_s": self.engine_deadline_s,
                 },
             )
         else:
             await self.join_broadcast(target.location)
-            await self.post("/update_weights", {"version": target.version, "source": "broadcast"})
+            await self.post(
+                "/update_weights",
+                {
+                    "version": target.version,
+                    "source": "broadcast",
+                    "timeout_s": self.engine_deadline_s,
+                },
+            )
         return time.perf_counter() - start
+
+    @property
+    def engine_deadline_s(self) -> float:
+        """The engine's own deadline for a load: a bit less than ours, so that its answer (with
+        the reason) arrives before our HTTP call gives up."""
+        return 0.9 * self.config.weights_apply_timeout_s
 
     async def join_broadcast(self, location: str) -> None:
         """Join the trainer's group at `host:port` once per location (rank 1 of 2: TP=1)."""
