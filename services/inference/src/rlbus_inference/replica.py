@@ -111,8 +111,10 @@ class WeightAgent:
         self.latest: weights.WeightsPublished | None = None
         self.new_version = asyncio.Event()
         self.broadcast_location: str | None = None
-        self.rejected: set[int] = set()
-        """Versions refused for good: a redelivered record is not reported again."""
+        self.rejected: set[tuple] = set()
+        """Records refused or given up for good (`record_key`): one delivered again (the watch
+        is reopened every WATCH_REFRESH_S) is not tried or reported again; the same version
+        published again as a new record is."""
 
     async def run(self) -> None:
         """Watch and apply until cancelled; a watch that ends with an error ends the agent."""
@@ -180,7 +182,7 @@ class WeightAgent:
                 continue
             await self.apply_with_retry(target)
             if target.version != self.loaded_version:
-                self.rejected.add(target.version)  # its retries are spent: not tried again
+                self.rejected.add(record_key(target))  # its retries are spent: not tried again
 
     def refusal(self, target: weights.WeightsPublished) -> str | None:
         """Why `target` can never be applied here, or None. Checksums are the engine's to check
@@ -200,7 +202,7 @@ class WeightAgent:
         return None
 
     async def apply_with_retry(self, target: weights.WeightsPublished) -> None:
-        if target.version in self.rejected:
+        if record_key(target) in self.rejected:
             return
         if reason := self.refusal(target):
             await self.reject(target, reason)
@@ -231,7 +233,7 @@ class WeightAgent:
 
     async def reject(self, target: weights.WeightsPublished, reason: str) -> None:
         """One error line and one `weights.failed` event; the loaded version stays served."""
-        self.rejected.add(target.version)
+        self.rejected.add(record_key(target))
         log.error(
             "weights_rejected",
             version=target.version,
@@ -353,6 +355,12 @@ class WeightAgent:
             await self.bus.publish(subject, weights.encoder.encode(message), msg_id=msg_id)
         except Exception as error:
             log.warning("weights_event_unpublished", subject=subject, error=repr(error))
+
+
+def record_key(target: weights.WeightsPublished) -> tuple:
+    """What tells two weights records apart (a version may be published again, e.g. by a
+    trainer that resumed from a checkpoint)."""
+    return (target.version, target.location, target.published_at)
 
 
 def describe_http_error(error: Exception) -> str:
