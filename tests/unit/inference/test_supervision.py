@@ -160,3 +160,23 @@ def test_the_guard_acts_only_in_a_marked_engine_core(monkeypatch):
     monkeypatch.delenv(guard.GUARD_ENV, raising=False)
     assert not guard.is_engine_core()
     guard.register()  # not an EngineCore: no parent-death signal asked for
+
+
+def test_leftovers_of_the_mark_are_ended_but_not_our_ancestors(sleepers):
+    import os
+
+    from rlbus import procs
+
+    mark = procs.mark_env(f"unit-{os.getpid()}", "inference-u")
+    leftover = subprocess.Popen(["sleep", "60"], env={**os.environ, **mark})
+    try:
+        # This process stands in for an ancestor carrying the mark (as `uv run` would).
+        os.environ.update(mark)
+        processes.end_marked(mark, grace_s=2.0)
+        assert leftover.wait(5) == -signal.SIGTERM
+        assert os.getppid() in processes.ancestors(os.getpid())
+    finally:
+        for key in mark:
+            os.environ.pop(key, None)
+        leftover.kill()
+        leftover.wait()

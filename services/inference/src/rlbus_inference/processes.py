@@ -194,14 +194,29 @@ def replica_mark(replica: str) -> dict[str, str]:
 
 
 def end_marked(mark: dict[str, str], grace_s: float = 3.0) -> None:
-    """End every live process carrying `mark` (this one excluded): what is left of the children
-    after they were stopped, e.g. an EngineCore whose API server died first."""
+    """End every live process carrying `mark` except this one and its ancestors (a `uv run` or
+    shell in front of us carries the launcher's mark too): what is left of the children after
+    they were stopped, e.g. an EngineCore whose API server died first."""
+    mine = ancestors(os.getpid())
     pids = procs.marked_pids(mark[procs.LAUNCH_ID_ENV], mark[procs.SERVICE_ENV])
+    pids = [pid for pid in pids if pid not in mine]
     if not pids:
         return
     log.warning("child_leftovers", pids=pids, what=[procs.describe(pid, 60) for pid in pids])
     if survivors := procs.terminate(pids, grace_s=grace_s):
         log.error("child_leftovers_survived", pids=survivors)
+
+
+def ancestors(pid: int) -> set[int]:
+    """`pid`, its parent, its parent's parent, ... up to init (from /proc)."""
+    found: set[int] = set()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
 
 
 class EngineConfigError(RuntimeError):
