@@ -150,7 +150,11 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
         if failed:  # a child died: leave the registry and end the rest at once, side by side
             await asyncio.gather(
                 finish(replica, timeout_s=FAILED_WITHDRAW_S) if replica else asyncio.sleep(0),
-                asyncio.to_thread(stop_children, router, engine, grace_s=FAILED_STOP_GRACE_S),
+                *(
+                    asyncio.to_thread(processes.stop, name, child, grace_s=FAILED_STOP_GRACE_S)
+                    for name, child in (("router", router), ("engine", engine))
+                    if child is not None
+                ),
             )
         else:
             if replica is not None:
