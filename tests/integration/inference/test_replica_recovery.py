@@ -7,7 +7,8 @@
   KV before it registers, and registers serving that version;
 - a weights record that decodes but cannot be applied (version lower than the loaded one,
   directory missing) is refused once with `weights.failed`; the loaded version stays served;
-- SIGKILL of the replica process itself: nothing of it is left after 10 s.
+- SIGKILL of the replica process itself (and of its API server with it): nothing of it is left
+  after 10 s.
 """
 
 import asyncio
@@ -32,7 +33,7 @@ from rlbus.configs.bus import BusConfig
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # starts vLLM twice
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # starts vLLM three times
 
 DEATH_DEADLINE_S = 15.0
 ORPHAN_DEADLINE_S = 10.0
@@ -191,13 +192,20 @@ async def collect(bus: Bus, subject: str, action, *, window_s: float = 12.0) -> 
     return events
 
 
-def test_sigkill_of_the_replica_process_leaves_nothing_after_10_s(setup):
+@pytest.mark.parametrize("also_api_server", [False, True], ids=["leader", "leader+api_server"])
+def test_sigkill_of_the_replica_process_leaves_nothing_after_10_s(setup, also_api_server):
+    """SIGKILL of the leader alone: the API server gets SIGTERM and shuts its EngineCore down.
+    With the API server SIGKILLed too, nobody is left to do that: the EngineCore must die by its
+    own parent-death signal (rlbus_inference.guard)."""
     replica = setup["replica"]
     if replica is None or replica.proc.poll() is not None:
         replica = start(setup)
     tree = replica.descendants()
     assert any("EngineCore" in cmd for cmd in tree.values()), tree
+    api_server = [pid for pid, cmd in tree.items() if "api_server" in cmd]
     os.kill(replica.proc.pid, signal.SIGKILL)  # the leader only: no group signal
+    if also_api_server:
+        os.kill(api_server[0], signal.SIGKILL)
     replica.proc.wait(5)
     deadline = time.monotonic() + ORPHAN_DEADLINE_S
     while alive_of(tree) and time.monotonic() < deadline:

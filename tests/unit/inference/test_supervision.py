@@ -180,3 +180,10 @@ def test_leftovers_of_the_mark_are_ended_but_not_our_ancestors(sleepers):
             os.environ.pop(key, None)
         leftover.kill()
         leftover.wait()
+
+
+def test_an_undecodable_record_is_skipped_with_one_line_per_revision():
+    agent, _ = agent_with(lambda request: httpx.Response(200, json={}))
+    assert agent.decode(b"garbage", 7) is None
+    assert agent.decode(b"garbage", 7) is None  # the same revision seen again (watch reopened)
+    assert agent.undecodable == {7}

@@ -115,9 +115,11 @@ class WeightAgent:
         """Records refused or given up for good (`record_key`): one delivered again (the watch
         is reopened every WATCH_REFRESH_S) is not tried or reported again; the same version
         published again as a new record is."""
+        self.undecodable: set[int | None] = set()
+        """Revisions of `latest` that did not decode (logged once each)."""
 
     async def run(self) -> None:
-        """Watch and apply until cancelled; a watch that ends with an error ends the agent."""
+        """Watch and apply until cancelled (bus errors are ridden out; a bug still ends it)."""
         async with TaskSupervisor() as tasks:
             tasks.spawn("weights_watch", self.watch())
             tasks.spawn("weights_apply", self.apply_loop())
@@ -148,7 +150,9 @@ class WeightAgent:
         try:
             message = weights.published_decoder.decode(data)
         except msgspec.DecodeError as error:  # ValidationError is a DecodeError too
-            log.error("weights_record_undecodable", revision=revision, error=str(error))
+            if revision not in self.undecodable:
+                self.undecodable.add(revision)
+                log.error("weights_record_undecodable", revision=revision, error=str(error))
             return None
         return message
 
