@@ -38,6 +38,8 @@ class Replica:
     engine_url: str
     replica_id: str
     log_path: Path
+    ports: tuple[int, int] = (0, 0)
+    """(router port, engine port)."""
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the replica's whole process group (engine + router are in their own groups)."""
@@ -47,10 +49,19 @@ class Replica:
             pass
 
     def child_pids(self) -> list[int]:
-        out = subprocess.run(
-            ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True
-        ).stdout
-        return [int(pid) for pid in out.split()]
+        return children_of(self.proc.pid)
+
+    def descendants(self) -> dict[int, str]:
+        """Every live process under the replica (engine, EngineCore, router, ...): pid -> its
+        command line, read from /proc whatever their session or process group."""
+        found: dict[int, str] = {}
+        pending = children_of(self.proc.pid)
+        while pending:
+            pid = pending.pop()
+            if pid not in found and (cmdline := command_line(pid)) is not None:
+                found[pid] = cmdline
+                pending.extend(children_of(pid))
+        return found
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -60,6 +71,26 @@ class Replica:
             except subprocess.TimeoutExpired:
                 self.kill(signal.SIGKILL)
                 self.proc.wait()
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(child) for child in out.stdout.split()]
+
+
+def command_line(pid: int) -> str | None:
+    """The command line of a live process; None when it is gone or a zombie."""
+    try:
+        if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+            return None
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except (OSError, IndexError):
+        return None
+
+
+def alive_of(pids) -> list[int]:
+    """The pids of `pids` still alive (zombies count as gone)."""
+    return [pid for pid in pids if command_line(pid) is not None]
 
 
 def inference_command() -> list[str]:
@@ -91,8 +122,11 @@ def start_replica(
     bus_args: list[str],
     vllm_args: list[str] = VLLM_TEST_ARGS,
     timeout_s: float = 300.0,
+    ports: tuple[int, int] | None = None,
 ) -> Replica:
-    port, backend_port = free_ports(2)
+    """Start a replica and wait until its router is healthy; `ports` (router, engine) to start
+    one again on the ports of one that is gone (default: free ones)."""
+    port, backend_port = ports or free_ports(2)
     log_path = run_dir / f"{replica_id}.out"
     run_dir.mkdir(parents=True, exist_ok=True)
     command = replica_command(
@@ -114,7 +148,12 @@ def start_replica(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     replica = Replica(
-        proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{backend_port}", replica_id, log_path
+        proc,
+        f"http://127.0.0.1:{port}",
+        f"http://127.0.0.1:{backend_port}",
+        replica_id,
+        log_path,
+        (port, backend_port),
     )
     try:
         wait_until_healthy(replica, timeout_s)

@@ -1,10 +1,13 @@
 """The bus side of a replica (lease + weight agent) in the service shell, over a real
-nats-server and without an engine: a drain withdraws the lease and ends the tasks."""
+nats-server and without an engine: a drain withdraws the lease and ends the tasks; a current
+weights record that cannot apply is refused once and the replica still registers; a NATS outage
+(8 s here, 30 s in the slow tier) does not end the replica and its registry entry comes back."""
 
 import asyncio
 import time
 import uuid
 
+import pytest
 from inference_helpers import registered
 
 from rlbus.configs.bus import BusConfig
@@ -44,3 +47,71 @@ async def test_a_drain_withdraws_the_lease_and_ends_the_replica_tasks(nats_serve
 
 async def has_lease(bus) -> bool:
     return "replica-a" in await registered(bus)
+
+
+def replica_config(nats_server, run_id: str) -> InferenceConfig:
+    return InferenceConfig(
+        replica_id="replica-a",
+        lease_ttl_s=3,
+        bus=BusConfig(url=nats_server.url, token=nats_server.token, run_id=run_id),
+    )
+
+
+async def test_a_current_record_that_cannot_apply_is_refused_once_and_the_replica_registers(
+    nats_server, make_bus, tmp_path
+):
+    """At start-up the replica loads the current `latest` record before registering; one whose
+    directory is gone is refused (one weights.failed), and the replica registers with version 0."""
+    from rlbus.wire import weights
+    from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
+
+    run_id = f"rep_{uuid.uuid4().hex[:8]}"
+    bus = await make_bus(run_id=run_id)
+    missing = weights.WeightsPublished(
+        version=4, transport="filesystem", location=str(tmp_path / "gone")
+    )
+    await bus.kv(bus.subjects.weights_bucket).put(
+        WEIGHTS_LATEST_KEY, weights.encoder.encode(missing)
+    )
+    sub = await bus.nc.subscribe(bus.subjects.weights_failed)
+    state = ServiceState("inference")
+    tasks = asyncio.create_task(run_replica_tasks(replica_config(nats_server, run_id), state))
+    try:
+        await wait_for(lambda: has_lease(bus))
+        info = (await registered(bus))["replica-a"]
+        assert (info.weights_version, info.status) == (0, "ready")
+        failed = weights.decoder.decode((await sub.next_msg(timeout=5)).data)
+        assert failed.version == 4 and "does not exist" in failed.reason
+        await asyncio.sleep(3.0)  # a retry would show up here
+        with pytest.raises(TimeoutError):
+            await sub.next_msg(timeout=0.5)
+        assert not tasks.done()
+    finally:
+        state.drain("test")
+        await asyncio.wait_for(tasks, 10)
+
+
+@pytest.mark.parametrize(
+    "outage_s", [8.0, pytest.param(30.0, marks=pytest.mark.slow)], ids=["8s", "30s"]
+)
+async def test_a_nats_outage_does_not_end_the_replica_and_its_entry_comes_back(
+    nats_server, make_bus, outage_s
+):
+    """Longer than the lease TTL (3 s): the entry expires meanwhile and must come back."""
+    run_id = f"rep_{uuid.uuid4().hex[:8]}"
+    state = ServiceState("inference")
+    tasks = asyncio.create_task(run_replica_tasks(replica_config(nats_server, run_id), state))
+    bus = None
+    try:
+        probe = await make_bus(run_id=run_id)
+        await wait_for(lambda: has_lease(probe))
+        nats_server.kill()
+        await asyncio.sleep(outage_s)
+        assert not tasks.done(), tasks.exception()
+        nats_server.start()
+        bus = await make_bus(run_id=run_id)
+        await wait_for(lambda: has_lease(bus), timeout_s=30)
+        assert not tasks.done()
+    finally:
+        state.drain("test")
+        await asyncio.wait_for(tasks, 15)

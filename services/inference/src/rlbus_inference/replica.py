@@ -1,16 +1,21 @@
 """The bus side of a replica: its registry lease and its weight agent.
 
     run_replica_tasks
-      ├─ lease      ReplicaInfo under key <replica_id> of the replicas bucket (TTL lease_ttl_s,
-      │             heartbeat every ttl/3); re-acquired if lost; deleted on clean shutdown,
-      │             left to expire after kill -9
+      ├─ first    the weights KV key `latest` is read and that version loaded, so the replica
+      │           registers serving the run's current weights (a restart included)
+      ├─ lease    ReplicaInfo under key <replica_id> of the replicas bucket (TTL lease_ttl_s,
+      │           heartbeat every ttl/3); re-acquired if lost, retried while the bus is down;
+      │           deleted on shutdown (also after a child died), left to expire after kill -9
       └─ WeightAgent
            ├─ watch   the weights KV key `latest` -> remembers the newest WeightsPublished
-           └─ apply   newest version > loaded: /update_weights (filesystem: path + sha256;
-                      nccl: /init_broadcaster once per rendezvous, then receive) or
-                      /load_lora_adapter; then WeightsApplied, lease updated. On failure
-                      WeightsFailed with the reason and retry with backoff (1, 2, 4, 8 s),
-                      giving up on that version early when a newer one is published.
+           │          (reopened after a bus error, and every WATCH_REFRESH_S)
+           └─ apply   newest version != loaded: refused once (WeightsFailed, never retried) when
+                      it can never apply (lower than loaded, directory missing, engine 4xx);
+                      else /update_weights (filesystem: path + sha256; nccl: /init_broadcaster
+                      once per rendezvous, then receive) or /load_lora_adapter, each within
+                      weights_apply_timeout_s; then WeightsApplied, lease updated. A failure that
+                      may pass (5xx, no answer) is retried with backoff (1, 2, 4, 8 s), giving up
+                      on that version early when a newer one is published.
 
 The agent talks to its own engine over HTTP (the admin endpoints), exactly like an operator
 would, so the engine process stays free of NATS.
@@ -22,11 +27,14 @@ import asyncio
 import re
 import socket
 import time
+from pathlib import Path
 
 import httpx
+import msgspec
 import structlog
 
 from rlbus.bus import Bus
+from rlbus.bus.errors import LeaseHeld
 from rlbus.configs.inference import InferenceConfig
 from rlbus.runs import run_id_of
 from rlbus.runtime import ServiceState, TaskSupervisor
@@ -37,7 +45,12 @@ from rlbus_inference import processes
 log = structlog.get_logger()
 
 RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)
-UPDATE_TIMEOUT_S = 600.0
+CURRENT_READ_S = 10.0
+"""Deadline of reading the current weights record at start-up."""
+WATCH_REFRESH_S = 15.0
+WATCH_RETRY_S = 2.0
+LEASE_RETRY_S = (1.0, 2.0, 5.0)
+"""Waits between attempts to (re-)register while the bus does not answer (the last repeats)."""
 
 
 def replica_id(config: InferenceConfig) -> str:
@@ -76,7 +89,12 @@ def make_replica_info(
 
 
 class WeightApplyError(RuntimeError):
-    """The engine refused or failed a weights version (message = the engine's reason)."""
+    """The engine failed a weights version for a reason that may pass (5xx, no answer): retried."""
+
+
+class WeightRejected(RuntimeError):
+    """A weights record that can never be applied (directory missing, checksum wrong, version
+    lower than the loaded one, or the engine answered 4xx): reported once, never retried."""
 
 
 class WeightAgent:
@@ -93,37 +111,116 @@ class WeightAgent:
         self.latest: weights.WeightsPublished | None = None
         self.new_version = asyncio.Event()
         self.broadcast_location: str | None = None
+        self.rejected: set[tuple] = set()
+        """Records refused or given up for good (`record_key`): one delivered again (the watch
+        is reopened every WATCH_REFRESH_S) is not tried or reported again; the same version
+        published again as a new record is."""
+        self.undecodable: set[int | None] = set()
+        """Revisions of `latest` that did not decode (logged once each)."""
 
     async def run(self) -> None:
-        """Watch and apply until cancelled; a watch that ends with an error ends the agent."""
+        """Watch and apply until cancelled (bus errors are ridden out; a bug still ends it)."""
         async with TaskSupervisor() as tasks:
             tasks.spawn("weights_watch", self.watch())
             tasks.spawn("weights_apply", self.apply_loop())
             await tasks.join()
 
-    async def watch(self) -> None:
+    async def load_current(self) -> None:
+        """Apply the version current in the weights KV (`latest`) now, before the replica
+        registers: a restarted replica serves the run's weights, not the base model's. No record,
+        or a bus that does not answer within the deadline, leaves version 0 (the watch catches
+        up)."""
         kv = self.bus.kv(self.bus.subjects.weights_bucket)
-        async for entry in kv.watch(WEIGHTS_LATEST_KEY, weights.published_decoder):
-            if entry.value is not None:
-                self.latest = entry.value
-                self.new_version.set()
+        log.info("weights_current_reading", key=WEIGHTS_LATEST_KEY, deadline_s=CURRENT_READ_S)
+        try:
+            entry = await asyncio.wait_for(kv.get(WEIGHTS_LATEST_KEY), CURRENT_READ_S)
+        except Exception as error:  # a bus outage: start with version 0, the watch catches up
+            log.warning("weights_current_unreadable", error=repr(error))
+            return
+        if entry is None or not entry.value:
+            log.info("weights_current_none")
+            return
+        target = self.decode(entry.value, entry.revision)
+        if target is not None and target.version > 0:
+            self.latest = target
+            await self.apply_with_retry(target)
+
+    def decode(self, data: bytes, revision: int | None) -> weights.WeightsPublished | None:
+        """The record, or None (one error line) when it is not a WeightsPublished."""
+        try:
+            message = weights.published_decoder.decode(data)
+        except msgspec.DecodeError as error:  # ValidationError is a DecodeError too
+            if revision not in self.undecodable:
+                self.undecodable.add(revision)
+                log.error("weights_record_undecodable", revision=revision, error=str(error))
+            return None
+        return message
+
+    async def watch(self) -> None:
+        """Follow `latest`; a watch broken by a bus outage is opened again (with a line), and the
+        key is also read every WATCH_REFRESH_S in case a watch stopped delivering silently."""
+        kv = self.bus.kv(self.bus.subjects.weights_bucket)
+        while True:
+            try:
+                async with asyncio.timeout(WATCH_REFRESH_S):
+                    async for entry in kv.watch(WEIGHTS_LATEST_KEY):
+                        if entry.value:
+                            self.offer(self.decode(entry.value, entry.revision))
+            except TimeoutError:
+                continue  # reopened: its first entry is the current value
+            except Exception as error:
+                log.warning("weights_watch_failed", error=repr(error), retry_in_s=WATCH_RETRY_S)
+                await asyncio.sleep(WATCH_RETRY_S)
+
+    def offer(self, target: weights.WeightsPublished | None) -> None:
+        if target is not None:
+            self.latest = target
+            self.new_version.set()
 
     async def apply_loop(self) -> None:
         while True:
             await self.new_version.wait()
             self.new_version.clear()
             target = self.latest
-            if target is None or target.version <= self.loaded_version:
+            if target is None or target.version == self.loaded_version:
                 continue
             await self.apply_with_retry(target)
+            if target.version != self.loaded_version:
+                self.rejected.add(record_key(target))  # its retries are spent: not tried again
+
+    def refusal(self, target: weights.WeightsPublished) -> str | None:
+        """Why `target` can never be applied here, or None. Checksums are the engine's to check
+        (it reads the files); a mismatch comes back as a 4xx answer."""
+        if target.version < self.loaded_version:
+            return (
+                f"version {target.version} is lower than the loaded version "
+                f"{self.loaded_version} (weights never go backwards)"
+            )
+        if target.lora_name is not None or target.transport == "filesystem":
+            location = Path(target.location)
+            if not location.is_dir():
+                return f"weights directory {location} does not exist"
+            missing = [f.name for f in target.files if not (location / f.name).is_file()]
+            if missing:
+                return f"{', '.join(missing)} missing from {location}"
+        return None
 
     async def apply_with_retry(self, target: weights.WeightsPublished) -> None:
+        if record_key(target) in self.rejected:
+            return
+        if reason := self.refusal(target):
+            await self.reject(target, reason)
+            return
         for attempt, delay in enumerate((*RETRY_DELAYS_S, None), start=1):
             try:
                 await self.on_change(self.loaded_version, "updating_weights")
                 duration = await self.apply(target)
+            except WeightRejected as error:
+                await self.on_change(self.loaded_version, "ready")
+                await self.reject(target, str(error))
+                return
             except (WeightApplyError, httpx.HTTPError) as error:
-                reason = str(error) or type(error).__name__
+                reason = describe_http_error(error)
                 log.warning(
                     "weights_failed", version=target.version, attempt=attempt, reason=reason
                 )
@@ -137,6 +234,17 @@ class WeightAgent:
             await self.publish_applied(target.version, duration)
             log.info("weights_applied", version=target.version, duration_s=round(duration, 3))
             return
+
+    async def reject(self, target: weights.WeightsPublished, reason: str) -> None:
+        """One error line and one `weights.failed` event; the loaded version stays served."""
+        self.rejected.add(record_key(target))
+        log.error(
+            "weights_rejected",
+            version=target.version,
+            serving_version=self.loaded_version,
+            reason=reason,
+        )
+        await self.publish_failed(target.version, reason)
 
     async def newer_published(self, target: weights.WeightsPublished, delay_s: float) -> bool:
         """Sleep `delay_s` unless a newer version arrives first (then True: stop retrying)."""
@@ -157,6 +265,12 @@ class WeightAgent:
     async def _apply(self, target: weights.WeightsPublished) -> float:
         """Make the engine load `target`; returns seconds taken."""
         start = time.perf_counter()
+        log.info(
+            "weights_apply_started",
+            version=target.version,
+            location=target.location,
+            deadline_s=self.config.weights_apply_timeout_s,
+        )
         if target.lora_name is not None:
             await self.post(
                 "/load_lora_adapter",
@@ -173,12 +287,26 @@ class WeightAgent:
                     "version": target.version,
                     "path": target.location,
                     "sha256": {f.name: f.sha256 for f in target.files},
+                    "timeout_s": self.engine_deadline_s,
                 },
             )
         else:
             await self.join_broadcast(target.location)
-            await self.post("/update_weights", {"version": target.version, "source": "broadcast"})
+            await self.post(
+                "/update_weights",
+                {
+                    "version": target.version,
+                    "source": "broadcast",
+                    "timeout_s": self.engine_deadline_s,
+                },
+            )
         return time.perf_counter() - start
+
+    @property
+    def engine_deadline_s(self) -> float:
+        """The engine's own deadline for a load: a bit less than ours, so that its answer (with
+        the reason) arrives before our HTTP call gives up."""
+        return 0.9 * self.config.weights_apply_timeout_s
 
     async def join_broadcast(self, location: str) -> None:
         """Join the trainer's group at `host:port` once per location (rank 1 of 2: TP=1)."""
@@ -198,7 +326,15 @@ class WeightAgent:
         self.broadcast_location = location
 
     async def post(self, path: str, body: dict) -> dict:
-        response = await self.http.post(self.engine_url + path, json=body, timeout=UPDATE_TIMEOUT_S)
+        """POST to the engine's admin port within `weights_apply_timeout_s`; a 4xx answer is a
+        refusal (WeightRejected), anything else but 200 may pass (WeightApplyError)."""
+        timeout_s = self.config.weights_apply_timeout_s
+        try:
+            response = await self.http.post(self.engine_url + path, json=body, timeout=timeout_s)
+        except httpx.TimeoutException as error:
+            raise WeightApplyError(f"no answer from {path} within {timeout_s:g} s") from error
+        if 400 <= response.status_code < 500:
+            raise WeightRejected(f"{path} answered {response.status_code}: {response.text[:500]}")
         if response.status_code != 200:
             raise WeightApplyError(f"{path} answered {response.status_code}: {response.text[:500]}")
         return response.json()
@@ -207,20 +343,40 @@ class WeightAgent:
         message = weights.WeightsApplied(
             version=version, replica_id=self.replica_id, duration_s=duration_s
         )
-        await self.bus.publish(
+        await self.publish_event(
             self.bus.subjects.weights_applied,
-            weights.encoder.encode(message),
+            message,
             msg_id=f"applied-{self.replica_id}-{version}-{time.time_ns()}",
         )
 
     async def publish_failed(self, version: int, reason: str) -> None:
         message = weights.WeightsFailed(version=version, replica_id=self.replica_id, reason=reason)
-        await self.bus.publish(self.bus.subjects.weights_failed, weights.encoder.encode(message))
+        await self.publish_event(self.bus.subjects.weights_failed, message)
+
+    async def publish_event(self, subject: str, message, msg_id: str | None = None) -> None:
+        """Publish an event; a bus outage loses the event (with a line), not the replica."""
+        try:
+            await self.bus.publish(subject, weights.encoder.encode(message), msg_id=msg_id)
+        except Exception as error:
+            log.warning("weights_event_unpublished", subject=subject, error=repr(error))
+
+
+def record_key(target: weights.WeightsPublished) -> tuple:
+    """What tells two weights records apart (a version may be published again, e.g. by a
+    trainer that resumed from a checkpoint)."""
+    return (target.version, target.location, target.published_at)
+
+
+def describe_http_error(error: Exception) -> str:
+    return str(error) or type(error).__name__
 
 
 async def hold_lease(bus: Bus, config: InferenceConfig, state: dict, stop: asyncio.Event) -> None:
-    """Keep this replica's registry entry alive until `stop`; re-acquire it whenever it is lost."""
+    """Keep this replica's registry entry alive until `stop`; re-acquire it whenever it is lost.
+    A bus that does not answer (an outage) is retried with a line each time, never fatal; only
+    another live holder of the same replica id (LeaseHeld after `2 * lease_ttl_s`) ends it."""
     key = replica_id(config)
+    attempt = 0
     while not stop.is_set():
         info = make_replica_info(config, version=state["version"], status=state["status"])
         lease = bus.lease(
@@ -230,20 +386,48 @@ async def hold_lease(bus: Bus, config: InferenceConfig, state: dict, stop: async
             ttl_s=config.lease_ttl_s,
             wait_s=2 * config.lease_ttl_s,
         )
-        async with lease:
+        try:
+            await lease.acquire()
+        except LeaseHeld:
+            raise
+        except Exception as error:
+            delay = LEASE_RETRY_S[min(attempt, len(LEASE_RETRY_S) - 1)]
+            attempt += 1
+            log.warning(
+                "replica_register_failed", replica_id=key, error=repr(error), retry_in_s=delay
+            )
+            await wait_or_stop(stop, delay)
+            continue
+        attempt = 0
+        try:
             state["lease"] = lease
-            log.info("replica_registered", replica_id=key, base_url=info.base_url)
+            log.info(
+                "replica_registered",
+                replica_id=key,
+                base_url=info.base_url,
+                weights_version=info.weights_version,
+            )
             lost = asyncio.create_task(lease.lost.wait())
             stopped = asyncio.create_task(stop.wait())
             await asyncio.wait({lost, stopped}, return_when=asyncio.FIRST_COMPLETED)
             lost.cancel()
             stopped.cancel()
+        finally:
             state["lease"] = None
+            await lease.release()
     log.info("replica_withdrawn", replica_id=key)
 
 
+async def wait_or_stop(stop: asyncio.Event, delay_s: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), delay_s)
+    except TimeoutError:
+        pass
+
+
 async def run_replica_tasks(config: InferenceConfig, service: ServiceState) -> None:
-    """Lease + weight agent until the service ends; then withdraw the lease and close the bus."""
+    """Load the current weights, then lease + weight agent until the service ends; then withdraw
+    the lease and close the bus."""
     stop = service.stop_requested
     bus = await Bus.connect(
         config.bus,
@@ -257,11 +441,15 @@ async def run_replica_tasks(config: InferenceConfig, service: ServiceState) -> N
         state["version"], state["status"] = version, status
         if (lease := state["lease"]) is not None and lease.held:
             info = make_replica_info(config, version=version, status=status)
-            await lease.update(replicas.encoder.encode(info))
+            try:
+                await lease.update(replicas.encoder.encode(info))
+            except Exception as error:  # the heartbeat carries the new value once the bus is back
+                log.warning("replica_update_failed", status=status, error=repr(error))
 
     try:
         async with httpx.AsyncClient() as http, TaskSupervisor() as tasks:
             agent = WeightAgent(bus, config, http, on_change)
+            await agent.load_current()  # before registering: never advertise stale weights
             lease = tasks.spawn("replica_lease", hold_lease(bus, config, state, stop))
             agent_task = tasks.spawn("weight_agent", agent.run())
             await tasks.wait(stop, lease)

@@ -15,8 +15,16 @@ exits at once (143/130). The bus tasks are supervised: a lease or weight agent t
 the replica with one `service_task_failed` line and exit code 1.
 
 Shutdown order: withdraw the lease (rollout workers stop sending), stop the agent, stop the
-router, stop the engine (its process group, EngineCore included), close the bus. A crash of
-either child ends the replica with an error; kill -9 of the replica leaves its lease to expire.
+router, stop the engine (its process group, EngineCore included), close the bus; then end whatever
+still carries the replica's mark (`processes.end_marked`).
+
+While serving, `processes.ChildWatch` checks the API server, the router and vLLM's EngineCore and
+probes the engine's /health (`config.health`). A death (a child exits, or /health fails
+`health.failures` times in a row) ends the replica within 15 s: the lease is withdrawn and the
+children are ended side by side with short deadlines, and the process exits 1 with one line naming
+what died and its log (docs/inference.md, "Engine death, orphans, restart"). kill -9 of the
+replica leaves its lease to expire; its children die with it (parent-death signals, and
+`rlbus_inference.guard` in the EngineCore).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import sys
 import threading
 from pathlib import Path
 
+import httpx
 import structlog
 
 from rlbus.configs.inference import InferenceConfig
@@ -39,6 +48,12 @@ log = structlog.get_logger()
 
 ENGINE_START_TIMEOUT_S = 600.0
 ROUTER_START_TIMEOUT_S = 60.0
+STOP_GRACE_S = 15.0
+"""A stop request: each child gets this long after SIGTERM before SIGKILL."""
+FAILED_WITHDRAW_S = 5.0
+FAILED_STOP_GRACE_S = 3.0
+"""A child died: the registry entry is deleted and the other children are ended at once, so the
+replica is gone from the registry and exits within 15 s of the death (docs/inference.md)."""
 
 
 def run(config: InferenceConfig) -> None:
@@ -71,14 +86,18 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
     logs = logs_dir(config)
     engine = router = None
     router_facing_port = free_port()
+    mark = processes.replica_mark(log_suffix(config))
     tasks = TaskSupervisor()
     replica = None
+    failed = True  # until serving ended by a stop request: then shut down in order, unhurried
     try:
         engine_log = logs / f"inference-engine-{log_suffix(config)}.log" if logs else None
         engine = processes.start(
             "engine",
             processes.engine_command(config),
-            env=processes.engine_env(initial_version=0, router_facing_port=router_facing_port),
+            env=processes.engine_env(
+                initial_version=0, router_facing_port=router_facing_port, mark=mark
+            ),
             log_path=engine_log,
             parent_death_signal=signal.SIGTERM,
         )
@@ -94,7 +113,7 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
         router = processes.start(
             "router",
             processes.router_command(config, router_facing_port),
-            env=None,
+            env=processes.child_env(mark),
             log_path=router_log,
         )
         await asyncio.to_thread(
@@ -112,39 +131,61 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
             engine_url=processes.engine_url(config),
             model=config.vllm.model,
         )
+        watch = processes.ChildWatch(
+            config,
+            {"engine": (engine, engine_log), "router": (router, router_log)},
+            engine_log=engine_log,
+        )
         if config.bus.url:
             from rlbus_inference.replica import run_replica_tasks
 
             replica = tasks.spawn("replica_tasks", run_replica_tasks(config, state))
-        await wait_for_stop(
-            state, {"engine": (engine, engine_log), "router": (router, router_log)}, tasks
-        )
+        await wait_for_stop(state, watch, tasks, interval_s=config.health.interval_s)
+        failed = False
     except processes.StopDuringStartup as stopped:
         log.info("inference_stop_during_startup", reason=str(stopped))
+        failed = False
     finally:
         state.drain("shutdown")  # the bus tasks see it: they withdraw the lease first
-        if replica is not None:
-            await finish(replica)
+        if failed:  # a child died: leave the registry and end the rest at once, side by side
+            await asyncio.gather(
+                finish(replica, timeout_s=FAILED_WITHDRAW_S) if replica else asyncio.sleep(0),
+                *(
+                    asyncio.to_thread(processes.stop, name, child, grace_s=FAILED_STOP_GRACE_S)
+                    for name, child in (("router", router), ("engine", engine))
+                    if child is not None
+                ),
+            )
+        else:
+            if replica is not None:
+                await finish(replica)
+            await asyncio.to_thread(stop_children, router, engine, grace_s=STOP_GRACE_S)
         await tasks.close()
-        if router is not None:
-            await asyncio.to_thread(processes.stop, "router", router)
-        if engine is not None:
-            await asyncio.to_thread(processes.stop, "engine", engine)
+        await asyncio.to_thread(processes.end_marked, mark)
         log.info("inference_stopped")
 
 
-async def wait_for_stop(state: ServiceState, children: dict, tasks: TaskSupervisor) -> None:
-    """Return on a stop request; raise if a child dies (ChildExited, naming it and its log) or a
-    bus task fails (TaskFailed) first. `children`: name -> (process, log path or None)."""
-    while not state.ending:
-        for name, (child, log_path) in children.items():
-            if child.poll() is not None:
-                raise processes.ChildExited(
-                    processes.see_log(
-                        f"{name} (pid {child.pid}) exited with code {child.returncode}", log_path
-                    )
-                )
-        await tasks.wait(state.stop_requested, timeout_s=1.0)
+def stop_children(router, engine, *, grace_s: float) -> None:
+    """Router first (clients stop reaching the engine), then the engine's process group."""
+    if router is not None:
+        processes.stop("router", router, grace_s=grace_s)
+    if engine is not None:
+        processes.stop("engine", engine, grace_s=grace_s)
+
+
+async def wait_for_stop(
+    state: ServiceState, watch: processes.ChildWatch, tasks: TaskSupervisor, *, interval_s: float
+) -> None:
+    """Return on a stop request; raise if a child dies or stops answering (ChildExited, naming it
+    and its log) or a bus task fails (TaskFailed) first."""
+    async with httpx.AsyncClient() as http:
+        while not state.ending:
+            watch.check_processes()
+            await watch.check_health(http)
+            if state.ending:
+                break
+            watch.check_processes()  # a probe that failed because the engine just died
+            await tasks.wait(state.stop_requested, timeout_s=interval_s)
 
 
 async def finish(task: asyncio.Task, timeout_s: float = 10.0) -> None:
@@ -152,8 +193,9 @@ async def finish(task: asyncio.Task, timeout_s: float = 10.0) -> None:
     (their own failure is reported by the supervisor, not here)."""
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
-        log.warning("replica_tasks_cancelled")
+        log.warning("replica_tasks_cancelled", waited_s=timeout_s)
         task.cancel()
+        await asyncio.wait({task}, timeout=2.0)
 
 
 if __name__ == "__main__":  # `python -m rlbus_inference.service ...` = the `inference` command

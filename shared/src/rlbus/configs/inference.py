@@ -57,6 +57,19 @@ class ServerConfig(BaseConfig):
     """Client-facing router port (OpenAI API)."""
 
 
+class HealthConfig(BaseConfig):
+    """How the replica watches its engine while serving (docs/inference.md, "Engine death")."""
+
+    interval_s: float = Field(2.0, gt=0)
+    """Seconds between two probes of the engine's /health (and checks of the child processes)."""
+
+    timeout_s: float = Field(5.0, gt=0)
+    """Deadline of one /health probe."""
+
+    failures: int = Field(3, ge=1)
+    """Probes failing in a row that count as a dead engine (the replica then exits 1)."""
+
+
 class InferenceConfig(ServiceConfig):
     """The inference service: one vLLM engine, its router, its weight agent and replica lease.
     Without bus.url the weight agent and the lease are off."""
@@ -84,6 +97,13 @@ class InferenceConfig(ServiceConfig):
 
     weight_broadcast: WeightBroadcastConfig = WeightBroadcastConfig()
     """How new weights arrive."""
+
+    health: HealthConfig = HealthConfig()
+    """Engine health probes while serving."""
+
+    weights_apply_timeout_s: float = Field(600.0, gt=0)
+    """Deadline of one weights load (the engine's /update_weights or /load_lora_adapter call);
+    a load that takes longer is reported as failed (`weights.failed`)."""
 
     def vllm_cli_args(self, *, on_cpu: bool = False) -> list[str]:
         """The vLLM server flags for the `vllm.*` options (known and pass-through). On CPU the KV
