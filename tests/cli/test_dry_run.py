@@ -348,3 +348,11 @@ def test_rollout_worker_processes_run_the_orchestrator_config_as_workers(tmp_pat
     assert (
         launch.index("orchestrator.sh") < launch.index("worker-0.sh") < launch.index("trainer.sh")
     )
+
+
+def test_rl_dead_letters_is_the_listing_command_and_names_a_bad_run_dir(tmp_path):
+    result = run_command("rl", "dead-letters", str(tmp_path / "no-such-run"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no-such-run" in lines[0] and "Traceback" not in result.stderr
+    assert "rl dead-letters" in run_command("rl", "dead-letters", "--help", cwd=tmp_path).stdout

@@ -27,7 +27,7 @@ from rlbus.bus.errors import BusError
 from rlbus.bus.server import NatsServer
 from rlbus.configs.bus import BusConfig
 
-PROG = "python -m rlbus.bus.deadletters"
+PROG = "rl dead-letters"
 EXIT_OK = 0
 EXIT_USAGE = 2
 CONNECT_RETRY_S = 2.0

@@ -370,7 +370,16 @@ def point_latest(run_dir: Path) -> None:
         log.warning("latest_link_failed", path=str(link), error=str(error))
 
 
+SUBCOMMANDS = {"dead-letters": "rlbus.bus.deadletters"}
+"""`rl <subcommand> ...`: tools about a run, each a module with `main(argv) -> exit code`."""
+
+
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in SUBCOMMANDS:
+        import importlib
+
+        sys.exit(importlib.import_module(SUBCOMMANDS[args[0]]).main(args[1:]))
     config = parse_cli(RLConfig, argv, prog="rl")
     check_sinks_installed(config.monitors)
     launch = plan_rl(config, command="rl " + " ".join(sys.argv[1:] if argv is None else argv))
