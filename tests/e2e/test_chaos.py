@@ -74,6 +74,12 @@ def test_twenty_sigkills_over_every_process_kind_and_the_run_heals(tmp_path, sta
     rows = [row for row in metrics_lines(run.run_dir) if "loss" in row]
     assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1)), f"seed {seed}"
     assert not any(row.get("retrained") for row in rows), f"seed {seed}: retrained steps"
+    # Every issued task trained, dropped with a counted reason, or still outstanding.
+    last = rows[-1]
+    dropped = sum(v for k, v in last.items() if k.startswith("tasks/dropped/"))
+    assert last["tasks/issued"] == last["tasks/trained"] + dropped + last["tasks/outstanding"], (
+        f"seed {seed}: tasks unaccounted: { ({k: v for k, v in last.items() if k.startswith('tasks/')}) }"
+    )
     # Weights versions never went backwards (and none was published twice).
     versions = chaos.published_versions(run.run_dir)
     assert versions == sorted(set(versions)) and versions[-1] == MAX_STEPS, f"seed {seed}"
