@@ -28,6 +28,24 @@ async def test_restart_adopts_a_batch_stored_before_the_crash_and_saves_the_stat
     assert CoordinatorState.decode(saved.value) == coordinator.state
 
 
+async def test_restart_steps_over_a_stored_batch_that_is_poison_instead_of_crashing(bus):
+    """The trainer quarantines and skips an undecodable stored step; a restarted coordinator must
+    count it as published too (it used to raise on every restart)."""
+    state = CoordinatorState(next_step=1, cursor=2, outstanding={"train-0": 0, "train-1": 1})
+    await bus.kv(bus.subjects.state_bucket).put(STATE_KEY, state.encode())
+    await bus.publish(
+        bus.subjects.batch(1), b"\xc1 not msgpack", msg_id=bus.subjects.batch_msg_id(1)
+    )
+    await bus.publish(
+        bus.subjects.batch(2),
+        TrainBatch(step=2, micro_batches=[[]], task_ids=["train-1"]),
+        msg_id=bus.subjects.batch_msg_id(2),
+    )
+    coordinator = make_coordinator(bus)
+    await coordinator.load_state()
+    assert (coordinator.state.next_step, coordinator.state.outstanding) == (3, {"train-0": 0})
+
+
 async def test_fresh_run_starts_at_step_one(bus):
     coordinator = make_coordinator(bus)
     await coordinator.load_state()

@@ -239,8 +239,22 @@ class Coordinator:
         await self.retry_bus("save_state", lambda: self.state_kv().put(STATE_KEY, data))
 
     async def adopt_published_batches(self) -> None:
-        """Steps published before a crash but not recorded in the state: mark their tasks consumed."""
-        while (batch := await self.bus.step_log.read(self.state.next_step)) is not None:
+        """Steps published before a crash but not recorded in the state: mark their tasks consumed.
+        A stored step that is not a batch (the trainer quarantines and skips it) still counts as
+        published; its tasks, unknown, stay outstanding until `task_timeout_s` drops them."""
+        from rlbus.bus.errors import PoisonBatch
+
+        while True:
+            try:
+                batch = await self.bus.step_log.read(self.state.next_step)
+            except PoisonBatch as poison:
+                log.error(
+                    "coordinator_stored_step_unreadable", step=poison.step, reason=poison.reason
+                )
+                self.state.next_step += 1
+                continue
+            if batch is None:
+                break
             for task_id in batch.task_ids:
                 if self.state.outstanding.pop(task_id, None) is not None:
                     self.state.trained += 1
