@@ -98,3 +98,19 @@ def test_supervision_flags_parse_like_every_other_field():
         enabled=False, max_restarts=3, window_s=60, backoff_s=0.5
     )
     assert RLConfig().supervision.max_restarts == 5
+
+
+def test_a_torchrun_job_whose_rank_cannot_resume_is_not_restarted():
+    """torchrun's agent exits 1 whatever its ranks did; its failure summary names the rank's
+    code, and a 2 (config error, checkpoint gone) must stop the run instead of being retried."""
+    from rlbus.launch.restarts import GiveUp, RestartPolicy, rank_exit_code
+
+    torchrun = ["python", "-m", "torch.distributed.run", "-m", "rlbus_trainer.entrypoint"]
+    summary = (
+        "Failures:\n  <NO_OTHER_FAILURES>\nRoot Cause:\n  rank      : 0\n  exitcode  : 2 (pid: 7)\n"
+    )
+    assert rank_exit_code(1, torchrun, summary) == 2
+    assert rank_exit_code(1, torchrun, summary.replace(": 2 (", ": 1 (")) == 1
+    assert rank_exit_code(1, ["python", "-m", "x"], summary) == 1  # not torchrun: as is
+    assert rank_exit_code(-9, torchrun, summary) == -9
+    assert isinstance(RestartPolicy().decide("trainer", 2, now=0.0), GiveUp)

@@ -9,6 +9,7 @@ processes: `rlbus.launch.rl` acts on the decisions).
   window, up to `max_backoff_s`, so a service that dies at once does not spin.
 """
 
+import re
 import signal
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +23,22 @@ NEVER_RESTARTED = {
     EXIT_SERVICE_MISSING: "the service is not installed",
 }
 """Exit codes that a restart cannot fix, and what they mean."""
+
+
+TORCHRUN_RANK_EXIT = re.compile(r"exitcode\s*:\s*(\d+)")
+"""torchrun's failure summary names each failed rank's code (`exitcode  : 2`); the agent itself
+exits 1 whatever the ranks' codes were."""
+
+
+def rank_exit_code(code: int, argv: list[str], log_tail: str) -> int:
+    """The code that says why a torchrun job failed: a rank's code that a restart cannot fix
+    (a config error, a run that cannot resume) instead of the agent's 1; `code` otherwise."""
+    if code != 1 or "torch.distributed.run" not in argv:
+        return code
+    for match in TORCHRUN_RANK_EXIT.finditer(log_tail):
+        if int(match.group(1)) in NEVER_RESTARTED:
+            return int(match.group(1))
+    return code
 
 
 def describe_exit(code: int) -> str:

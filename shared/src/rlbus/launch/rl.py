@@ -26,7 +26,14 @@ from rlbus.configs.base import exit_with_config_error, parse_cli
 from rlbus.launch.lock import refusal, remove_lock, write_lock
 from rlbus.launch.plan import Launch, build_rl_launch
 from rlbus.launch.progress import Progress
-from rlbus.launch.restarts import GiveUp, Restart, RestartPolicy, describe_exit, launcher_exit_code
+from rlbus.launch.restarts import (
+    GiveUp,
+    Restart,
+    RestartPolicy,
+    describe_exit,
+    launcher_exit_code,
+    rank_exit_code,
+)
 from rlbus.launch.scripts import describe_written, write_launch
 from rlbus.launch.supervisor import ServiceProcess, Supervisor
 from rlbus.launch.watchdog import start_watchdog
@@ -222,6 +229,7 @@ def watch(
                 continue
             if code == 0 and service.name in FINISHING_SERVICES:
                 continue
+            code = rank_exit_code(code, service.argv, service.tail(80))
             decision = policy.decide(service.name, code, time.monotonic())
             if isinstance(decision, GiveUp):
                 report_failure(service, code, decision.reason, progress)
