@@ -1,15 +1,15 @@
 """Live progress of an RL run on the launcher's terminal, read from `<run_dir>/metrics.jsonl`.
 
-The monitor process writes one JSON row per step (trainer and orchestrator metrics joined); a
-weights ack that arrives after its step's row was written comes as an extra row with the same
-step. `MetricsTail` reads the new complete lines on each poll and merges rows by step;
-`step_line` renders one step as the parseable console line
+The monitor process writes one JSON row per step (trainer and orchestrator metrics joined, once
+across any restart: rlbus.monitors). `MetricsTail` reads the new complete lines on each poll and
+merges rows by step (files written by older versions may still hold a second, weights-only row
+for a step); `step_line` renders one step as the parseable console line
 
     Step 3 | Reward 0.4213 | Loss 0.0123 | Tok/s 512 | Weights v2 (vm-8000: v2) | Lag 0.50
 
 (`-` for a value not known yet), followed by `| Quarantined N` once the run has quarantined
-messages (`dead_letters/total`, docs/bus.md "Dead letters"). On a terminal the launcher shows the lines above a rich Live
-status panel; otherwise it prints the plain lines only, once per step, when the step's row has
+messages (`dead_letters/total`, docs/bus.md "Dead letters"). On a terminal the launcher shows the
+lines above a rich Live status panel; otherwise it prints the plain lines only, once per step, when the step's row has
 both the trainer's and the orchestrator's metrics (or, when the run ends, any step a service
 reported; a row holding only weights acks is never a step line of its own).
 """
