@@ -44,16 +44,19 @@ def mark_env(launch_id: str, service: str) -> dict[str, str]:
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Have the kernel send `sig` to this process when its parent exits (best effort).
 
-    Safe as a `subprocess.Popen(preexec_fn=...)`: it only calls prctl (libc is loaded at import). If the parent is already
-    gone when this runs (a race at start-up), the process signals itself at once.
+    Safe as a `subprocess.Popen(preexec_fn=...)`: it only calls prctl (libc is loaded at import).
+    If the parent is already gone when this runs (a race at start-up: the parent pid changed
+    between the call and the prctl), the process signals itself at once. A parent that is pid 1
+    (`rl` as a container's entry point) is fine: only a change of parent counts.
     """
     if _LIBC is None:
         return
+    parent = os.getppid()
     try:
         _LIBC.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except AttributeError:  # no prctl: not Linux
         return
-    if os.getppid() == 1:
+    if os.getppid() != parent:
         os.kill(os.getpid(), sig)
 
 
