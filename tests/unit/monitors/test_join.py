@@ -23,8 +23,38 @@ def test_rows_come_out_in_step_order():
     assert [row["step"] for row, _ in rows] == [1, 2]
 
 
-def test_a_step_a_service_never_reports_is_released_after_lookahead():
-    joiner = StepJoiner(lookahead=2)
+def test_a_service_that_reports_late_after_a_restart_still_joins_its_row():
+    """A coordinator killed after publishing step 1's batch republishes its metrics after the
+    restart, when later steps are complete: the row waits for them instead of being written
+    without them (they would then be dropped as a step already written)."""
+    now = [0.0]
+    joiner = StepJoiner(lookahead=2, wait_s=300, clock=lambda: now[0])
+    joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))
+    for step in (2, 3, 4):
+        joiner.add_metrics(make_metrics("trainer", step, loss=1.0))
+        assert joiner.add_metrics(make_metrics("orchestrator", step, r=1.0)) == []
+    now[0] = 60.0
+    rows = joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))
+    assert [row["step"] for row, _ in rows] == [1, 2, 3, 4] and rows[0][0]["r"] == 1.0
+
+
+def test_a_step_a_service_never_reports_is_released_after_lookahead_and_wait():
+    now = [0.0]
+    joiner = StepJoiner(lookahead=2, wait_s=300, clock=lambda: now[0])
+    joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))  # trainer never reports step 1
+    joiner.add_metrics(make_metrics("orchestrator", 2, r=1.0))
+    joiner.add_metrics(make_metrics("trainer", 2, loss=1.0))
+    joiner.add_metrics(make_metrics("orchestrator", 3, r=1.0))
+    assert joiner.add_metrics(make_metrics("trainer", 3, loss=1.0)) == []  # not waited long enough
+    now[0] = 301.0
+    released = joiner.add_metrics(make_metrics("orchestrator", 4, r=1.0))
+    released += joiner.add_metrics(make_metrics("trainer", 4, loss=1.0))
+    assert [row["step"] for row, _ in released] == [1, 2, 3, 4]
+    assert "loss" not in released[0][0]
+
+
+def test_with_no_wait_the_lookahead_alone_releases_a_row():
+    joiner = StepJoiner(lookahead=2, wait_s=0)
     joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))  # trainer never reports step 1
     released = []
     for step in (2, 3):
@@ -92,3 +122,13 @@ def test_rows_not_ready_are_held_with_their_tokens_not_written():
     joiner.add_weights(WeightsApplied(version=1, replica_id="r0", duration_s=0.1), "w1")
     assert sorted(joiner.held_tokens()) == ["o1", "w1"]
     assert not joiner.is_written(1)
+
+
+def test_complete_rows_behind_an_incomplete_one_come_out_at_a_clean_stop():
+    joiner = StepJoiner(lookahead=2, wait_s=300)
+    joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))  # step 1's orchestrator half lost
+    for step in (2, 3):
+        joiner.add_metrics(make_metrics("trainer", step, loss=1.0))
+        joiner.add_metrics(make_metrics("orchestrator", step, r=1.0))
+    assert [row["step"] for row, _ in joiner.complete_rows()] == [2, 3]
+    assert list(joiner.pending) == [1]

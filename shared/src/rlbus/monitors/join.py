@@ -6,8 +6,14 @@ because the monitor died between writing and acking, or republished by a trainer
 the step after a resume) are acked without a second row. A row that is not ready when the monitor
 stops is not written: its events stay unacked for the next monitor (`held_tokens`), so a partial
 row (e.g. only weights acks for step k+1) never takes the place of the real one.
+
+A row missing a service is written without it only after `wait_s` (a restarting coordinator or
+trainer republishes a step's metrics a minute or more later, and a row written without them
+would drop them for good), and when `lookahead` later steps are complete.
 """
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,20 +36,25 @@ class PendingRow:
     services: set[str] = field(default_factory=set)
     tokens: list[Any] = field(default_factory=list)
     """Whatever the caller wants back when the row is written (e.g. deliveries to ack)."""
+    since: float = 0.0
+    """When the row's first event arrived (the joiner's clock)."""
 
 
 @dataclass
 class StepJoiner:
     """Buffers step events until every expected service reported the step.
 
-    A row is also released when a step `lookahead` steps later is complete, so a service that
-    never reports a step (e.g. it restarted) delays its row but never blocks the file.
+    A row is also released once it waited `wait_s` and a step `lookahead` steps later is complete,
+    so a service that never reports a step delays its row but never blocks the file.
     """
 
     expected: tuple[str, ...] = JOINED_SERVICES
     lookahead: int = 2
-    max_pending: int = 8
+    wait_s: float = 180.0
+    """How long a row waits for a missing service (a restart takes up to a few minutes on CPU)."""
+    max_pending: int = 256
     """A row is released anyway once this many newer steps have data (a service is gone)."""
+    clock: Callable[[], float] = time.monotonic
     pending: dict[int, PendingRow] = field(default_factory=dict)
     last_written: int = -1
     written: set[int] = field(default_factory=set)
@@ -102,18 +113,24 @@ class StepJoiner:
     def ready(self) -> list[tuple[dict, list]]:
         """Rows that can be written now, in step order: (row, tokens)."""
         complete = [s for s, r in self.pending.items() if set(self.expected) <= r.services]
-        horizon = max(
-            max(complete, default=-1) - self.lookahead,
-            max(self.pending, default=-1) - self.max_pending,
-        )
+        late = max(complete, default=-1) - self.lookahead
+        crowded = max(self.pending, default=-1) - self.max_pending
+        now = self.clock()
         out = []
         for step in sorted(self.pending):
             row = self.pending[step]
-            if set(self.expected) <= row.services or step <= horizon:
+            overdue = step <= late and now - row.since >= self.wait_s
+            if set(self.expected) <= row.services or overdue or step <= crowded:
                 out.append(self._pop(step))
             else:
                 break
         return out
+
+    def complete_rows(self) -> list[tuple[dict, list]]:
+        """Every complete buffered row, even behind an incomplete one (at a clean stop: a step
+        whose metrics were lost for good must not keep the later, complete rows out of the file)."""
+        done = [s for s, r in self.pending.items() if set(self.expected) <= r.services]
+        return [self._pop(step) for step in sorted(done)]
 
     def flush(self) -> list[tuple[dict, list]]:
         """Every buffered row, complete or not (a one-shot join; the monitor uses `held_tokens`)."""
@@ -124,7 +141,9 @@ class StepJoiner:
         return [token for row in self.pending.values() for token in row.tokens]
 
     def _row(self, step: int, token: Any) -> PendingRow:
-        row = self.pending.setdefault(step, PendingRow())
+        row = self.pending.get(step)
+        if row is None:
+            row = self.pending[step] = PendingRow(since=self.clock())
         if token is not None:
             row.tokens.append(token)
         return row

@@ -125,8 +125,13 @@ class Monitor:
                 await delivery.ack()
 
     async def close(self) -> None:
-        """Hand the events of rows not ready back to the bus (nak: the next monitor gets them at
-        once), then close the sinks."""
+        """Write the complete rows still held behind an incomplete one, hand the events of the
+        incomplete ones back to the bus (nak: the next monitor gets them at once), then close
+        the sinks."""
+        try:
+            await self.write(self.joiner.complete_rows())
+        except Exception as error:  # the bus is gone: their events are redelivered anyway
+            log.warning("monitor_final_rows_failed", error=repr(error))
         for delivery in self.joiner.held_tokens():
             if delivery is not None and not delivery.settled:
                 try:
