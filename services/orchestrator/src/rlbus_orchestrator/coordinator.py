@@ -66,7 +66,7 @@ import structlog
 
 from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
-from rlbus.bus.core import RETRYABLE_PUBLISH_ERRORS
+from rlbus.bus.core import retry_transient
 from rlbus.bus.kv import KV
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
@@ -207,17 +207,13 @@ class Coordinator:
 
     async def retry_bus(self, what: str, operation):
         """`await operation()`, retried on transient bus errors for `bus.publish_retry_s`."""
-        deadline = time.monotonic() + self.config.bus.publish_retry_s
-        delay = 0.1
-        while True:
-            try:
-                return await operation()
-            except RETRYABLE_PUBLISH_ERRORS as error:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("coordinator_bus_retry", what=what, error=repr(error), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, BUS_RETRY_MAX_DELAY_S)
+        return await retry_transient(
+            what,
+            operation,
+            within_s=self.config.bus.publish_retry_s,
+            event="coordinator_bus_retry",
+            max_delay_s=BUS_RETRY_MAX_DELAY_S,
+        )
 
     async def load_state(self) -> None:
         entry = await self.retry_bus("read_state", lambda: self.state_kv().get(STATE_KEY))

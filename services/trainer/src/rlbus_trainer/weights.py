@@ -37,7 +37,7 @@ import structlog
 import torch
 
 from rlbus import broadcast
-from rlbus.bus.core import RETRYABLE_PUBLISH_ERRORS
+from rlbus.bus.core import retry_transient
 from rlbus.bus.errors import CasMismatch
 from rlbus.checksums import weight_files
 from rlbus.netutil import free_port
@@ -61,17 +61,9 @@ ANNOUNCE_RETRY_S = 120.0
 
 async def _retrying(what: str, call):
     """`await call()`, retried on transient bus errors for ANNOUNCE_RETRY_S (one log per try)."""
-    deadline = time.monotonic() + ANNOUNCE_RETRY_S
-    delay = 0.1
-    while True:
-        try:
-            return await call()
-        except RETRYABLE_PUBLISH_ERRORS as error:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.warning("weights_kv_retry", what=what, error=type(error).__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    return await retry_transient(
+        what, call, within_s=ANNOUNCE_RETRY_S, event="weights_kv_retry", max_delay_s=2.0
+    )
 
 
 async def _latest_entry(bus):

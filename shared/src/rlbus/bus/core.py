@@ -12,8 +12,9 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -30,6 +31,8 @@ from rlbus.wire.subjects import BucketSpec, ConsumerSpec, RunSubjects, StreamSpe
 
 log = structlog.get_logger()
 
+T = TypeVar("T")
+
 MSG_ID_HEADER = "Nats-Msg-Id"
 CLAIM_CHECK_MARGIN = 256 * 1024
 # Errors after which a publish may or may not have been stored: retry with the same msg id.
@@ -42,6 +45,36 @@ RETRYABLE_PUBLISH_ERRORS = (
     nats.errors.OutboundBufferLimitError,
     nats.errors.StaleConnectionError,
 )
+
+
+async def retry_transient(
+    what: str,
+    call: Callable[[], Awaitable[T]],
+    *,
+    within_s: float,
+    event: str = "bus_retry",
+    max_delay_s: float = 1.0,
+    **fields: Any,
+) -> T:
+    """`await call()`, retried on transient bus errors (`RETRYABLE_PUBLISH_ERRORS`: a NATS
+    outage, a reconnect) for up to `within_s`, backing off from 0.1 s to `max_delay_s`, with one
+    `event` log line per retry naming `what` waits and for how long; then the error is raised.
+    Only for calls that are safe to repeat (a read, a put of the same value)."""
+    started = time.monotonic()
+    delay = 0.1
+    while True:
+        try:
+            return await call()
+        except RETRYABLE_PUBLISH_ERRORS as error:
+            waited = time.monotonic() - started
+            if waited + delay > within_s:
+                raise
+            log.warning(
+                event, what=what, waited_s=round(waited, 1), error=type(error).__name__, **fields
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay_s)
+
 
 # Headers of a dead letter (docs/bus.md, "Dead letters"); the payload is the original message's.
 DEAD_REASON = "Rlbus-Dead-Reason"

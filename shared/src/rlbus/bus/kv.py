@@ -26,7 +26,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 
-from rlbus.bus.core import RETRYABLE_PUBLISH_ERRORS, BusCore, encode
+from rlbus.bus.core import RETRYABLE_PUBLISH_ERRORS, BusCore, encode, retry_transient
 from rlbus.bus.errors import CasMismatch, LeaseHeld
 
 log = structlog.get_logger()
@@ -67,25 +67,17 @@ class KV:
         """`await operation(kv)`, retried on connection trouble until `bus.publish_retry_s` (a NATS
         outage is waited out, with a log line naming what waits). Safe for get/put/delete/keys:
         repeating one changes nothing a reader sees (a put may add a revision of the same value)."""
-        started = time.monotonic()
-        delay = 0.1
-        while True:
-            try:
-                return await operation(await self.handle())
-            except KV_RETRY_ERRORS as error:
-                waited = time.monotonic() - started
-                if waited + delay > self.bus.config.publish_retry_s:
-                    raise
-                log.warning(
-                    "kv_retry",
-                    op=what,
-                    bucket=self.bucket,
-                    key=key,
-                    waited_s=round(waited, 1),
-                    error=type(error).__name__,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        return await retry_transient(
+            what,
+            lambda: self._run(operation),
+            within_s=self.bus.config.publish_retry_s,
+            event="kv_retry",
+            bucket=self.bucket,
+            key=key,
+        )
+
+    async def _run(self, operation: Callable[[Any], Any]) -> Any:
+        return await operation(await self.handle())
 
     def _decode(self, data: bytes | None, decoder: msgspec.msgpack.Decoder | None) -> Any:
         if data is None or decoder is None:
