@@ -234,8 +234,10 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
     vocab_size = vocab_size_of(engine.model)
 
     last_step = start.from_step
+    replay: dict | None = None
     if start.from_step:
-        ckpt.load_checkpoint(engine, run_dir, start.from_step)
+        progress = ckpt.load_checkpoint(engine, run_dir, start.from_step)
+        replay = progress.get("metrics") if isinstance(progress, dict) else None
         log.info(
             "trainer_resumed",
             from_step=start.from_step,
@@ -253,6 +255,15 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
     if world.is_main:
         await bus.serve_control(SERVICE, control_handler(stop, pausable=False))
         await publish_event(bus, events.Lifecycle(service=SERVICE, state="started"))
+        if replay:  # killed after checkpoint K, maybe before K's metrics went out: send them
+            # again (the monitor acks a step it has already written without a second row)
+            await publish_event(
+                bus,
+                events.StepMetrics(
+                    service=SERVICE, step=start.from_step, metrics={**replay, "replayed": 1.0}
+                ),
+            )
+            log.info("step_metrics_replayed", step=start.from_step)
     log.info(
         "trainer_started", run_dir=str(run_dir), next_step=last_step + 1, max_steps=config.max_steps
     )
@@ -290,7 +301,14 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
             step % config.ckpt.interval == 0 or step == config.max_steps
         ):
             c0 = time.perf_counter()
-            await asyncio.to_thread(ckpt.save_checkpoint, engine, run_dir, step, {"step": step})
+            progress: dict = {"step": step}
+            if world.is_main:  # the step's metrics travel with the checkpoint (replayed on resume)
+                progress["metrics"] = (
+                    {"skipped": 1.0, "wait_s": arrival.wait_s}
+                    if result is None
+                    else step_metrics(result, batch, arrival.wait_s, c0 - t0, {})
+                )
+            await asyncio.to_thread(ckpt.save_checkpoint, engine, run_dir, step, progress)
             if world.is_main:
                 ckpt.prune_checkpoints(run_dir, config.ckpt.keep_last, current_step=step)
             extra["ckpt_s"] = time.perf_counter() - c0
