@@ -11,7 +11,7 @@ import random
 import threading
 
 import pytest
-from e2e_support import RlLaunch, metrics_lines
+from e2e_support import RlLaunch, log_events, metrics_lines
 
 from rlbus import chaos, procs
 
@@ -83,6 +83,15 @@ def test_twenty_sigkills_over_every_process_kind_and_the_run_heals(tmp_path, sta
     # Weights versions never went backwards (and none was published twice).
     versions = chaos.published_versions(run.run_dir)
     assert versions == sorted(set(versions)) and versions[-1] == MAX_STEPS, f"seed {seed}"
+    # The launcher said what died, why, and that it came back (the monitor is its own child).
+    monitor_kills = {kill.pid for kill in monkey.kills if kill.kind == "monitor"}
+    died = {e["pid"]: e for e in log_events(run.run_dir, "service_died")}
+    assert all(died[pid]["signal"] == "SIGKILL" for pid in monitor_kills), f"seed {seed}"
+    restarted = log_events(run.run_dir, "service_restarted")
+    assert sum(e["service"] == "monitor" for e in restarted) >= len(monitor_kills), f"seed {seed}"
+    output = run.output()
+    assert "monitor died (killed by SIGKILL); restarting in" in output, f"seed {seed}"
+    assert "monitor is back (pid " in output, f"seed {seed}"
     # No process of the run survives it.
     assert procs.marked_pids(launch_id) == [], f"seed {seed}: survivors"
     for row in chaos.recovery(monkey.kills, run.run_dir):

@@ -1,7 +1,8 @@
-"""The real launcher heals and leaves nothing behind (debug config, a few steps each):
+"""The real launcher heals and leaves nothing behind (debug config, two runs):
 
 - `rl` killed by SIGKILL or SIGHUP mid-run: no process carrying its launch mark survives 10 s;
-- the monitor SIGKILLed once mid-run: restarted, announced, and the run finishes with exit 0;
+- the monitor SIGKILLed mid-run: restarted alone and announced (that a run heals to exit 0 after
+  such kills is the chaos test's, tests/e2e/test_chaos.py);
 - a second `rl` on a live run directory (`--resume` or `--clean`) is refused, naming the live
   processes, before it touches the directory.
 """
@@ -53,13 +54,62 @@ def assert_nothing_survives(launch_id: str, since: float) -> None:
     assert marked_alive(launch_id) == [], f"alive {NO_SURVIVOR_S:g} s after the launcher died"
 
 
+def assert_monitor_restarted(launch: RlLaunch) -> None:
+    """SIGKILL the monitor: the launcher names it, why, and brings it back alone."""
+    monitor = launcher_pids(launch.run_dir)["monitor"]
+    os.kill(monitor, signal.SIGKILL)
+    wait_for(lambda: log_events(launch.run_dir, "service_restarted"), 60, "the monitor restarted")
+    died = log_events(launch.run_dir, "service_died")
+    assert [(e["service"], e["pid"], e["signal"]) for e in died] == [
+        ("monitor", monitor, "SIGKILL")
+    ]
+    restarted = log_events(launch.run_dir, "service_restarted")
+    assert [e["service"] for e in restarted] == ["monitor"] and restarted[0]["pid"] != monitor
+    wait_for(
+        lambda: f"monitor is back (pid {restarted[0]['pid']})" in launch.output(),
+        30,
+        "the console's 'monitor is back' line",
+    )
+    output = launch.output()
+    assert "monitor died (killed by SIGKILL); restarting in 1 s (restart 1 of 5 in 600 s)" in (
+        output
+    )
+
+
+def assert_second_rl_refused(tmp_path, starting_model, first: RlLaunch) -> None:
+    """`rl --resume` / `--clean` on the live run directory: refused (exit 2), naming the live
+    processes, before it touches the directory; the first launcher goes on."""
+    for flag in ("--resume", "--clean"):
+        second = subprocess.run(
+            [str(BIN / "rl"), "@", str(DEBUG_RL), "--output-dir", str(tmp_path),
+             "--run.name", first.run_dir.name, "--model.name", str(starting_model.path), flag],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+            env={**os.environ, "COLUMNS": "400"},  # the message box must not wrap a line
+        )  # fmt: skip
+        message = second.stdout + second.stderr
+        assert second.returncode == 2, message
+        assert "is in use by launch" in message
+        assert f"pid {first.popen.pid} (" in message and "[rl launcher]" in message
+        assert "[nats]" in message and f"kill {first.popen.pid}" in message
+        assert "Traceback" not in message
+        assert (first.run_dir / "configs" / "rl.toml").exists(), f"{flag} touched the run"
+    assert first.popen.poll() is None, "the refused launcher stopped the first one"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["sigkill", "sighup"])
 def test_launcher_killed_mid_run_leaves_no_process_of_its_launch(tmp_path, starting_model, sig):
+    """Mid-run (one step trained, so vLLM's children and torchrun's ranks are up). Before the
+    launcher is killed, the SIGKILL run also has its monitor killed and restarted, and the SIGHUP
+    run refuses a second `rl` on its directory (one full start-up each instead of four)."""
     launch = RlLaunch(tmp_path, "orphans", "--model.name", str(starting_model.path))
     try:
         launch_id = started_mid_run(launch)
         marked_before = marked_alive(launch_id)
         assert any("[trainer]" in line for line in marked_before), marked_before
+        if sig == signal.SIGKILL:
+            assert_monitor_restarted(launch)
+        else:
+            assert_second_rl_refused(tmp_path, starting_model, launch)
         killed_at = time.monotonic()
         launch.popen.send_signal(sig)
         code = launch.wait(30)
@@ -75,67 +125,3 @@ def test_launcher_killed_mid_run_leaves_no_process_of_its_launch(tmp_path, start
         wait_for(lambda: not (launch.run_dir / LOCK_FILE).exists(), 10, "the lock removed")
     finally:
         launch.kill()
-
-
-def test_a_monitor_killed_mid_run_is_restarted_and_the_run_finishes(tmp_path, starting_model):
-    launch = RlLaunch(
-        tmp_path, "heals", "--model.name", str(starting_model.path), "--max-steps", "6"
-    )
-    try:
-        started_mid_run(launch, steps=2)
-        monitor = launcher_pids(launch.run_dir)["monitor"]
-        os.kill(monitor, signal.SIGKILL)
-        code = launch.wait()
-        output = launch.output()
-        assert code == 0, output[-4000:]
-        died = log_events(launch.run_dir, "service_died")
-        assert [(e["service"], e["pid"], e["signal"]) for e in died] == [
-            ("monitor", monitor, "SIGKILL")
-        ]
-        restarted = log_events(launch.run_dir, "service_restarted")
-        assert [e["service"] for e in restarted] == ["monitor"] and restarted[0]["pid"] != monitor
-        assert "monitor died (killed by SIGKILL); restarting in 1 s (restart 1 of 5 in 600 s)" in (
-            output
-        )
-        assert f"monitor is back (pid {restarted[0]['pid']})" in output
-        assert sorted(set(steps_with(launch.run_dir, "loss"))) == list(range(1, 7))
-        assert not (launch.run_dir / LOCK_FILE).exists()
-        for launch_id in {e["launch_id"] for e in log_events(launch.run_dir, "launch_started")}:
-            assert marked_alive(launch_id) == []
-    finally:
-        launch.kill()
-
-
-def test_a_second_rl_on_a_live_run_directory_is_refused_naming_the_processes(
-    tmp_path, starting_model
-):
-    first = RlLaunch(tmp_path, "busy", "--model.name", str(starting_model.path))
-    try:
-        wait_for(
-            lambda: (first.run_dir / LOCK_FILE).exists() and "nats" in launcher_pids(first.run_dir),
-            120,
-            "the first launcher's lock and services",
-        )
-        assert first.popen.poll() is None, first.output()[-3000:]
-        for flag in ("--resume", "--clean"):
-            second = subprocess.run(
-                [str(BIN / "rl"), "@", str(DEBUG_RL), "--output-dir", str(tmp_path),
-                 "--run.name", "busy", "--model.name", str(starting_model.path), flag],
-                cwd=REPO, capture_output=True, text=True, timeout=120,
-                env={**os.environ, "COLUMNS": "400"},  # the message box must not wrap a line
-            )  # fmt: skip
-            message = second.stdout + second.stderr
-            assert second.returncode == 2, message
-            assert "is in use by launch" in message
-            assert f"pid {first.popen.pid} (" in message and "[rl launcher]" in message
-            assert "[nats]" in message and f"kill {first.popen.pid}" in message
-            assert "Traceback" not in message
-            assert (first.run_dir / "configs" / "rl.toml").exists(), f"{flag} touched the run"
-        assert first.popen.poll() is None, "the refused launcher stopped the first one"
-        lock = read_lock(first.run_dir)
-        hung_up_at = time.monotonic()
-        first.popen.send_signal(signal.SIGHUP)
-        assert first.wait(30) == 128 + signal.SIGHUP
-        assert_nothing_survives(lock.launch_id, hung_up_at)
-    finally:
-        first.kill()

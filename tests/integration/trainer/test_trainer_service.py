@@ -249,13 +249,10 @@ async def test_a_trainer_started_again_with_its_original_command_continues_the_r
     wait_ranks(
         tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
     )
-    everything = await read_step_metrics(bus)
-    # Checkpoint 2's metrics are sent again after loading it (`replayed`): a kill between a
-    # checkpoint and its metrics loses no row; the monitor keeps one row per step.
-    assert [m.step for m in everything if m.metrics.get("replayed")] == [2]
-    assert everything[3].metrics["loss"] == everything[1].metrics["loss"]
-    metrics = [m for m in everything if not m.metrics.get("replayed")]
+    metrics = await read_step_metrics(bus)
+    # Checkpoint 2's metrics were on the bus before the kill: they are not sent again.
     assert [m.step for m in metrics] == [1, 2, 3, 3, 4, 5, 6]
+    assert not any(m.metrics.get("replayed") for m in metrics)
     assert [m.metrics.get("retrained", 0.0) for m in metrics] == [0, 0, 0, 1.0, 0, 0, 0]
     assert metrics[2].metrics["loss"] == pytest.approx(metrics[3].metrics["loss"], rel=1e-5)
     # Version 3 was on the bus before the kill: it is never announced a second time.
@@ -263,19 +260,21 @@ async def test_a_trainer_started_again_with_its_original_command_continues_the_r
     log_text = (tmp_path / "trainer-again.log").read_text()
     assert "trainer_resumed" in log_text and "latest_checkpoint" in log_text
 
-    # Killed between checkpoint 6 and its publish: the bus says 5. Version 6 is published right
-    # after loading, so the orchestrator does not wait for it forever.
+    # Killed between checkpoint 6 and its publish and metrics: the bus says version 5 and has
+    # no metrics for 6. Version 6 is published right after loading (the orchestrator would wait
+    # for it forever) and checkpoint 6's saved metrics are sent, marked `replayed`.
     kv = bus.kv(bus.subjects.weights_bucket)
     entry = await kv.get(WEIGHTS_LATEST_KEY, weights.published_decoder)
     await kv.put(WEIGHTS_LATEST_KEY, weights.encoder.encode(replace(entry.value, version=5)))
+    await bus.js.purge_stream(bus.subjects.events_stream, subject=bus.subjects.metrics("trainer"))
     wait_ranks(
         tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
     )
     entry = await kv.get(WEIGHTS_LATEST_KEY, weights.published_decoder)
     assert entry.value.version == 6
-    everything = await read_step_metrics(bus)
-    assert [m.step for m in everything if not m.metrics.get("replayed")] == [1, 2, 3, 3, 4, 5, 6]
-    assert [m.step for m in everything if m.metrics.get("replayed")] == [2, 6]
+    replayed = await read_step_metrics(bus)
+    assert [(m.step, m.metrics.get("replayed")) for m in replayed] == [(6, 1.0)]
+    assert replayed[0].metrics["loss"] == metrics[-1].metrics["loss"]
 
     shutil.rmtree(run_dir / "checkpoints")
     config["max_steps"] = 8
@@ -349,8 +348,9 @@ async def test_poison_batches_are_quarantined_and_their_steps_skipped(
     assert [m.metrics.get("skipped", 0.0) for m in again] == [1.0, 1.0, 0]
     assert all(m.metrics["retrained"] == 1.0 for m in again)
     assert await published_versions(bus) == [1, 2, 3, 4]
+    # Quarantined again under the same dead-letter id: the stream still holds one letter each.
     dead = await read_stream(bus, subjects.dead(subjects.batches_stream), subjects.dead_stream)
-    assert len(dead) == 4
+    assert [m.headers["Rlbus-Dead-Msg-Id"] for m in dead] == ["batch-2", "batch-3"]
 
 
 async def wait_for_ranks(proc, count: int, timeout_s: float = 120.0) -> list[int]:

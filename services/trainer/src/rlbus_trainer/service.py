@@ -175,6 +175,19 @@ async def publish_event(bus, message) -> None:
     )
 
 
+async def last_metrics_step(bus) -> int:
+    """The step of the newest trainer metrics stored on the events stream (0 when none, or when
+    it cannot be read: then the saved metrics are sent, and the monitor keeps one row)."""
+    subjects = bus.subjects
+    try:
+        raw = await bus.last_stored(subjects.events_stream, subjects.metrics(SERVICE))
+        event = None if raw is None else events.decoder.decode(raw.data or b"")
+    except Exception as error:
+        log.warning("trainer_metrics_unread", error=repr(error))
+        return 0
+    return event.step if isinstance(event, events.StepMetrics) else 0
+
+
 def vocab_size_of(model) -> int:
     """Rows of the input embedding (what a token id must stay below), the config's as fallback."""
     embedding = model.get_input_embeddings()
@@ -255,8 +268,9 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
     if world.is_main:
         await bus.serve_control(SERVICE, control_handler(stop, pausable=False))
         await publish_event(bus, events.Lifecycle(service=SERVICE, state="started"))
-        if replay:  # killed after checkpoint K, maybe before K's metrics went out: send them
-            # again (the monitor acks a step it has already written without a second row)
+        if replay and await last_metrics_step(bus) < start.from_step:
+            # killed between checkpoint K and K's metrics: send the saved ones (once; the
+            # monitor also writes a step it has already written only once)
             await publish_event(
                 bus,
                 events.StepMetrics(

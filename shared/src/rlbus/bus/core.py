@@ -424,6 +424,13 @@ class BusCore:
         self._quarantined.add(dead_id)
         return True
 
+    async def last_stored(self, stream: str, subject: str) -> api.RawStreamMsg | None:
+        """The newest message stored on `stream` under `subject` (None when there is none)."""
+        try:
+            return await self.js.get_last_msg(stream, subject, direct=True)
+        except nats.js.errors.NotFoundError:
+            return None
+
     async def dead_letters(self, *, limit: int | None = None) -> list[DeadLetter]:
         """The run's quarantined messages, oldest first (at most `limit`, the newest ones)."""
         stream = self.subjects.dead_stream

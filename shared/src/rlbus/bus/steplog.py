@@ -124,12 +124,7 @@ class StepLog:
 
     async def _raw(self, step: int):
         subjects = self.bus.subjects
-        try:
-            return await self.bus.js.get_last_msg(
-                subjects.batches_stream, subjects.batch(step), direct=True
-            )
-        except nats.js.errors.NotFoundError:
-            return None
+        return await self.bus.last_stored(subjects.batches_stream, subjects.batch(step))
 
     async def _subscribe(self) -> None:
         if self._sub is None:
