@@ -17,11 +17,25 @@ from replica_support import (  # noqa: F401  (re-exported for the inference test
 )
 from safetensors.torch import load_file, save_file
 
+from rlbus.bus import Bus
 from rlbus.checksums import sha256_file
+from rlbus.configs.bus import BusConfig
 from rlbus.wire.replicas import ReplicaInfo
 from rlbus.wire.weights import WeightFile, WeightsPublished
 
 PROMPT = [{"role": "user", "content": "Hi"}]
+
+
+def replica_bus_args(nats_server, run_id: str) -> list[str]:
+    """The `--bus.*` flags that put a replica on `nats_server` under run `run_id`."""
+    args = ["--bus.url", nats_server.url, "--bus.run-id", run_id]
+    return args + (["--bus.token", nats_server.token] if nats_server.token else [])
+
+
+async def connect_run(nats_server, run_id: str) -> Bus:
+    """A test client on the same run as the replicas started with `replica_bus_args`."""
+    config = BusConfig(url=nats_server.url, token=nats_server.token)
+    return await Bus.connect(config, run_id=run_id, name="test")
 
 
 async def registered(bus) -> dict[str, ReplicaInfo]:

@@ -19,11 +19,13 @@ import pytest
 import torch
 from inference_helpers import (
     PROMPT,
+    connect_run,
     make_base_model,
     make_changed_weights,
     make_lora_adapter,
     make_published,
     registered,
+    replica_bus_args,
     start_replica,
     transformers_greedy,
 )
@@ -31,7 +33,6 @@ from safetensors.torch import load_file
 
 from rlbus import broadcast
 from rlbus.bus import Bus
-from rlbus.configs.bus import BusConfig
 from rlbus.netutil import free_ports
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
@@ -47,9 +48,7 @@ MAX_TOKENS = 8
 def run(tmp_path_factory, nats_server_module):
     root = tmp_path_factory.mktemp("inference")
     run_id = f"inf_{uuid.uuid4().hex[:8]}"
-    bus_args = ["--bus.url", nats_server_module.url, "--bus.run-id", run_id]
-    if nats_server_module.token:
-        bus_args += ["--bus.token", nats_server_module.token]
+    bus_args = replica_bus_args(nats_server_module, run_id)
     base = make_base_model(root / "base")
     replica = start_replica(base, root / "run", replica_id="replica-a", bus_args=bus_args)
     try:
@@ -67,10 +66,7 @@ def run(tmp_path_factory, nats_server_module):
 
 
 async def connect(run) -> Bus:
-    nats = run["nats"]
-    return await Bus.connect(
-        BusConfig(url=nats.url, token=nats.token), run_id=run["run_id"], name="test"
-    )
+    return await connect_run(run["nats"], run["run_id"])
 
 
 def chat(url: str, model: str, **extra) -> httpx.Response:

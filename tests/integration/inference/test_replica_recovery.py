@@ -20,16 +20,17 @@ import uuid
 import httpx
 import pytest
 from inference_helpers import (
+    connect_run,
     make_base_model,
     make_changed_weights,
     make_published,
     registered,
+    replica_bus_args,
     start_replica,
 )
 from replica_support import alive_of
 
 from rlbus.bus import Bus
-from rlbus.configs.bus import BusConfig
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 
@@ -43,9 +44,7 @@ ORPHAN_DEADLINE_S = 10.0
 def setup(tmp_path_factory, nats_server_module):
     root = tmp_path_factory.mktemp("recovery")
     run_id = f"rec_{uuid.uuid4().hex[:8]}"
-    bus_args = ["--bus.url", nats_server_module.url, "--bus.run-id", run_id]
-    if nats_server_module.token:
-        bus_args += ["--bus.token", nats_server_module.token]
+    bus_args = replica_bus_args(nats_server_module, run_id)
     base = make_base_model(root / "base")
     step = make_changed_weights(base, root / "run" / "broadcasts" / "step_1")
     state = dict(root=root, run_dir=root / "run", base=base, step=step, bus_args=bus_args)
@@ -60,9 +59,7 @@ def setup(tmp_path_factory, nats_server_module):
 
 
 async def connect(setup) -> Bus:
-    nats = setup["nats"]
-    config = BusConfig(url=nats.url, token=nats.token)
-    return await Bus.connect(config, run_id=setup["run_id"], name="test")
+    return await connect_run(setup["nats"], setup["run_id"])
 
 
 async def publish(bus: Bus, record: weights.WeightsPublished) -> None:

@@ -20,7 +20,10 @@ from rlbus.wire.tasks import Task
 ORCHESTRATOR = [sys.executable, "-c", "from rlbus_orchestrator.entrypoint import main; main()"]
 
 
-def good_rollout(task: Task) -> Rollout:
+def good_rollout(task: Task, policy_version: int | None = None) -> Rollout:
+    """A valid rollout for `task`: rewards 0..group_size-1 (never zero advantage), sampled with
+    `policy_version` (default: the version one step behind the task's step)."""
+    version = max(0, task.step - 1) if policy_version is None else policy_version
     samples = [
         RolloutSample(
             prompt_token_ids=[1, 2],
@@ -28,7 +31,7 @@ def good_rollout(task: Task) -> Rollout:
             completion_logprobs=[-0.1, -0.1],
             completion_mask=[1, 1],
             reward=float(i),
-            policy_version=max(0, task.step - 1),
+            policy_version=version,
         )
         for i in range(task.group_size)
     ]

@@ -7,13 +7,13 @@ import time
 import uuid
 
 import pytest
+from orch_support import good_rollout
 
 from rlbus.configs.bus import BusConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.runtime import ServiceState
 from rlbus.wire import control
 from rlbus.wire import tasks as tasks_wire
-from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus_orchestrator.coordinator import STATE_KEY
 from rlbus_orchestrator.service import serve
 
@@ -41,20 +41,7 @@ class StandInWorker:
     async def release(self, num: int) -> None:
         for _ in range(num):
             task = await asyncio.wait_for(self.held.get(), 10)
-            samples = [
-                RolloutSample(
-                    prompt_token_ids=[1, 2],
-                    completion_token_ids=[3, 4],
-                    completion_logprobs=[-0.1, -0.1],
-                    completion_mask=[1, 1],
-                    reward=float(i),
-                    policy_version=0,
-                )
-                for i in range(task.group_size)
-            ]
-            rollout = Rollout(
-                task_id=task.task_id, step=task.step, env_id=task.env_id, samples=samples
-            )
+            rollout = good_rollout(task, policy_version=0)
             await self.bus.publish(self.bus.subjects.rollouts, rollout, msg_id=task.task_id)
 
 
