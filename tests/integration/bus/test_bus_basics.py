@@ -103,6 +103,21 @@ async def test_kv_create_update_compare_and_set(bus):
     assert await kv.keys() == ["trainer"]
 
 
+async def test_kv_keys_lists_live_keys_and_leaves_no_consumer_behind(bus):
+    """A registry polled twice a second for hours: each keys() must not cost a server consumer
+    (nats-py's own keys() leaves one per call; 1000 of them and every read fails)."""
+    kv = bus.kv(bus.subjects.replicas_bucket)
+    assert await kv.keys() == []
+    await kv.put("a", b"1")
+    await kv.put("b", b"2")
+    await kv.put("c", b"3")
+    await kv.delete("b")
+    for _ in range(50):
+        assert await kv.keys() == ["a", "c"]
+    info = await bus.js.stream_info(f"KV_{bus.subjects.replicas_bucket}")
+    assert info.state.consumer_count == 0
+
+
 async def test_kv_watch_sees_current_and_new_values(bus):
     kv = bus.kv(bus.subjects.weights_bucket)
     await kv.put("latest", b"v1")

@@ -157,10 +157,30 @@ class KV:
         await self._retried("delete", key, lambda kv: kv.delete(key, last=revision))
 
     async def keys(self) -> list[str]:
-        try:
-            return await self._retried("keys", ">", lambda kv: kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
+        """Keys holding a value now (not deleted, purged or expired to an empty marker).
+
+        Read from the stream's subject index plus one direct get per key, never through a
+        consumer: nats-py's `kv.keys()` creates an ephemeral consumer per call that outlives the
+        call, and a rollout worker polling an empty registry twice a second reached the server's
+        limit (`maximum consumers limit reached`, error 10026) in under 30 s, after which every
+        registry read failed for minutes (docs/bus.md, "KV buckets")."""
+        stream = f"KV_{self.bucket}"
+        prefix = f"$KV.{self.bucket}."
+
+        async def subjects(_kv) -> list[str]:
+            info = await self.bus.js.stream_info(stream, subjects_filter=prefix + ">")
+            return sorted(info.state.subjects or {})
+
+        live = []
+        for subject in await self._retried("keys", ">", subjects):
+            key = subject[len(prefix) :]
+            try:
+                entry = await self._retried("get", key, lambda kv, key=key: kv.get(key))
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                continue
+            if entry.value:
+                live.append(key)
+        return live
 
     async def watch(
         self,
