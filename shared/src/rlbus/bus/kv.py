@@ -163,7 +163,7 @@ class KV:
         consumer: nats-py's `kv.keys()` creates an ephemeral consumer per call that outlives the
         call, and a rollout worker polling an empty registry twice a second reached the server's
         limit (`maximum consumers limit reached`, error 10026) in under 30 s, after which every
-        registry read failed for minutes (docs/bus.md, "KV buckets")."""
+        registry read failed for minutes (docs/bus.md, "KV")."""
         stream = f"KV_{self.bucket}"
         prefix = f"$KV.{self.bucket}."
 
