@@ -25,3 +25,15 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a TCP server already listens on `host:port` (binding it fails). SO_REUSEADDR: a
+    port held only by connections in TIME_WAIT (a server that just stopped) counts as free."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False

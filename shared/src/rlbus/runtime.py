@@ -186,6 +186,14 @@ class ServiceState:
             log.info("service_resumed")
 
 
+async def drain_when_finished(bus: Any, state: ServiceState) -> None:
+    """`--exit-when-finished`: drain `state` (the service then exits 0) once the trainer has
+    marked the run finished (`bus.wait_finished`, rlbus.wire.run)."""
+    record = await bus.wait_finished()
+    log.info("run_finished_seen", last_step=record.last_step)
+    state.drain("run finished")
+
+
 def control_handler(state: ServiceState, *, pausable: bool) -> Callable[[Any], Awaitable[Any]]:
     """One answer to control requests for every service: Drain/Stop end it, Pause/Resume toggle
     issuing where `pausable`, else they are refused with a message."""

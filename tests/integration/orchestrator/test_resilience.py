@@ -140,6 +140,50 @@ async def test_coordinator_sigkilled_and_restarted_with_its_command_continues_th
     assert loaded and loaded[0]["next_step"] >= 4
 
 
+async def test_a_second_coordinator_is_a_standby_and_takes_over_when_the_first_is_killed(
+    client, tmp_path
+):
+    """`--scale orchestrator=2`: one coordinator per run. The second waits (issues nothing) and
+    continues the run when the first is SIGKILLed: every step once, no task trained twice."""
+    config, bus = client
+    config = config.model_copy(update={"max_steps": 8})
+    args = cli_args(config, tmp_path)
+    worker = AnsweringWorker(bus)
+    stop = asyncio.Event()
+    first = start(args, tmp_path / "coordinator1.log")
+    second = None
+    try:
+        async with worker.consumer:
+            trainer = asyncio.create_task(apply_weights_after_each_batch(bus, stop))
+            await wait_for_batch(bus, 2, 60, [first])
+            second = start(args, tmp_path / "coordinator2.log")
+            await wait_for_log(tmp_path / "coordinator2.log", "coordinator_standby", 60, second)
+            kill(first)
+            await wait_for_batch(bus, 8, 120, [second])
+            assert second.wait(30) == 0
+            stop.set()
+            await trainer
+        batches = [await bus.step_log.read(step) for step in range(1, 9)]
+        assert [b.step for b in batches] == list(range(1, 9))
+        task_ids = [t for b in batches for t in b.task_ids]
+        assert len(task_ids) == len(set(task_ids)), "a task was trained twice"
+        assert (await read_saved_state(bus)).accounting()["unaccounted"] == 0
+    finally:
+        kill(first)
+        if second is not None:
+            kill(second)
+    events = [json.loads(line).get("event") for line in (tmp_path / "coordinator2.log").open()]
+    assert events.index("coordinator_standby") < events.index("coordinator_leader")
+
+
+async def wait_for_log(path, event: str, timeout_s: float, proc) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while f'"{event}"' not in path.read_text():
+        assert proc.poll() is None, f"exited with {proc.returncode} before logging {event}"
+        assert asyncio.get_running_loop().time() < deadline, f"no {event} within {timeout_s}s"
+        await asyncio.sleep(0.3)
+
+
 def poison_every_third_task(task):
     """A good rollout, except for every third task: logprobs shorter than the tokens (packing
     would fail on it and, redelivered, stall batching forever)."""

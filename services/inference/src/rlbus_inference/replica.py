@@ -37,7 +37,7 @@ from rlbus.bus import Bus
 from rlbus.bus.errors import LeaseHeld
 from rlbus.configs.inference import InferenceConfig
 from rlbus.runs import run_id_of
-from rlbus.runtime import ServiceState, TaskSupervisor
+from rlbus.runtime import ServiceState, TaskSupervisor, drain_when_finished
 from rlbus.wire import replicas, weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_inference import processes
@@ -452,6 +452,8 @@ async def run_replica_tasks(config: InferenceConfig, service: ServiceState) -> N
             await agent.load_current()  # before registering: never advertise stale weights
             lease = tasks.spawn("replica_lease", hold_lease(bus, config, state, stop))
             agent_task = tasks.spawn("weight_agent", agent.run())
+            if config.exit_when_finished:
+                tasks.spawn("finish_watch", drain_when_finished(bus, service))
             await tasks.wait(stop, lease)
             agent_task.cancel()
             await lease  # withdraws the lease: stop is set or the lease ended by itself

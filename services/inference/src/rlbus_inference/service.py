@@ -34,13 +34,14 @@ import re
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import structlog
 
 from rlbus.configs.inference import InferenceConfig
-from rlbus.netutil import free_port
+from rlbus.netutil import free_port, port_in_use
 from rlbus.runtime import ServiceState, TaskSupervisor, run_service
 from rlbus_inference import processes
 
@@ -54,6 +55,44 @@ FAILED_WITHDRAW_S = 5.0
 FAILED_STOP_GRACE_S = 3.0
 """A child died: the registry entry is deleted and the other children are ended at once, so the
 replica is gone from the registry and exits within 15 s of the death (docs/inference.md)."""
+PORT_WAIT_S = 20.0
+"""How long a replica waits for a port that is in use before it gives up (claim_ports)."""
+
+
+def claim_ports(config: InferenceConfig) -> InferenceConfig:
+    """`config` with its ports checked before anything starts: a port another process (another
+    replica on this host) keeps listening on for PORT_WAIT_S ends the replica with one line
+    naming the flag, before it could register; 0 picks a free port. The wait lets the children
+    of a replica that just died (a restart in place) release their ports."""
+    host = config.server.host or "0.0.0.0"
+    ports = {}
+    for flag, field, port in (
+        ("--server.port", "port", config.server.port),
+        ("--backend-port", "backend_port", config.backend_port),
+    ):
+        if port == 0:
+            port = free_port(host)
+        elif port_in_use(host, port):
+            log.warning("inference_port_busy", flag=flag, port=port, wait_s=PORT_WAIT_S)
+            deadline = time.monotonic() + PORT_WAIT_S
+            while port_in_use(host, port):
+                if time.monotonic() > deadline:
+                    raise PortInUse(
+                        f"{flag} {port} is in use on {host} (another replica on this host?): "
+                        f"give each replica its own ports, or {flag} 0 for a free one"
+                    )
+                time.sleep(0.5)
+        ports[field] = port
+    if ports["port"] == ports["backend_port"]:
+        raise PortInUse(
+            f"--server.port and --backend-port are both {ports['port']}: they must differ"
+        )
+    server = config.server.model_copy(update={"port": ports["port"]})
+    return config.model_copy(update={"server": server, "backend_port": ports["backend_port"]})
+
+
+class PortInUse(ValueError):
+    """A port of the replica is taken or clashes."""
 
 
 def run(config: InferenceConfig) -> None:
@@ -61,7 +100,10 @@ def run(config: InferenceConfig) -> None:
     child (engine, router) that exits or never becomes healthy, ends the process with exit code 1
     and one line saying which and where its output is, not a traceback."""
     try:
+        config = claim_ports(config)
         run_service("inference", lambda state: serve(config, state))
+    except PortInUse as error:
+        sys.exit(f"inference: {error}")
     except (processes.EngineConfigError, processes.ChildExited, processes.StartupTimeout) as error:
         sys.exit(f"inference: {error}")
 

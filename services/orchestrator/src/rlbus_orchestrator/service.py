@@ -20,7 +20,13 @@ import structlog
 
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.runs import run_dir_of, run_id_of
-from rlbus.runtime import ServiceState, TaskSupervisor, control_handler, run_service
+from rlbus.runtime import (
+    ServiceState,
+    TaskSupervisor,
+    control_handler,
+    drain_when_finished,
+    run_service,
+)
 
 log = structlog.get_logger()
 
@@ -51,6 +57,7 @@ async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -
     from rlbus.wire.events import Lifecycle
     from rlbus_orchestrator.coordinator import Coordinator
     from rlbus_orchestrator.envs import load_environment
+    from rlbus_orchestrator.leader import become_leader, watch_lease
     from rlbus_orchestrator.worker import run_workers
 
     for env in config.env:
@@ -70,6 +77,9 @@ async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -
         )
         workers_stop = asyncio.Event()
         async with TaskSupervisor() as tasks:
+            watchers = []  # end with the service: cancelled before the join below
+            if config.exit_when_finished:
+                watchers.append(tasks.spawn("finish_watch", drain_when_finished(bus, state)))
             if config.role in ("all", "worker"):
                 tasks.spawn(
                     "rollout_workers",
@@ -86,11 +96,22 @@ async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -
                     ),
                 )
             if has_coordinator:
-                coordinator = tasks.spawn("coordinator", Coordinator(bus, config).run(state))
-                await tasks.wait(coordinator)
+                leader = tasks.spawn(
+                    "coordinator_leader", become_leader(bus, config.leader_ttl_s, state)
+                )
+                await tasks.wait(leader)
+                lease = leader.result()
+                if lease is not None:
+                    watchers.append(tasks.spawn("leader_lease", watch_lease(lease)))
+                    coordinator = tasks.spawn("coordinator", Coordinator(bus, config).run(state))
+                    await tasks.wait(coordinator)
+                    watchers[-1].cancel()
+                    await lease.release()  # a standby takes over at once (and finds it done)
             else:
                 await tasks.wait(state.stop_requested)
             workers_stop.set()
+            for watcher in watchers:
+                watcher.cancel()
             await tasks.join()
         await bus.publish(
             lifecycle,

@@ -266,6 +266,8 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
         await publisher.publish(start.from_step, engine)
         published_through = start.from_step
     if world.is_main:
+        if config.max_steps is None or last_step < config.max_steps:
+            await bus.clear_finished()  # resumed with steps left: the run goes on
         await bus.serve_control(SERVICE, control_handler(stop, pausable=False))
         await publish_event(bus, events.Lifecycle(service=SERVICE, state="started"))
         if replay and await last_metrics_step(bus) < start.from_step:
@@ -359,6 +361,8 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
         step += 1
 
     if world.is_main:
+        if stop.reason is None and config.max_steps is not None and last_step >= config.max_steps:
+            await bus.mark_finished(last_step)
         await publish_event(
             bus,
             events.Lifecycle(service=SERVICE, state="stopped", reason=stop.reason or "max_steps"),

@@ -34,8 +34,8 @@ from rlbus.bus.kv import KV, Lease
 from rlbus.bus.steplog import StepLog
 from rlbus.configs.bus import BusConfig
 from rlbus.obs import tracing
-from rlbus.wire import control, replicas
-from rlbus.wire.subjects import RunSubjects
+from rlbus.wire import control, replicas, run
+from rlbus.wire.subjects import RUN_FINISHED_KEY, RunSubjects
 
 log = structlog.get_logger()
 
@@ -174,6 +174,41 @@ class Bus(BusCore):
                 continue
             infos.append(entry.value)
         return infos
+
+    async def mark_finished(self, last_step: int) -> None:
+        """Record that the run is finished (trainer rank 0, after its last step)."""
+        kv = self.kv(self.subjects.state_bucket)
+        await kv.put(RUN_FINISHED_KEY, run.RunFinished(last_step=last_step))
+        log.info("run_marked_finished", last_step=last_step)
+
+    async def clear_finished(self) -> None:
+        """Forget a finished record (a resumed run with steps left is not finished)."""
+        kv = self.kv(self.subjects.state_bucket)
+        if await kv.get(RUN_FINISHED_KEY) is not None:
+            await kv.delete(RUN_FINISHED_KEY)
+            log.info("run_finished_cleared")
+
+    async def run_finished(self) -> run.RunFinished | None:
+        """The run's `RunFinished` record, or None while the run goes on."""
+        entry = await self.kv(self.subjects.state_bucket).get(RUN_FINISHED_KEY, run.decoder)
+        return entry.value if entry is not None else None
+
+    async def wait_finished(self, poll_s: float = 2.0) -> run.RunFinished:
+        """Return once the run is finished. Polled (one direct get per `poll_s`): a bus outage
+        only delays the answer (each failed read is logged once per outage)."""
+        failing = False
+        while True:
+            try:
+                record = await self.run_finished()
+                failing = False
+            except Exception as error:  # an outage: keep asking
+                if not failing:
+                    log.warning("run_finished_unreadable", error=repr(error))
+                failing = True
+                record = None
+            if record is not None:
+                return record
+            await asyncio.sleep(poll_s)
 
     def lease(
         self,

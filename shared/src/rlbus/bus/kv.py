@@ -380,20 +380,44 @@ class Lease:
         if out_for > self.grace_s:
             return False
         try:
-            current = await self.kv.get(self.key)
-            if current is None:
-                async with self._renew_lock:
-                    self.revision = await self.kv.create(self.key, self.value, ttl_s=self.ttl_s)
-                    self._renewed_at = time.monotonic()
-                how = "recreated"
-            elif current.value == self.value:
-                self.revision = current.revision
-                how = "adopted"
-            else:
-                return False
+            return await self._take_back(out_for)
         except Exception as error:  # taken meanwhile (CasMismatch), or the server is away again
             log.warning("lease_recover_failed", bucket=self.bucket, key=self.key, error=repr(error))
             return isinstance(error, RETRYABLE_PUBLISH_ERRORS)
+
+    async def reclaim(self) -> bool:
+        """After the lease was lost: hold it again if no one else does (the key expired, or holds
+        this lease's own value) and heartbeat again: True; False if another holder has it. Bus
+        errors propagate (ask again later). For a holder that would notice a rival's work anyway
+        (the coordinator: step-log writes are conditional, docs/orchestrator.md)."""
+        if not self.lost.is_set():
+            return self.held
+        try:
+            if not await self._take_back(time.monotonic() - self._renewed_at):
+                return False
+        except CasMismatch:  # created by another holder between our get and create
+            return False
+        self.lost.clear()
+        if self._task is not None:
+            self._task.cancel()
+        self._task = asyncio.create_task(self._heartbeat())
+        return True
+
+    async def _take_back(self, out_for: float) -> bool:
+        """Re-create the expired key, or adopt the revision of a key that holds our own value;
+        False when the key holds another value."""
+        current = await self.kv.get(self.key)
+        if current is None:
+            async with self._renew_lock:
+                self.revision = await self.kv.create(self.key, self.value, ttl_s=self.ttl_s)
+                self._renewed_at = time.monotonic()
+            how = "recreated"
+        elif current.value == self.value:
+            self.revision = current.revision
+            self._renewed_at = time.monotonic()
+            how = "adopted"
+        else:
+            return False
         log.warning(
             "lease_kept_after_outage",
             bucket=self.bucket,

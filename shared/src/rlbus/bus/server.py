@@ -12,6 +12,7 @@ Run standalone for development: `uv run rlbus-nats --store /tmp/nats`.
 """
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -111,6 +112,19 @@ class NatsServer:
         return f"http://{self.host}:{self.http_port}"
 
     @property
+    def local_host(self) -> str:
+        """An address of the server from this host (a wildcard listen address is not one)."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
+    def local_url(self) -> str:
+        return f"{'tls' if self.tls_cert else 'nats'}://{self.local_host}:{self.port}"
+
+    @property
+    def local_monitor_url(self) -> str:
+        return f"http://{self.local_host}:{self.http_port}"
+
+    @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
@@ -163,7 +177,7 @@ class NatsServer:
     def wait_healthy(self, timeout_s: float = 15.0) -> None:
         """Poll `/healthz?js-enabled-only=true` until the server serves JetStream."""
         deadline = time.monotonic() + timeout_s
-        url = f"{self.monitor_url}/healthz?js-enabled-only=true"
+        url = f"{self.local_monitor_url}/healthz?js-enabled-only=true"
         while True:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
@@ -221,6 +235,47 @@ class NatsServer:
         self.stop()
 
 
+LINGER_S = 120.0
+"""`rlbus-nats --exit-when-finished`: longest wait for the services to disconnect after the run
+finished (they drain first)."""
+
+
+def client_count(server: NatsServer) -> int:
+    """Client connections the server has now (its /connz monitoring endpoint)."""
+    with urllib.request.urlopen(f"{server.local_monitor_url}/connz", timeout=2.0) as resp:
+        return int(json.load(resp)["num_connections"])
+
+
+async def serve_until_finished(
+    server: NatsServer, run_id: str, token: str | None, linger_s: float
+) -> int:
+    """Serve until the run `run_id` is finished and every other client has disconnected (or
+    `linger_s` passed), then stop the server: 0. The server's own exit code if it dies first."""
+    from rlbus.bus.client import Bus
+    from rlbus.configs.bus import BusConfig
+
+    config = BusConfig(url=server.local_url, token=token)
+    bus = await Bus.connect(config, run_id=run_id, name="rlbus-nats")
+    finished = asyncio.create_task(bus.wait_finished())
+    try:
+        while not finished.done():
+            if server.process is not None and server.process.poll() is not None:
+                return server.process.returncode or 1
+            await asyncio.wait({finished}, timeout=1.0)
+        log.info("run_finished_seen", last_step=finished.result().last_step)
+        deadline = time.monotonic() + linger_s
+        while (others := await asyncio.to_thread(client_count, server) - 1) > 0:
+            if time.monotonic() > deadline:
+                log.warning("nats_clients_left", clients=others, waited_s=linger_s)
+                break
+            await asyncio.sleep(1.0)
+    finally:
+        finished.cancel()
+        await bus.close()
+    server.stop()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     """`rlbus-nats`: run a JetStream nats-server in the foreground for development."""
     parser = argparse.ArgumentParser(prog="rlbus-nats", description=main.__doc__)
@@ -234,7 +289,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--token", default=os.environ.get("RLBUS_NATS_TOKEN"), help="require this auth token"
     )
+    parser.add_argument(
+        "--run-id", help="the run whose end --exit-when-finished waits for (its run name)"
+    )
+    parser.add_argument(
+        "--exit-when-finished",
+        action="store_true",
+        help="stop (exit 0) once the run is finished and its other clients have disconnected",
+    )
+    parser.add_argument(
+        "--linger-s",
+        type=float,
+        default=LINGER_S,
+        help="with --exit-when-finished: longest wait for the other clients after the finish",
+    )
     args = parser.parse_args(argv)
+    if args.exit_when_finished and not args.run_id:
+        parser.error("--exit-when-finished needs --run-id RUN (the run name)")
     server = NatsServer(
         args.store,
         host=args.host,
@@ -254,7 +325,12 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         assert server.process is not None
-        server.process.wait()
+        if args.exit_when_finished:
+            code = asyncio.run(serve_until_finished(server, args.run_id, args.token, args.linger_s))
+            if code:
+                raise SystemExit(code)
+        else:
+            server.process.wait()
     except (KeyboardInterrupt, Terminated):
         pass
     finally:

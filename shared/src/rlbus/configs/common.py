@@ -176,6 +176,11 @@ class ServiceConfig(BaseConfig):
     otel: OtelConfig = OtelConfig()
     """Tracing."""
 
+    exit_when_finished: bool = False
+    """Drain and exit 0 once the trainer has marked the run finished (its last step trained).
+    Compose and SLURM set it on every long-running service, so the deployment ends by itself;
+    `rl` stops its services itself and leaves it off."""
+
 
 class RunnableConfig(ServiceConfig):
     """A service that names its run directory `<output_dir>/<run.dir or run.name>` itself."""

@@ -89,7 +89,14 @@ class OrchestratorConfig(RunnableConfig):
     # down). Step metrics go on the bus; `rl`'s monitor process writes them (RLConfig.monitors).
 
     role: Literal["all", "coordinator", "worker"] = "all"
-    """`all`: coordinator with in-process workers; `worker`: standalone rollout workers."""
+    """`all`: coordinator with in-process workers; `coordinator`: the coordinator alone;
+    `worker`: standalone rollout workers. A run has one coordinator: a second `all` or
+    `coordinator` process waits as a standby (its workers run) and takes over when the first
+    one ends or dies (docs/orchestrator.md, "One coordinator per run")."""
+
+    leader_ttl_s: int = Field(10, ge=1)
+    """TTL of the coordinator's leader lease: a standby takes over at most this long after the
+    leader died (at once when it ends cleanly, or died on the same host)."""
 
     model: ModelConfig = ModelConfig()
     """Model name sent to inference."""

@@ -30,6 +30,8 @@ MONITOR_DURABLE = "monitor"
 DEAD_LETTERS_KEY = "dead_letters/total"
 DEAD_COUNT_EVERY_S = 1.0
 """The dead-letter stream is asked for its count at most this often."""
+LAST_ROW_WAIT_S = 60.0
+"""`--exit-when-finished`: how long the monitor waits for the last step's row after the finish."""
 
 
 def read_rows(path: Path | None) -> list[dict]:
@@ -168,11 +170,36 @@ async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
     )
     try:
         async with consumer:
-            await stop.wait()
+            if config.exit_when_finished:
+                finished = asyncio.create_task(until_rows_written(bus, monitor))
+                stopped = asyncio.create_task(stop.wait())
+                await asyncio.wait({finished, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                finished.cancel()
+                stopped.cancel()
+            else:
+                await stop.wait()
     finally:
         await monitor.close()
         await bus.close()
         log.info("monitor_stopped", num_rows=monitor.num_rows, num_skipped=monitor.num_skipped)
+
+
+async def until_rows_written(bus: Bus, monitor: Monitor) -> None:
+    """`--exit-when-finished`: return once the run is finished and the row of its last step is
+    written (or LAST_ROW_WAIT_S after the finish, with a line naming the rows still missing)."""
+    record = await bus.wait_finished()
+    log.info("run_finished_seen", last_step=record.last_step)
+    deadline = time.monotonic() + LAST_ROW_WAIT_S
+    while monitor.joiner.last_written < record.last_step:
+        if time.monotonic() > deadline:
+            log.warning(
+                "monitor_rows_missing",
+                last_written=monitor.joiner.last_written,
+                last_step=record.last_step,
+                waited_s=LAST_ROW_WAIT_S,
+            )
+            return
+        await asyncio.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,7 @@ names are spelled; `rlbus.bus` creates the streams, consumers and buckets listed
 | dead      | `rlbus.<run>.dead.<stream>`        | `RLBUS_<run>_DEAD`       | limits     | -                     |
 | weights   | KV key `latest`                    | `rlbus_<run>_weights`    | KV         | (watch)               |
 | replicas  | KV key `<replica_id>` (TTL lease)  | `rlbus_<run>_replicas`   | KV + TTL   | (watch / keys)        |
-| state     | KV key `<name>` (e.g. `trainer`)   | `rlbus_<run>_state`      | KV         | (watch)               |
+| state     | KV key `<name>` (`orchestrator`, `finished`, `coordinator-leader`) | `rlbus_<run>_state`      | KV         | (watch)               |
 | control   | `rlbus.<run>.control.<service>`    | core NATS request/reply  | -          | -                     |
 """
 
@@ -24,6 +24,10 @@ from typing import Literal
 
 PREFIX = "rlbus"
 WEIGHTS_LATEST_KEY = "latest"
+RUN_FINISHED_KEY = "finished"
+"""State-bucket key of the run's `RunFinished` record (rlbus.wire.run)."""
+COORDINATOR_LEADER_KEY = "coordinator-leader"
+"""State-bucket key of the coordinator's leader lease (one coordinator per run)."""
 TASKS_DURABLE = "rollout-workers"
 ROLLOUTS_DURABLE = "coordinator"
 
