@@ -115,3 +115,42 @@ async def test_a_nats_outage_does_not_end_the_replica_and_its_entry_comes_back(
     finally:
         state.drain("test")
         await asyncio.wait_for(tasks, 15)
+
+
+async def test_with_exit_when_finished_the_replica_drains_once_the_run_is_finished(
+    nats_server, make_bus
+):
+    run_id = f"rep_{uuid.uuid4().hex[:8]}"
+    bus = await make_bus(run_id=run_id)
+    config = replica_config(nats_server, run_id).model_copy(update={"exit_when_finished": True})
+    state = ServiceState("inference")
+    tasks = asyncio.create_task(run_replica_tasks(config, state))
+    try:
+        await wait_for(lambda: has_lease(bus))
+        await bus.mark_finished(last_step=5)
+        await asyncio.wait_for(tasks, 15)
+        assert state.ending and await registered(bus) == {}
+    finally:
+        tasks.cancel()
+
+
+async def test_a_replica_whose_id_another_live_holder_has_fails(nats_server, make_bus):
+    """Two replicas with one id (a clash): the second must fail (exit 1 in the service shell, so
+    `restart: on-failure` and the supervisor see it), never stand by silently with exit 0."""
+    from rlbus.bus.errors import LeaseHeld
+    from rlbus.runtime import TaskFailed
+
+    run_id = f"rep_{uuid.uuid4().hex[:8]}"
+    config = replica_config(nats_server, run_id).model_copy(update={"lease_ttl_s": 1})
+    first_state = ServiceState("inference")
+    probe = await make_bus(run_id=run_id)
+    first = asyncio.create_task(run_replica_tasks(config, first_state))
+    try:
+        await wait_for(lambda: has_lease(probe))
+        with pytest.raises(TaskFailed) as failure:
+            await asyncio.wait_for(run_replica_tasks(config, ServiceState("inference")), 15)
+        assert isinstance(failure.value.error, LeaseHeld)
+        assert not first.done()
+    finally:
+        first_state.drain("test")
+        await asyncio.wait_for(first, 15)

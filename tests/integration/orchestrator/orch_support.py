@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from rlbus.configs.bus import BusConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.wire import replicas
 from rlbus.wire import tasks as tasks_wire
@@ -133,3 +134,26 @@ async def wait_for_batch(bus, step: int, timeout_s: float, procs=()):
             assert p.poll() is None, f"orchestrator exited with {p.returncode}"
         assert time.monotonic() < deadline, f"no batch for step {step} within {timeout_s}s"
         await asyncio.sleep(0.3)
+
+
+async def wait_for_log(path, event: str, timeout_s: float, proc) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while f'"{event}"' not in path.read_text():
+        assert proc.poll() is None, f"exited with {proc.returncode} before logging {event}"
+        assert asyncio.get_running_loop().time() < deadline, f"no {event} within {timeout_s}s"
+        await asyncio.sleep(0.3)
+
+
+def make_config(server, run_id: str, **overrides) -> OrchestratorConfig:
+    fields = dict(
+        role="coordinator",
+        run={"name": run_id},
+        bus=BusConfig(url=server.url, token=server.token, run_id=run_id, ack_wait_s=3.0),
+        batch_size=4,
+        group_size=2,
+        async_level=0,
+        max_off_policy_steps=100,
+        seq_len=64,
+        filter_zero_advantage=False,
+    )
+    return OrchestratorConfig(**(fields | overrides))

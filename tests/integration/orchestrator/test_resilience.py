@@ -16,30 +16,15 @@ from orch_support import (
     cli_args,
     good_rollout,
     kill,
+    make_config,
     start,
     wait_for_batch,
+    wait_for_log,
 )
 
 from rlbus.bus import Bus
-from rlbus.configs.bus import BusConfig
-from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus_orchestrator.coordinator import read_saved_state
 from rlbus_orchestrator.service import serve
-
-
-def make_config(server, run_id: str, **overrides) -> OrchestratorConfig:
-    fields = dict(
-        role="coordinator",
-        run={"name": run_id},
-        bus=BusConfig(url=server.url, token=server.token, run_id=run_id, ack_wait_s=3.0),
-        batch_size=4,
-        group_size=2,
-        async_level=0,
-        max_off_policy_steps=100,
-        seq_len=64,
-        filter_zero_advantage=False,
-    )
-    return OrchestratorConfig(**(fields | overrides))
 
 
 @pytest.fixture
@@ -174,14 +159,6 @@ async def test_a_second_coordinator_is_a_standby_and_takes_over_when_the_first_i
             kill(second)
     events = [json.loads(line).get("event") for line in (tmp_path / "coordinator2.log").open()]
     assert events.index("coordinator_standby") < events.index("coordinator_leader")
-
-
-async def wait_for_log(path, event: str, timeout_s: float, proc) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while f'"{event}"' not in path.read_text():
-        assert proc.poll() is None, f"exited with {proc.returncode} before logging {event}"
-        assert asyncio.get_running_loop().time() < deadline, f"no {event} within {timeout_s}s"
-        await asyncio.sleep(0.3)
 
 
 def poison_every_third_task(task):

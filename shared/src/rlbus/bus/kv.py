@@ -437,16 +437,19 @@ class Lease:
                 await result
 
     async def release(self) -> None:
-        """Stop heartbeating and delete the key if we still hold it."""
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-        if self.held:
-            try:
-                await self.kv.delete(self.key, revision=self.revision)
-            except Exception as error:
-                log.debug("lease_release_failed", key=self.key, error=repr(error))
-        self.revision = None
+        """Stop heartbeating and delete the key if we still hold it. Under the renew lock: a
+        heartbeat cancelled in flight may have stored a newer revision than the one we would
+        delete, and the entry would stay registered (a phantom) until its TTL."""
+        async with self._renew_lock:
+            if self._task is not None:
+                self._task.cancel()
+                self._task = None
+            if self.held:
+                try:
+                    await self.kv.delete(self.key, revision=self.revision)
+                except Exception as error:
+                    log.warning("lease_release_failed", key=self.key, error=repr(error))
+            self.revision = None
 
     async def __aenter__(self) -> "Lease":
         return await self.acquire()
