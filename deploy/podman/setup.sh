@@ -95,7 +95,7 @@ build_base() {
   env -u TMPDIR chroot "$root" apt-get clean
   tar -C "$root" -c . | podman import \
     --change 'ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt' \
-    --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' --change 'ENV UV_NATIVE_TLS=1' --change 'CMD ["bash"]' - "$base" >/dev/null
+    --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' --change 'ENV UV_NATIVE_TLS=1' --change 'CMD ["bash"]' --quiet - "$base" >/dev/null
   rm -rf "$root"
 }
 
