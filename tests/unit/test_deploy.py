@@ -83,3 +83,49 @@ def test_slurm_script_parses_and_uses_dry_run_configs():
     for config in re.findall(r"\$CONFIGS/([\w-]+\.toml)", text):
         assert config in {"rl.toml", "inference.toml", "orchestrator.toml", "trainer.toml"}
     assert "--dry-run" in text and "nats.conf" in text
+
+
+def test_compose_names_its_images_and_every_service_ends_with_the_run():
+    for name, service in compose_services().items():
+        if name == "otel-collector":
+            continue
+        assert service["image"].startswith("rlbus-"), f"{name}: no rlbus image name (--no-build)"
+        command = list(map(str, service.get("command", [])))
+        if name not in {"resolve", "trainer"}:
+            assert "--exit-when-finished" in command, f"{name} would outlive the run"
+    nats = compose_services()["nats"]
+    assert "--run-id" in nats["command"] and "ports" not in nats
+    assert compose_services()["inference"]["shm_size"]
+
+
+def test_gpu_override_pins_devices_per_service():
+    override = yaml.safe_load((DEPLOY / "docker-compose.gpu.yml").read_text())["services"]
+    ids = {}
+    for name in ("inference", "trainer"):
+        (device,) = override[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in device
+        ids[name] = device["device_ids"]
+    assert ids["inference"] != ids["trainer"]
+
+
+def test_dockerfile_targets_and_build_args():
+    text = (DEPLOY / "Dockerfile").read_text()
+    targets = set(re.findall(r"^FROM \S+ AS ([\w-]+)$", text, re.M))
+    assert {
+        "launcher",
+        "orchestrator",
+        "inference",
+        "trainer",
+        "inference-cuda",
+        "trainer-cuda",
+    } <= targets
+    for service in compose_services().values():
+        if "build" in service:
+            assert service["build"]["target"] in targets
+    assert "ARG BASE_IMAGE=python:3.11-slim" in text and "HF_HUB_OFFLINE" not in text
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git", "outputs"} <= set(ignored)
+
+
+def test_podman_setup_script_parses():
+    assert subprocess.run(["bash", "-n", DEPLOY / "podman" / "setup.sh"]).returncode == 0

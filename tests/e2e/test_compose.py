@@ -1,0 +1,222 @@
+"""deploy/docker-compose.yml run for real: rootful podman behind the docker compose CLI.
+
+`deploy/podman/setup.sh` sets up podman with its storage and API socket under a temp directory,
+builds a Debian base image with debootstrap and the project's images from deploy/Dockerfile; the
+real compose file then runs the debug config for a few steps with one extra rollout worker. The
+run must end by itself: every container exits 0 within the deadline, metrics.jsonl has a row for
+every step, the reward rises, and `compose down -v` leaves no container or volume. The podman
+service is stopped by its PID and the temp directory (storage included) is removed.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from e2e_support import REPO, run_rows
+
+pytestmark = pytest.mark.slow
+
+DISK_NEEDED_GB = 16
+"""Free disk the test needs under its temp directory: images, build cache, run outputs (measured
+use is printed at the end of the test; docs/compose.md has the figure)."""
+SETUP_TIMEOUT_S = 1800
+RUN_DEADLINE_S = 900
+"""The whole run, from `compose up` to the last container's exit."""
+MAX_STEPS = 12
+REWARD_WINDOW = 4
+REWARD_MARGIN = 0.05
+"""As tests/e2e/test_rl_run.py: the debug config's reward rises by ~0.1 over its first 10 steps."""
+PROJECT = "rlbus-e2e"
+RUN = "compose-e2e"
+SERVICES = {"resolve", "nats", "inference", "orchestrator", "worker", "trainer", "monitor"}
+
+
+def setup_skip_reason(root: Path) -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (rootful podman, apt, debootstrap)"
+    if not shutil.which("apt-get") and not shutil.which("podman"):
+        return "needs podman, or apt-get to install it"
+    free_gb = shutil.disk_usage(root).free / 2**30
+    if free_gb < DISK_NEEDED_GB:
+        return f"needs {DISK_NEEDED_GB} GB free under {root}, has {free_gb:.1f} GB"
+    return None
+
+
+def read_env(path: Path) -> dict[str, str]:
+    """The variables `setup.sh` wrote to DIR/env (`export A="x" B="y"` lines)."""
+    out = subprocess.run(
+        ["bash", "-c", f"source {path} && env -0"], capture_output=True, check=True
+    ).stdout
+    return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+
+
+def du_gb(path: Path) -> float:
+    out = subprocess.run(["du", "-sxk", path], capture_output=True, text=True).stdout
+    return int(out.split()[0]) / 2**20 if out else 0.0
+
+
+class Engine:
+    """Podman as set up by setup.sh under `root`; `podman`/`compose` run commands against it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.env = read_env(root / "env")
+
+    def podman(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["podman", *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+
+    def compose_cmd(self, *args: str) -> list[str]:
+        return [
+            self.env["COMPOSE"],
+            "-p",
+            PROJECT,
+            "-f",
+            str(REPO / "deploy/docker-compose.yml"),
+            *args,
+        ]
+
+    def stop(self) -> None:
+        """Stop the API service we started (by PID), drop its storage, remove the directory."""
+        pid_file = self.root / "podman.pid"
+        if pid_file.exists():
+            pid = int(pid_file.read_text())
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        self.podman("rm", "--all", "--force", timeout=300)
+        self.podman("system", "reset", "--force", timeout=600)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    base = Path(os.environ.get("RLBUS_COMPOSE_TMP", tempfile.gettempdir()))
+    reason = setup_skip_reason(base)
+    if reason:
+        pytest.skip(f"compose e2e: {reason}")
+    root = Path(tempfile.mkdtemp(prefix="rlbus-podman-", dir=base))
+    started = time.monotonic()
+    try:
+        setup = subprocess.run(
+            [str(REPO / "deploy/podman/setup.sh"), str(root)],
+            capture_output=True, text=True, timeout=SETUP_TIMEOUT_S, cwd=REPO,
+        )  # fmt: skip
+        print(setup.stdout, f"setup.sh total {time.monotonic() - started:.0f}s", sep="\n")
+        assert setup.returncode == 0, setup.stdout + setup.stderr
+        yield Engine(root)
+    finally:
+        if (root / "env").exists():
+            Engine(root).stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_healthchecks(engine: Engine, done: threading.Event) -> None:
+    """podman 4.3 runs healthchecks from systemd timers, absent here: without this loop the nats
+    service never turns healthy and `service_healthy` waits forever."""
+    while not done.wait(2.0):
+        engine.podman("healthcheck", "run", f"{PROJECT}-nats-1", timeout=30)
+
+
+def containers(engine: Engine) -> list[dict]:
+    result = engine.podman(
+        "ps", "--all", "--format", "json", "--filter", f"label=com.docker.compose.project={PROJECT}"
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout or "[]")
+
+
+@pytest.fixture(scope="module")
+def finished(engine):
+    outputs = engine.root / "outputs"
+    outputs.mkdir()
+    env = {
+        **engine.env,
+        "RLBUS_RUN": RUN,
+        "RLBUS_CONFIG": "configs/debug/rl.toml",
+        "RLBUS_ARGS": f"--max-steps {MAX_STEPS}",
+        "RLBUS_OUTPUTS": str(outputs),
+    }
+    log = (engine.root / "compose-up.log").open("w")
+    done = threading.Event()
+    checker = threading.Thread(target=run_healthchecks, args=(engine, done), daemon=True)
+    started = time.monotonic()
+    up = subprocess.Popen(
+        engine.compose_cmd("up", "--no-build", "--scale", "worker=1"),
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+    )  # fmt: skip
+    checker.start()
+    try:
+        code = up.wait(timeout=RUN_DEADLINE_S)
+        wall_s = time.monotonic() - started
+        print(f"compose up: {wall_s:.0f}s, exit code {code}")
+        yield {
+            "code": code,
+            "containers": containers(engine),
+            "run_dir": outputs / RUN,
+            "env": env,
+            "engine": engine,
+        }
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"compose up did not end within {RUN_DEADLINE_S}s: {engine.root}/compose-up.log"
+        )
+    finally:
+        done.set()
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGTERM)
+            up.wait(timeout=60)
+        log.close()
+        print(f"disk used under {engine.root}: {du_gb(engine.root):.1f} GB")
+        subprocess.run(engine.compose_cmd("down", "-v"), env=env, capture_output=True, timeout=300)
+
+
+def engine_restarts(engine: Engine, container_id: str) -> int:
+    result = engine.podman("inspect", "--format", "{{.RestartCount}}", container_id)
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout.strip())
+
+
+def test_every_service_exits_zero_by_itself(finished):
+    states = {c["Labels"]["com.docker.compose.service"]: c for c in finished["containers"]}
+    assert set(states) == SERVICES
+    for name, c in states.items():
+        assert c["Exited"] and c["ExitCode"] == 0, f"{name}: {c['State']} exit {c['ExitCode']}"
+        restarts = engine_restarts(finished["engine"], c["Id"])
+        assert restarts == 0, f"{name} was restarted {restarts} times: it failed on the way"
+    assert finished["code"] == 0
+
+
+def test_metrics_have_every_step_and_the_reward_rises(finished):
+    rows = run_rows(finished["run_dir"])
+    assert sorted(rows) == list(range(1, MAX_STEPS + 1))
+    rewards = [rows[step]["reward/mean"] for step in sorted(rows)]
+    first = sum(rewards[:REWARD_WINDOW]) / REWARD_WINDOW
+    last = sum(rewards[-REWARD_WINDOW:]) / REWARD_WINDOW
+    assert last > first + REWARD_MARGIN, f"rewards per step: {rewards}"
+
+
+def test_compose_down_leaves_no_container_or_volume(finished):
+    engine = finished["engine"]
+    down = subprocess.run(
+        engine.compose_cmd("down", "-v"),
+        env=finished["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert down.returncode == 0, down.stderr
+    assert containers(engine) == []
+    volumes = engine.podman(
+        "volume", "ls", "--quiet", "--filter", f"label=com.docker.compose.project={PROJECT}"
+    )
+    assert volumes.returncode == 0 and volumes.stdout.strip() == "", volumes.stdout + volumes.stderr
