@@ -159,7 +159,7 @@ wait_for_nats() {  # the sidecar's JetStream health endpoint, up to 120 s
 run_until_main_exits() {  # wait for the main step; a failed other step fails the job
   local ended code i
   while :; do
-    wait -n -p ended "${pids[@]}"; code=$?
+    wait -n -p ended "${pids[@]}" 2>/dev/null; code=$?  # (finished ones: "no such job")
     for i in "${!pids[@]}"; do [ "${pids[i]}" = "$ended" ] && break; done
     say "${names[i]} exited with code $code"
     if [ "${names[i]}" = "$MAIN" ]; then return "$code"; fi
