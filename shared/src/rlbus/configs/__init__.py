@@ -23,6 +23,7 @@ from rlbus.configs.inference import InferenceConfig, ServerConfig, VLLMConfig
 from rlbus.configs.orchestrator import EnvConfig, EvalConfig, OrchestratorConfig, SamplingConfig
 from rlbus.configs.rl import RLConfig
 from rlbus.configs.sft import SFTConfig, SFTDataConfig
+from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import (
     AdamWConfig,
     FullOffloadConfig,
@@ -62,6 +63,7 @@ __all__ = [
     "ServerConfig",
     "ServiceConfig",
     "SignSGDConfig",
+    "SlurmConfig",
     "TrainerConfig",
     "TrainerModelConfig",
     "TrainingRunConfig",

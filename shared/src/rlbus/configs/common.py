@@ -123,9 +123,6 @@ class WeightBroadcastConfig(BaseConfig):
 class DeploymentConfig(BaseConfig):
     """Where the services run."""
 
-    type: Literal["local", "slurm"] = "local"
-    """`local`: subprocesses of the launcher; `slurm`: write and submit an sbatch script."""
-
     num_train_gpus: int = Field(1, ge=1)
     """Trainer processes (torchrun --nproc-per-node) on this node."""
 

@@ -6,6 +6,7 @@ from pydantic import ByteSize, ConfigDict, Field
 
 from rlbus.configs.base import BaseConfig
 from rlbus.configs.common import ServiceConfig, WeightBroadcastConfig
+from rlbus.configs.slurm import SlurmConfig
 
 
 class VLLMConfig(BaseConfig):
@@ -100,6 +101,10 @@ class InferenceConfig(ServiceConfig):
 
     health: HealthConfig = HealthConfig()
     """Engine health probes while serving."""
+
+    slurm: SlurmConfig | None = None
+    """Submit this replica as a SLURM batch job (one replica per node) instead of serving here
+    (bare `--slurm` or a `[slurm]` table; needs run_dir; docs/slurm.md)."""
 
     weights_apply_timeout_s: float = Field(600.0, gt=0)
     """Deadline of one weights load (the engine's /update_weights or /load_lora_adapter call);

@@ -21,6 +21,7 @@ from rlbus.configs.common import (
 )
 from rlbus.configs.inference import InferenceConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import TrainerConfig
 from rlbus.runs import resolve_run_dir
 
@@ -72,7 +73,11 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
     """Metric sinks (the monitor process joins every service's step metrics into them)."""
 
     deployment: DeploymentConfig = DeploymentConfig()
-    """Where the services run."""
+    """How many processes of each service run, and where their CPUs come from."""
+
+    slurm: SlurmConfig | None = None
+    """Submit the run as a SLURM batch job instead of starting it here (bare `--slurm` or a
+    `[slurm]` table turns it on; docs/slurm.md)."""
 
     supervision: SupervisionConfig = SupervisionConfig()
     """Restarts of services that die (launcher only; docs/launcher.md, "Supervision")."""

@@ -6,6 +6,7 @@ from pydantic import Field, model_validator
 
 from rlbus.configs.base import BaseConfig
 from rlbus.configs.common import LaunchConfig, MonitorsConfig
+from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import TrainerConfig
 
 
@@ -57,6 +58,10 @@ class SFTConfig(TrainerConfig, LaunchConfig):
     monitors: MonitorsConfig = MonitorsConfig()
     """Metric sinks for the step metrics (rank 0 writes them): metrics.jsonl, and wandb with
     `--monitors.wandb` (needs the wandb package)."""
+
+    slurm: SlurmConfig | None = None
+    """Submit the SFT as a SLURM batch job instead of running it here (bare `--slurm` or a
+    `[slurm]` table; docs/slurm.md)."""
 
     save_final_model: bool = True
     """Write an HF model directory `<run_dir>/model/` at the end."""

@@ -39,7 +39,7 @@ from rlbus.launch.supervisor import ServiceProcess, Supervisor
 from rlbus.launch.watchdog import start_watchdog
 from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import setup_logging
-from rlbus.runs import prepare_run_dir_or_exit, resolve_run_dir, rl_run_name, run_id_of
+from rlbus.runs import RunPlan, prepare_run_dir_or_exit, resolve_run_dir, rl_run_name, run_id_of
 from rlbus.runtime import EXIT_SIGNAL_BASE, Terminated, raise_terminated
 
 log = structlog.get_logger()
@@ -65,14 +65,9 @@ def refuse_if_in_use(run_dir: Path) -> None:
         exit_with_config_error(message, title="Run directory in use")
 
 
-def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
-    """Steps 1-3 for an already parsed config: returns the written launch."""
+def prepare_rl(config: RLConfig) -> tuple[RLConfig, RunPlan]:
+    """Steps 1-2: the named config and its prepared run directory (logging into it)."""
     config, name_given = name_run(config)
-    if config.deployment.type != "local":
-        exit_with_config_error(
-            f"deployment.type {config.deployment.type!r} is not supported by this launcher yet: "
-            "use --deployment.type local, or --dry-run and submit the scripts yourself"
-        )
     refuse_if_in_use(resolve_run_dir(config.output_dir, config.run.name, config.run.dir))
     run = prepare_run_dir_or_exit(config, name_given=name_given)
     setup_logging(
@@ -87,6 +82,12 @@ def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
             "resume_without_ckpt",
             hint="the run loads its checkpoint but saves no new ones: add [ckpt]",
         )
+    return config, run
+
+
+def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
+    """Steps 1-3 for an already parsed config: returns the written launch."""
+    config, run = prepare_rl(config)
     launch = build_rl_launch(config, run.run_dir)
     launch.config_files, launch.script_files = write_launch(
         run.run_dir, launch.configs, launch.processes, command, launch.files
@@ -390,7 +391,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(importlib.import_module(SUBCOMMANDS[args[0]]).main(args[1:]))
     config = parse_cli(RLConfig, argv, prog="rl")
     check_sinks_installed(config.monitors)
-    launch = plan_rl(config, command="rl " + " ".join(sys.argv[1:] if argv is None else argv))
+    command = "rl " + " ".join(sys.argv[1:] if argv is None else argv)
+    if config.slurm is not None:  # render and submit a batch job instead (rlbus.launch.slurm)
+        from rlbus.launch.slurm import submit_rl
+
+        config, run = prepare_rl(config)
+        sys.exit(submit_rl(config, run.run_dir, command))
+    launch = plan_rl(config, command=command)
     if config.dry_run:
         print(describe_written(launch.run_dir, launch.config_files, launch.script_files))
         return

@@ -33,8 +33,9 @@ SFT_RANK_MODULE = "rlbus_trainer.sft_entrypoint"
 """What torchrun runs on every rank (parse, service shell, `rlbus_trainer.sft.run`)."""
 
 
-def plan_sft(config: SFTConfig, command: str) -> tuple[ServiceProcess, list[Path], list[Path]]:
-    """Name the run, prepare its directory, write the resolved config and the torchrun script."""
+def prepare_sft(config: SFTConfig) -> tuple[SFTConfig, Path]:
+    """Name the run and prepare its directory; returns the config the ranks get (no `clean`,
+    `dry_run` or `slurm`: a rank never wipes, plans or resubmits its run) and the directory."""
     name_given = config.run.name is not None
     config = config.model_copy(deep=True)
     config.run.name = config.run.name or sft_run_name(config.data.path, config.model.name)
@@ -43,15 +44,22 @@ def plan_sft(config: SFTConfig, command: str) -> tuple[ServiceProcess, list[Path
     resolved = config.model_copy(deep=True)
     resolved.clean = False  # already applied; the ranks must never wipe the run directory
     resolved.dry_run = False
+    resolved.slurm = None
+    return resolved, run.run_dir
+
+
+def plan_sft(config: SFTConfig, command: str) -> tuple[ServiceProcess, list[Path], list[Path]]:
+    """Name the run, prepare its directory, write the resolved config and the torchrun script."""
+    resolved, run_dir = prepare_sft(config)
     process = ServiceProcess(
         name="sft",
         argv=torchrun_argv(
-            config.num_processes, SFT_RANK_MODULE, config_path(run.run_dir, "sft").absolute()
+            config.num_processes, SFT_RANK_MODULE, config_path(run_dir, "sft").absolute()
         ),
-        log_path=log_file_path(run.run_dir, "sft"),
+        log_path=log_file_path(run_dir, "sft"),
         cwd=Path.cwd(),
     )
-    configs, scripts = write_launch(run.run_dir, {"sft": resolved}, [process], command)
+    configs, scripts = write_launch(run_dir, {"sft": resolved}, [process], command)
     return process, configs, scripts
 
 
@@ -77,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_cli(SFTConfig, argv, prog="sft")
     check_sinks_installed(config.monitors)
     command = "sft " + " ".join(sys.argv[1:] if argv is None else argv)
+    if config.slurm is not None:  # render and submit a batch job instead (rlbus.launch.slurm)
+        from rlbus.launch.slurm import submit_sft
+
+        resolved, run_dir = prepare_sft(config)
+        sys.exit(submit_sft(config, resolved, run_dir, command))
     process, configs, scripts = plan_sft(config, command)
     if config.dry_run:
         print(describe_written(configs[0].parent.parent, configs, scripts))

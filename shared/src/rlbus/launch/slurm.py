@@ -1,0 +1,566 @@
+"""`--slurm`: a run as one sbatch script in its run directory, submitted with `sbatch`.
+
+`rl`, `sft` and `inference` call in here instead of starting anything when their config has a
+`[slurm]` section (or `--slurm`). Everything is decided at render time, on the submitting host:
+
+    <run_dir>/configs/*.toml          resolved per-service configs, as `rl --dry-run` writes them
+    <run_dir>/slurm/<name>.sbatch     the job: absolute paths only (SLURM runs a spool copy, so
+                                      nothing may be found through $0)
+    <run_dir>/slurm/<name>-<jobid>.out   the job's own output (start/stop lines, exit codes)
+
+The job starts every service from those configs with `--bus.url` of the sidecar NATS on the first
+node, and every long-running service with `--exit-when-finished`, so the job ends by itself once
+the trainer has trained its last step. On SIGTERM (`scancel --batch --signal=TERM`, or SLURM's
+`--signal=B:TERM@...` before the time limit) the script drains: SIGTERM to the orchestrator,
+workers and trainer, up to `grace_s`; then inference and the monitor; NATS last. A requeued job runs
+the same script again: same run directory, same NATS store, and the services resume by themselves
+(docs/run-directories.md, "Restarts without --resume"). The run-directory rules are applied once,
+here, at submit time: the script never creates or checks the NATS store itself.
+"""
+
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import structlog
+from pydantic import BaseModel
+
+from rlbus.configs import InferenceConfig, RLConfig, SFTConfig, SlurmConfig
+from rlbus.launch.plan import NATS_STORE_DIR, build_rl_launch, python_module_argv, torchrun_argv
+from rlbus.launch.scripts import config_path, write_configs
+from rlbus.runs import run_id_of
+
+log = structlog.get_logger()
+
+SLURM_DIR = "slurm"
+BUS_URL = '"$BUS_URL"'
+"""Shell text of the bus URL the script computes (the sidecar on the first node)."""
+SIGNAL_MARGIN_S = 30
+"""Added to the drain time when asking SLURM for the SIGTERM before the time limit."""
+
+STOP_FIRST, STOP_SECOND, STOP_LAST = 0, 1, 2
+"""Stop groups: orchestrator/workers/trainer drain first, then inference and the monitor, NATS last."""
+
+
+class SlurmSetupError(ValueError):
+    """A `[slurm]` value that cannot work; the message names the field and the fix."""
+
+
+@dataclass
+class Step:
+    """One process the job starts: a shell command line (already quoted), its stop group, and
+    whether the trainer's exit ends the job."""
+
+    name: str
+    command: str
+    group: int
+    main: bool = False
+
+
+@dataclass
+class Job:
+    """Everything one sbatch script holds."""
+
+    name: str
+    run_dir: Path
+    slurm: SlurmConfig
+    steps: list[Step] = field(default_factory=list)
+    nats: str | None = None
+    """The sidecar's command (None: bus.url was given, or no bus at all)."""
+    bus_url: str | None = None
+    """A bus.url given by the user (then no sidecar)."""
+    nats_http_port: int | None = None
+    node_lines: list[str] = field(default_factory=list)
+    """Bash lines that name the nodes of each role (multi-node jobs)."""
+
+    @property
+    def script_path(self) -> Path:
+        return self.run_dir / SLURM_DIR / f"{self.name}.sbatch"
+
+    @property
+    def output_pattern(self) -> Path:
+        return self.run_dir / SLURM_DIR / f"{self.name}-%j.out"
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+
+
+def sbatch_directives(job: Job, job_name: str) -> list[str]:
+    """The `#SBATCH` lines: allocation, output, drain signal, requeue, then the user's extras."""
+    s = job.slurm
+    grace = 3 * s.grace_s + SIGNAL_MARGIN_S
+    lines = [
+        f"--job-name={job_name}",
+        f"--nodes={s.nodes}",
+        "--ntasks-per-node=1",
+        f"--output={job.output_pattern.absolute()}",
+        "--open-mode=append",
+        f"--signal=B:TERM@{grace}",
+        "--requeue" if s.requeue else "--no-requeue",
+    ]
+    for flag, value in (("partition", s.partition), ("account", s.account), ("time", s.time)):
+        if value is not None:
+            lines.append(f"--{flag}={value}")
+    if s.gpus_per_node:
+        lines.append(f"--gpus-per-node={s.gpus_per_node}")
+    if s.exclusive:
+        lines.append("--exclusive")
+    lines += s.directives
+    return [f"#SBATCH {line}" for line in lines]
+
+
+RUNTIME = r"""
+pids=(); names=(); groups=()
+start() {  # start GROUP NAME CMD...: CMD in the background, output appended to logs/NAME.log
+  local group=$1 name=$2; shift 2
+  "$@" >> "$RUN_DIR/logs/$name.log" 2>&1 &
+  pids+=("$!"); names+=("$name"); groups+=("$group")
+  say "started $name (pid $!, log $RUN_DIR/logs/$name.log)"
+}
+say() { echo "$(date -u +%H:%M:%S) rlbus-slurm: $*"; }
+alive() { kill -0 "$1" 2>/dev/null && [ "$(ps -o stat= -p "$1" 2>/dev/null | cut -c1)" != Z ]; }
+await_group() {  # await_group GROUP SECONDS: wait that long for every process of GROUP to exit
+  local i deadline=$((SECONDS + $2))
+  for i in "${!pids[@]}"; do
+    [ "${groups[i]}" = "$1" ] || continue
+    while alive "${pids[i]}" && [ "$SECONDS" -lt "$deadline" ]; do sleep 1; done
+  done
+}
+stop_group() {  # SIGTERM every live process of GROUP, GRACE_S for them to drain, then SIGKILL
+  local i
+  for i in "${!pids[@]}"; do
+    [ "${groups[i]}" = "$1" ] && alive "${pids[i]}" && kill -TERM "${pids[i]}" && say "SIGTERM ${names[i]}"
+  done
+  await_group "$1" "$GRACE_S"
+  for i in "${!pids[@]}"; do
+    [ "${groups[i]}" = "$1" ] && alive "${pids[i]}" && kill -KILL "${pids[i]}" &&
+      say "${names[i]} still running after ${GRACE_S} s: SIGKILL"
+  done
+}
+stop_all() { trap '' TERM INT; stop_group 0; stop_group 1; stop_group 2; }
+node_addr() {  # the address SLURM reaches a node at (NodeAddr; the node name when unset)
+  local addr
+  addr=$(scontrol show node -o "$1" | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
+  echo "${addr:-$1}"
+}
+wait_for_nats() {  # the sidecar's JetStream health endpoint, up to 120 s
+  local i
+  for i in $(seq 240); do
+    "$PYTHON" -c "import urllib.request as u; u.urlopen('$1', timeout=2)" 2>/dev/null && return 0
+    alive "${pids[0]}" || { say "nats exited before it was healthy"; return 1; }
+    sleep 0.5
+  done
+  say "nats not healthy after 120 s: $1"; return 1
+}
+run_until_main_exits() {  # wait for the main step; a failed other step fails the job
+  local ended code i
+  while :; do
+    wait -n -p ended "${pids[@]}" 2>/dev/null; code=$?  # (finished ones: "no such job")
+    for i in "${!pids[@]}"; do [ "${pids[i]}" = "$ended" ] && break; done
+    say "${names[i]} exited with code $code"
+    if [ "${names[i]}" = "$MAIN" ]; then return "$code"; fi
+    if [ "$code" -ne 0 ]; then stop_all; exit "$code"; fi
+  done
+}
+"""
+
+
+def render_script(job: Job, command: str) -> str:
+    """The whole sbatch script of `job` (bash)."""
+    s = job.slurm
+    job_name = s.job_name or f"{job.name}-{job.run_dir.name}"
+    lines = [
+        "#!/bin/bash",
+        *sbatch_directives(job, job_name),
+        f"# Written by `{command}` at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC (docs/slurm.md).",
+        f"# Submit again: sbatch {job.script_path.absolute()}",
+        "# Stop with a drain: scancel --batch --signal=TERM <jobid>",
+        "set -uo pipefail",
+        f"cd {shlex.quote(str(Path.cwd()))}",
+        f"RUN_DIR={shlex.quote(str(job.run_dir.absolute()))}",
+        f"PYTHON={shlex.quote(sys.executable)}",
+        f"GRACE_S={s.grace_s}",
+        f"MAIN={next(step.name for step in job.steps if step.main)}",
+        RUNTIME.strip("\n"),
+        *s.setup,
+        'mkdir -p "$RUN_DIR/logs"',
+        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        'say "job $SLURM_JOB_ID on ${NODES[*]} (restart ${SLURM_RESTART_COUNT:-0})"',
+        *job.node_lines,
+        'trap \'say "SIGTERM: draining"; stop_all; say "drained"; exit 143\' TERM',
+    ]
+    lines += bus_lines(job)
+    for step in job.steps:
+        lines.append(f"start {step.group} {step.name} {step.command}")
+    lines += [
+        "run_until_main_exits; code=$?",
+        "# the others end by themselves (--exit-when-finished); stop whoever does not",
+        'for g in 0 1 2; do await_group "$g" "$GRACE_S"; stop_group "$g"; done',
+        'say "done, exit code $code"',
+        'exit "$code"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def bus_lines(job: Job) -> list[str]:
+    """Start the NATS sidecar on the first node (or use the given bus.url) and set BUS_URL."""
+    if job.nats is None:
+        return [f"BUS_URL={shlex.quote(job.bus_url)}"] if job.bus_url else []
+    port = job.slurm.nats_port
+    return [
+        'HEAD_ADDR=$(node_addr "${NODES[0]}")',
+        f'BUS_URL="nats://$HEAD_ADDR:{port}"',
+        f"start {STOP_LAST} nats {job.nats}",
+        f'wait_for_nats "http://127.0.0.1:{job.nats_http_port}/healthz?js-enabled-only=true"'
+        " || { stop_all; exit 1; }",
+        'say "nats ready at $BUS_URL"',
+    ]
+
+
+def srun_on(nodes_var: str, count: str, slurm: SlurmConfig) -> str:
+    """An srun prefix for one task on each node of a bash array: explicit task counts (never
+    inherited from the batch step's SLURM_NTASKS), --overlap so it shares the nodes with the
+    other steps, and the whole node's CPUs (and GPUs)."""
+    parts = [
+        "srun",
+        f"--nodes={count}",
+        f"--ntasks={count}",
+        "--ntasks-per-node=1",
+        f'--nodelist="$(IFS=,; echo "${{{nodes_var}[*]}}")"',
+        "--overlap",
+        "--kill-on-bad-exit=1",
+        '--cpus-per-task="$SLURM_CPUS_ON_NODE"',
+    ]
+    if slurm.gpus_per_node:
+        parts.append(f"--gpus-per-node={slurm.gpus_per_node}")
+    return " ".join(parts)
+
+
+def with_devices(argv_text: str, devices: list[int] | None) -> str:
+    """Prefix `env CUDA_VISIBLE_DEVICES=...` when the process gets its own GPUs."""
+    if devices is None:
+        return argv_text
+    return f"env CUDA_VISIBLE_DEVICES={','.join(map(str, devices))} {argv_text}"
+
+
+def multi_node_torchrun(nnodes: int, nproc: int, module: str, config: Path, port: int) -> str:
+    """torchrun across nodes: c10d rendezvous on `$RDZV` (the first trainer node's address),
+    one rendezvous per job id."""
+    head = shlex.join([
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+        "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+    ])  # fmt: skip
+    tail = shlex.join(["-m", module, "@", str(config.absolute())])
+    return f'{head} --rdzv-endpoint "$RDZV:{port}" --rdzv-id "$SLURM_JOB_ID" {tail}'
+
+
+def rendezvous_line(nodes_var: str) -> str:
+    return f'RDZV=$(node_addr "${{{nodes_var}[0]}}")'
+
+
+# ---- rl ----------------------------------------------------------------------------------------
+
+
+def even_devices(gpus: int, replicas: int) -> list[list[int]]:
+    """GPUs 0..gpus-1 split into `replicas` equal consecutive ranges (one-line error otherwise)."""
+    if gpus < replicas or gpus % replicas:
+        raise SlurmSetupError(
+            f"{gpus} inference GPUs do not split evenly over deployment.num_infer_replicas "
+            f"({replicas}): set --slurm.inference-gpus (one node) or --slurm.gpus-per-node "
+            "(inference nodes) to a multiple of the replicas"
+        )
+    each = gpus // replicas
+    return [list(range(i * each, (i + 1) * each)) for i in range(replicas)]
+
+
+def one_node_gpus(
+    slurm: SlurmConfig, replicas: int, per_replica: int, train: int
+) -> tuple[list[list[int] | None], list[int] | None]:
+    """(devices of each inference replica, trainer devices) on a single node: inference first,
+    the trainer's `train` GPUs after them, never shared. None each on CPU nodes."""
+    if not slurm.gpus_per_node:
+        return [None] * replicas, None
+    infer = slurm.inference_gpus if slurm.inference_gpus is not None else replicas * per_replica
+    if infer + train > slurm.gpus_per_node:
+        raise SlurmSetupError(
+            f"slurm.inference_gpus ({infer}) + deployment.num_train_gpus ({train}) exceed "
+            f"slurm.gpus_per_node ({slurm.gpus_per_node}): lower --slurm.inference-gpus or "
+            "--deployment.num-train-gpus, or raise --slurm.gpus-per-node"
+        )
+    return list(even_devices(infer, replicas)), list(range(infer, infer + train))
+
+
+def multi_node_gpus(slurm: SlurmConfig, replicas: int, train: int) -> list[list[int] | None]:
+    """Devices of each inference replica on an inference node (the node's GPUs split evenly);
+    a trainer node's GPUs all go to its torchrun."""
+    if not slurm.gpus_per_node:
+        return [None] * replicas
+    if train > slurm.gpus_per_node:
+        raise SlurmSetupError(
+            f"deployment.num_train_gpus ({train}) exceeds slurm.gpus_per_node "
+            f"({slurm.gpus_per_node}): on several nodes it is the trainer ranks per trainer node"
+        )
+    return list(even_devices(slurm.gpus_per_node, replicas))
+
+
+def node_split(slurm: SlurmConfig) -> tuple[int, int]:
+    """(inference nodes, trainer nodes) of a multi-node rl job."""
+    trainers = slurm.nodes - slurm.inference_nodes
+    if trainers < 1:
+        raise SlurmSetupError(
+            f"slurm.nodes ({slurm.nodes}) leaves no trainer node after slurm.inference_nodes "
+            f"({slurm.inference_nodes}): raise --slurm.nodes or lower --slurm.inference-nodes"
+        )
+    return slurm.inference_nodes, trainers
+
+
+def nats_command(run_dir: Path, config: RLConfig, slurm: SlurmConfig) -> str:
+    """`rlbus-nats` on every interface of the first node, store in `<run_dir>/nats` (it creates
+    the store itself; a requeued job reopens it), exiting once the run is finished."""
+    argv = [
+        str(Path(sys.executable).parent / "rlbus-nats"),
+        "--store", str(run_dir.absolute() / NATS_STORE_DIR),
+        "--host", "0.0.0.0", "--port", str(slurm.nats_port),
+        "--http-port", str(slurm.nats_http_port),
+        "--max-payload-mb", str(config.bus.max_payload_mb),
+        "--run-id", str(run_id_of(config.bus.run_id, config.run.name)),
+        "--exit-when-finished",
+    ]  # fmt: skip
+    if config.bus.token is not None:
+        argv += ["--token", config.bus.token]
+    return shlex.join(argv)
+
+
+def service_command(argv: list[str], extra: list[str] | None = None) -> str:
+    """A service's argv, then `--bus.url "$BUS_URL"` (the URL is only known on the node)."""
+    return shlex.join([*argv, *(extra or [])]) + f" --bus.url {BUS_URL}"
+
+
+def rl_job(config: RLConfig, run_dir: Path) -> tuple[Job, dict[str, BaseModel]]:
+    """The resolved configs and the job of a named RL run."""
+    slurm = config.slurm
+    assert slurm is not None
+    user_bus = config.bus.url
+    planned = config.model_copy(deep=True)
+    planned.slurm = None
+    if user_bus is None:  # the sidecar; the script passes its real address on every command line
+        planned.bus = planned.bus.model_copy(update={"url": f"nats://127.0.0.1:{slurm.nats_port}"})
+    launch = build_rl_launch(planned, run_dir)
+    configs = launch.configs
+    launcher = config.model_copy(deep=True)  # [slurm] kept: `rl @ rl.toml --resume` resubmits
+    launcher.dry_run = False
+    launcher.clean = False
+    configs["rl"] = launcher
+    dep = config.deployment
+    multi = slurm.nodes > 1
+    infer_nodes, train_nodes = node_split(slurm) if multi else (1, 1)
+    replicas = [name for name in configs if name.startswith("inference")]
+    per_replica = config.inference.vllm.tensor_parallel_size
+    if multi:
+        infer_devices = multi_node_gpus(slurm, len(replicas), dep.num_train_gpus)
+        train_devices = None
+    else:
+        infer_devices, train_devices = one_node_gpus(
+            slurm, len(replicas), per_replica, dep.num_train_gpus
+        )
+    for name in replicas:
+        replica = configs[name]
+        if "port" not in config.inference.server.model_fields_set:
+            replica.server.port = 0  # a free port on the node (claim_ports)
+        if "backend_port" not in config.inference.model_fields_set:
+            replica.backend_port = 0
+        replica.exit_when_finished = True
+    orchestrator = configs["orchestrator"]
+    orchestrator.exit_when_finished = True
+    if "num_train_ranks" not in config.orchestrator.model_fields_set:
+        orchestrator.num_train_ranks = train_nodes * dep.num_train_gpus
+
+    job = Job(name="rl", run_dir=run_dir, slurm=slurm, bus_url=user_bus)
+    if user_bus is None:
+        job.nats = nats_command(run_dir, config, slurm)
+        job.nats_http_port = slurm.nats_http_port
+    monitor = [
+        sys.executable,
+        "-m",
+        "rlbus.monitors",
+        "@",
+        str(config_path(run_dir, "rl").absolute()),
+    ]
+    monitor += ["--exit-when-finished"]
+    if config.bus.token is not None:
+        monitor += ["--bus.token", config.bus.token]
+    job.steps.append(Step("monitor", service_command(monitor), STOP_SECOND))
+    for name, devices in zip(replicas, infer_devices, strict=True):
+        argv = python_module_argv(
+            "rlbus_inference.entrypoint", config_path(run_dir, name).absolute()
+        )
+        text = with_devices(service_command(argv), devices)
+        if multi:
+            text = f"{srun_on('INFER_NODES', str(infer_nodes), slurm)} {text}"
+        job.steps.append(Step(name, text, STOP_SECOND))
+    orch_argv = python_module_argv(
+        "rlbus_orchestrator.entrypoint", config_path(run_dir, "orchestrator").absolute()
+    )
+    job.steps.append(Step("orchestrator", service_command(orch_argv), STOP_FIRST))
+    for i in range(dep.num_rollout_workers):
+        job.steps.append(
+            Step(f"worker-{i}", service_command(orch_argv, ["--role", "worker"]), STOP_FIRST)
+        )
+    trainer_config = config_path(run_dir, "trainer").absolute()
+    if multi:
+        torchrun = multi_node_torchrun(
+            train_nodes, dep.num_train_gpus, "rlbus_trainer.entrypoint", trainer_config,
+            slurm.rdzv_port,
+        )  # fmt: skip
+        text = f"{srun_on('TRAIN_NODES', str(train_nodes), slurm)} {torchrun} --bus.url {BUS_URL}"
+    else:
+        argv = torchrun_argv(dep.num_train_gpus, "rlbus_trainer.entrypoint", trainer_config)
+        text = with_devices(service_command(argv), train_devices)
+    job.steps.append(Step("trainer", text, STOP_FIRST, main=True))
+    if multi:
+        job.node_lines = [
+            f'INFER_NODES=("${{NODES[@]:0:{infer_nodes}}}")',
+            f'TRAIN_NODES=("${{NODES[@]:{infer_nodes}}}")',
+            rendezvous_line("TRAIN_NODES"),
+            'say "inference on ${INFER_NODES[*]}, trainer on ${TRAIN_NODES[*]} (rendezvous $RDZV)"',
+        ]
+    return job, configs
+
+
+# ---- sft and inference -------------------------------------------------------------------------
+
+
+def sft_job(config: SFTConfig, run_dir: Path) -> Job:
+    """One torchrun (one agent per node) of a named SFT run; no bus."""
+    slurm = config.slurm
+    assert slurm is not None
+    path = config_path(run_dir, "sft").absolute()
+    module = "rlbus_trainer.sft_entrypoint"
+    job = Job(name="sft", run_dir=run_dir, slurm=slurm)
+    if slurm.nodes > 1:
+        torchrun = multi_node_torchrun(
+            slurm.nodes, config.num_processes, module, path, slurm.rdzv_port
+        )
+        text = f"{srun_on('NODES', str(slurm.nodes), slurm)} {torchrun}"
+        job.node_lines = [rendezvous_line("NODES")]
+    else:
+        text = shlex.join(torchrun_argv(config.num_processes, module, path))
+    job.steps.append(Step("sft", text, STOP_FIRST, main=True))
+    return job
+
+
+def inference_job(config: InferenceConfig, run_dir: Path, name: str) -> Job:
+    """One replica per node, each from the resolved `configs/<name>.toml`."""
+    slurm = config.slurm
+    assert slurm is not None
+    argv = python_module_argv("rlbus_inference.entrypoint", config_path(run_dir, name).absolute())
+    text = shlex.join(argv)
+    if slurm.nodes > 1:
+        text = f"{srun_on('NODES', str(slurm.nodes), slurm)} {text}"
+    job = Job(name="inference", run_dir=run_dir, slurm=slurm, bus_url=config.bus.url)
+    job.steps.append(Step(name, text, STOP_SECOND, main=True))
+    return job
+
+
+# ---- writing and submitting --------------------------------------------------------------------
+
+
+def write_job(job: Job, command: str, configs: dict[str, BaseModel]) -> Path:
+    """Write the resolved configs (without their `[slurm]`, so a service never resubmits) and
+    the sbatch script; returns the script's path."""
+    write_configs(job.run_dir, configs)
+    path = job.script_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_script(job, command))
+    path.chmod(0o755)
+    return path
+
+
+def submit(job: Job, script: Path) -> int:
+    """`sbatch` the script; print the job id, where its output goes and how to stop it.
+    Returns the exit code of the command (0, or 1 when sbatch refused)."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        print(
+            f"sbatch is not on PATH: install SLURM's client commands (Debian: slurm-client), or "
+            f"run with --dry-run (inference: --no-slurm.submit) and submit {script} where sbatch is",
+            file=sys.stderr,
+        )
+        return 1
+    result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True)
+    if result.returncode != 0:
+        message = (result.stderr or result.stdout).strip().splitlines()
+        print(
+            f"sbatch refused {script}: {message[-1] if message else result.returncode}",
+            file=sys.stderr,
+        )
+        return 1
+    job_id = result.stdout.strip().split(";")[0]
+    output = str(job.output_pattern.absolute()).replace("%j", job_id)
+    log.info("slurm_submitted", job_id=job_id, script=str(script), output=output)
+    print(f"Submitted SLURM job {job_id}: {script}")
+    print(f"Job output: {output}; service logs: {job.run_dir.absolute() / 'logs'}")
+    print(f"Stop it with a drain: scancel --batch --signal=TERM {job_id}")
+    return 0
+
+
+def finish(job: Job, command: str, configs: dict[str, BaseModel], dry_run: bool) -> int:
+    """Write the job, then submit it unless this is a dry run; returns the exit code."""
+    script = write_job(job, command, configs)
+    if dry_run or not job.slurm.submit:
+        print(
+            f"Run directory: {job.run_dir}\nSLURM script: {script}\nSubmit it with: sbatch {script}"
+        )
+        return 0
+    return submit(job, script)
+
+
+def report_setup_error(error: SlurmSetupError) -> int:
+    print(f"--slurm: {error}", file=sys.stderr)
+    return 2
+
+
+def submit_rl(config: RLConfig, run_dir: Path, command: str) -> int:
+    """`rl --slurm` for a named config whose run directory is prepared."""
+    if config.slurm.requeue and config.ckpt is None:  # type: ignore[union-attr]
+        log.warning("slurm_requeue_without_ckpt", hint="a requeued trainer needs [ckpt] to resume")
+    try:
+        job, configs = rl_job(config, run_dir)
+    except SlurmSetupError as error:
+        return report_setup_error(error)
+    return finish(job, command, configs, config.dry_run)
+
+
+def submit_sft(config: SFTConfig, resolved: SFTConfig, run_dir: Path, command: str) -> int:
+    """`sft --slurm` for a named config whose run directory is prepared."""
+    job = sft_job(config, run_dir)
+    return finish(job, command, {"sft": resolved}, config.dry_run)
+
+
+INFERENCE_CONFIG = "inference-slurm"
+"""The resolved config of `inference --slurm` (not `inference.toml`: that one is `rl`'s)."""
+
+
+def submit_inference(config: InferenceConfig, command: str) -> int:
+    """`inference --slurm`: needs run_dir (the script, its output and the logs go there)."""
+    if config.run_dir is None:
+        print(
+            "inference --slurm: run_dir is not set; pass --run-dir <the run directory to join> "
+            "(the sbatch script, its output and the replica logs go there)",
+            file=sys.stderr,
+        )
+        return 2
+    run_dir = Path(config.run_dir)
+    resolved = config.model_copy(deep=True)
+    resolved.slurm = None
+    if "port" not in config.server.model_fields_set:
+        resolved.server.port = 0
+    if "backend_port" not in config.model_fields_set:
+        resolved.backend_port = 0
+    resolved.exit_when_finished = config.bus.url is not None
+    job = inference_job(config, run_dir, INFERENCE_CONFIG)
+    return finish(job, command, {INFERENCE_CONFIG: resolved}, dry_run=False)
