@@ -19,9 +19,9 @@ def make_rl_config(server, tmp_path, run_name):
     return config.with_run_name(run_name)
 
 
-def start_monitor(config, tmp_path, *, prelude: str | None = None):
-    """The monitor process on `config`; `prelude` (Python source) runs first in it (fault
-    injection, e.g. a SIGKILL at a chosen moment)."""
+def start_monitor(config, tmp_path, *, prelude: str | None = None, args: tuple[str, ...] = ()):
+    """The monitor process on `config` (more flags in `args`); `prelude` (Python source) runs
+    first in it (fault injection, e.g. a SIGKILL at a chosen moment)."""
     path = tmp_path / "rl.toml"
     path.write_text(config_to_toml(config))
     if prelude is None:
@@ -29,7 +29,7 @@ def start_monitor(config, tmp_path, *, prelude: str | None = None):
     else:
         code = prelude + "\nfrom rlbus.monitors.service import main\nmain(sys.argv[1:])\n"
         argv = [sys.executable, "-c", code, "@", str(path)]
-    return subprocess.Popen(argv, start_new_session=True)
+    return subprocess.Popen([*argv, *args], start_new_session=True)
 
 
 def stop(process):

@@ -64,6 +64,10 @@ async def wait_until(predicate, timeout_s=240.0):
         await asyncio.sleep(0.1)
 
 
+async def is_none(awaitable) -> bool:
+    return await awaitable is None
+
+
 async def trainer_run(make_bus, nats_server, tmp_path, name: str, **overrides):
     """(a client bus, the trainer config) of a fresh run on the tiny model."""
     model = build_tiny_model(tmp_path / "tiny")
@@ -100,14 +104,23 @@ async def test_trainer_trains_checkpoints_publishes_and_resumes_after_kill(
         kill_tree(proc)  # kill -9 while it waits for step 4, which is not published yet
     first = await read_step_metrics(bus)
     assert [m.step for m in first] == [1, 2, 3]
+    assert await bus.run_finished() is None  # killed at step 3 of 6: not finished
 
-    for step in (4, 5, 6):
-        await bus.step_log.publish(make_train_batch(step))
-    await bus.step_log.publish(make_train_batch(2))  # a repeat of a trained step changes nothing
+    # A finished record left from before (a run extended with more steps) is cleared at start,
+    # so no --exit-when-finished service stops while steps are left.
+    await bus.mark_finished(3)
     config["resume"] = {}
-    wait_ranks(
-        tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
-    )
+    proc = start_ranks(tmp_path, config, 1, "trainer")
+    try:
+        await wait_until(lambda: is_none(bus.run_finished()))
+        for step in (4, 5, 6):
+            await bus.step_log.publish(make_train_batch(step))
+        await bus.step_log.publish(make_train_batch(2))  # a repeat of a trained step: no-op
+    except BaseException:
+        kill_tree(proc)
+        raise
+    wait_ranks(tmp_path, proc, config, "trainer", timeout_s=300)
+    assert (await bus.run_finished()).last_step == 6
 
     metrics = await read_step_metrics(bus)
     steps = [m.step for m in metrics]

@@ -83,3 +83,29 @@ def test_sbatch_missing_is_one_line(tmp_path):
     )  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "sbatch is not on PATH" in result.stderr
+
+
+def test_inference_slurm_renders_one_replica_per_node_from_its_resolved_config(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [BIN / "inference", "--slurm", "--run-dir", run_dir, "--vllm.model", "m",
+         "--bus.url", "nats://head:4222", "--no-slurm.submit", "--slurm.nodes", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    script = (run_dir / "slurm" / "inference.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
+    replica = next(line for line in script.splitlines() if line.startswith("start 1 inference"))
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in replica
+    resolved = tomllib.loads((run_dir / "configs" / "inference-slurm.toml").read_text())
+    assert resolved["bus"]["url"] == "nats://head:4222" and resolved["exit_when_finished"]
+    assert resolved["server"]["port"] == 0 and resolved.get("slurm", "None") == "None"
+
+
+def test_inference_slurm_without_run_dir_is_one_line(tmp_path):
+    result = subprocess.run(
+        [BIN / "inference", "--slurm", "--vllm.model", "m"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "--run-dir" in result.stderr

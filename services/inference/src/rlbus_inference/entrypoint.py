@@ -6,10 +6,17 @@ Unknown `--vllm.*` options pass through to vLLM. vLLM and torch are imported by
 `rlbus_inference.service`, after parsing, so `--help` and config errors are instant.
 """
 
+import os
+import sys
+
 from rlbus import runtime
 from rlbus.configs import InferenceConfig
 from rlbus.configs.base import parse_cli
 from rlbus.runs import run_id_of, slug
+
+SLURM_SUBMIT = "rlbus.launch.slurm"
+"""`inference --slurm` hands its argv to this module (by exec, not import: no service imports a
+launcher); it renders and submits the replica's sbatch script (docs/slurm.md)."""
 
 
 def log_name(config: InferenceConfig) -> str:
@@ -19,6 +26,9 @@ def log_name(config: InferenceConfig) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(InferenceConfig, argv, prog="inference")
+    if config.slurm is not None:  # submit a batch job instead of serving: the launcher's job
+        args = sys.argv[1:] if argv is None else argv
+        os.execv(sys.executable, [sys.executable, "-m", SLURM_SUBMIT, "inference", *args])
     runtime.main(
         log_name(config),
         config,

@@ -98,12 +98,7 @@ class PortInUse(ValueError):
 def run(config: InferenceConfig) -> None:
     """Serve until SIGTERM/SIGINT (see module docstring). A config value the engine refused, or a
     child (engine, router) that exits or never becomes healthy, ends the process with exit code 1
-    and one line saying which and where its output is, not a traceback. With `[slurm]` (or
-    `--slurm`) nothing starts here: the replica is submitted as a batch job (docs/slurm.md)."""
-    if config.slurm is not None:
-        from rlbus.launch.slurm import submit_inference
-
-        sys.exit(submit_inference(config, "inference " + " ".join(sys.argv[1:])))
+    and one line saying which and where its output is, not a traceback."""
     try:
         config = claim_ports(config)
         run_service("inference", lambda state: serve(config, state))

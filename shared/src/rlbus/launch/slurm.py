@@ -30,6 +30,7 @@ import structlog
 from pydantic import BaseModel
 
 from rlbus.configs import InferenceConfig, RLConfig, SFTConfig, SlurmConfig
+from rlbus.configs.base import parse_cli
 from rlbus.launch.plan import NATS_STORE_DIR, build_rl_launch, python_module_argv, torchrun_argv
 from rlbus.launch.scripts import config_path, write_configs
 from rlbus.runs import run_id_of
@@ -114,7 +115,7 @@ def sbatch_directives(job: Job, job_name: str) -> list[str]:
 
 
 RUNTIME = r"""
-pids=(); names=(); groups=()
+pids=(); names=(); groups=(); reaped=()
 start() {  # start GROUP NAME CMD...: CMD in the background, output appended to logs/NAME.log
   local group=$1 name=$2; shift 2
   "$@" >> "$RUN_DIR/logs/$name.log" 2>&1 &
@@ -156,14 +157,17 @@ wait_for_nats() {  # the sidecar's JetStream health endpoint, up to 120 s
   done
   say "nats not healthy after 120 s: $1"; return 1
 }
-run_until_main_exits() {  # wait for the main step; a failed other step fails the job
-  local ended code i
+run_until_main_exits() {  # poll (bash 4.4 has no `wait -n -p`): the main step's exit ends the
+  local i code                # wait; another step failing fails the job
   while :; do
-    wait -n -p ended "${pids[@]}" 2>/dev/null; code=$?  # (finished ones: "no such job")
-    for i in "${!pids[@]}"; do [ "${pids[i]}" = "$ended" ] && break; done
-    say "${names[i]} exited with code $code"
-    if [ "${names[i]}" = "$MAIN" ]; then return "$code"; fi
-    if [ "$code" -ne 0 ]; then stop_all; exit "$code"; fi
+    for i in "${!pids[@]}"; do
+      [ -z "${reaped[i]:-}" ] && ! alive "${pids[i]}" || continue
+      wait "${pids[i]}"; code=$?; reaped[i]=1
+      say "${names[i]} exited with code $code"
+      if [ "${names[i]}" = "$MAIN" ]; then return "$code"; fi
+      if [ "$code" -ne 0 ]; then stop_all; exit "$code"; fi
+    done
+    sleep 1
   done
 }
 """
@@ -564,3 +568,19 @@ def submit_inference(config: InferenceConfig, command: str) -> int:
     resolved.exit_when_finished = config.bus.url is not None
     job = inference_job(config, run_dir, INFERENCE_CONFIG)
     return finish(job, command, {INFERENCE_CONFIG: resolved}, dry_run=False)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m rlbus.launch.slurm inference ARGS...`: what `inference --slurm ARGS...` execs."""
+    if argv[:1] != ["inference"]:
+        print(
+            "usage: python -m rlbus.launch.slurm inference ARGS... (or: inference --slurm)",
+            file=sys.stderr,
+        )
+        return 2
+    config = parse_cli(InferenceConfig, argv[1:], prog="inference")
+    return submit_inference(config, "inference " + " ".join(argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,58 @@
+"""`claim_ports`: a replica checks its ports before it starts anything or registers (real sockets
+on loopback): 0 is a free port, a port held past the wait is one line naming the flag, a port
+released during the wait is taken, and the two ports may not be equal."""
+
+import socket
+import threading
+
+import pytest
+
+from rlbus.configs.inference import InferenceConfig
+from rlbus.netutil import free_ports, port_in_use
+from rlbus_inference import service
+from rlbus_inference.service import PortInUse, claim_ports
+
+
+def replica(port: int, backend_port: int) -> InferenceConfig:
+    return InferenceConfig.model_validate(
+        {"vllm": {"model": "m"}, "server": {"host": "127.0.0.1", "port": port},
+         "backend_port": backend_port}
+    )  # fmt: skip
+
+
+def listen(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def test_port_zero_becomes_a_free_port_for_each():
+    claimed = claim_ports(replica(0, 0))
+    ports = (claimed.server.port, claimed.backend_port)
+    assert 0 not in ports and ports[0] != ports[1]
+    assert not any(port_in_use("127.0.0.1", port) for port in ports)
+
+
+def test_a_port_held_past_the_wait_names_the_flag(monkeypatch):
+    monkeypatch.setattr(service, "PORT_WAIT_S", 1.0)
+    port, backend = free_ports(2)
+    with listen(port), pytest.raises(PortInUse, match=f"--server.port {port} is in use"):
+        claim_ports(replica(port, backend))
+    with listen(backend), pytest.raises(PortInUse, match=f"--backend-port {backend} is in use"):
+        claim_ports(replica(port, backend))
+
+
+def test_a_port_released_during_the_wait_is_taken(monkeypatch):
+    monkeypatch.setattr(service, "PORT_WAIT_S", 10.0)
+    port, backend = free_ports(2)
+    holder = listen(port)
+    threading.Timer(1.5, holder.close).start()  # a dying replica's child letting go
+    claimed = claim_ports(replica(port, backend))
+    assert (claimed.server.port, claimed.backend_port) == (port, backend)
+
+
+def test_equal_ports_are_refused():
+    (port,) = free_ports(1)
+    with pytest.raises(PortInUse, match="--server.port and --backend-port are both"):
+        claim_ports(replica(port, port))
