@@ -1,8 +1,9 @@
 """deploy/: the compose file, the SLURM script and nats.conf refer to things that exist.
 
-No Docker engine or SLURM runs here, so these check what can be checked without one: the config
-files each container starts from are exactly those `rl --dry-run` writes, every command exists,
-the NATS config is accepted by the real nats-server, and the sbatch script parses.
+The fast checks, without an engine or a controller (tests/e2e/test_compose.py and
+tests/e2e/test_slurm.py run both for real): the config files each container starts from are
+exactly those `rl --dry-run` writes, every command exists, the NATS config is accepted by the real
+nats-server, and the sbatch script parses.
 """
 
 import re
