@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_cli(InferenceConfig, argv, prog="inference")
     if config.slurm is not None:  # submit a batch job instead of serving: the launcher's job
         args = sys.argv[1:] if argv is None else argv
-        os.execv(sys.executable, [sys.executable, "-m", SLURM_SUBMIT, "inference", *args])
+        os.execv(sys.executable, [sys.executable, "-m", SLURM_SUBMIT, *args])
     runtime.main(
         log_name(config),
         config,

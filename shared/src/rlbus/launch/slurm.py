@@ -157,8 +157,8 @@ wait_for_nats() {  # the sidecar's JetStream health endpoint, up to 120 s
   done
   say "nats not healthy after 120 s: $1"; return 1
 }
-run_until_main_exits() {  # poll (bash 4.4 has no `wait -n -p`): the main step's exit ends the
-  local i code                # wait; another step failing fails the job
+run_until_main_exits() {  # the main step's exit ends the wait; another step failing fails the job
+  local i code  # polled once a second: bash 4.4 (RHEL 8) has no `wait -n -p`
   while :; do
     for i in "${!pids[@]}"; do
       [ -z "${reaped[i]:-}" ] && ! alive "${pids[i]}" || continue
@@ -571,15 +571,9 @@ def submit_inference(config: InferenceConfig, command: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m rlbus.launch.slurm inference ARGS...`: what `inference --slurm ARGS...` execs."""
-    if argv[:1] != ["inference"]:
-        print(
-            "usage: python -m rlbus.launch.slurm inference ARGS... (or: inference --slurm)",
-            file=sys.stderr,
-        )
-        return 2
-    config = parse_cli(InferenceConfig, argv[1:], prog="inference")
-    return submit_inference(config, "inference " + " ".join(argv[1:]))
+    """`python -m rlbus.launch.slurm ARGS...`: what `inference --slurm ARGS...` execs."""
+    config = parse_cli(InferenceConfig, argv, prog="inference")
+    return submit_inference(config, "inference " + " ".join(argv))
 
 
 if __name__ == "__main__":
