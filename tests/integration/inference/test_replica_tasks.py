@@ -10,9 +10,10 @@ import uuid
 import pytest
 from inference_helpers import registered
 
+from rlbus.bus.errors import LeaseHeld
 from rlbus.configs.bus import BusConfig
 from rlbus.configs.inference import InferenceConfig
-from rlbus.runtime import ServiceState
+from rlbus.runtime import ServiceState, TaskFailed
 from rlbus_inference.replica import run_replica_tasks
 
 
@@ -137,9 +138,6 @@ async def test_with_exit_when_finished_the_replica_drains_once_the_run_is_finish
 async def test_a_replica_whose_id_another_live_holder_has_fails(nats_server, make_bus):
     """Two replicas with one id (a clash): the second must fail (exit 1 in the service shell, so
     `restart: on-failure` and the supervisor see it), never stand by silently with exit 0."""
-    from rlbus.bus.errors import LeaseHeld
-    from rlbus.runtime import TaskFailed
-
     run_id = f"rep_{uuid.uuid4().hex[:8]}"
     config = replica_config(nats_server, run_id).model_copy(update={"lease_ttl_s": 1})
     first_state = ServiceState("inference")
