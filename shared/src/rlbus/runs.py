@@ -132,6 +132,17 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step}" / "trainer"
 
 
+def never_reread_through(run_dir: Path, step: int, *, checkpointing: bool) -> int:
+    """The newest step whose batch no restart of the trainer reads again once `step` is
+    published: the oldest complete checkpoint's (any resume starts after it; 0 before the first),
+    or `step` itself without checkpoints (a restart then refuses to start over: `trainer_start`).
+    The trainer deletes the claim-check files of the batches through it."""
+    if not checkpointing:
+        return step
+    complete = complete_steps(run_dir)
+    return complete[0] if complete else 0
+
+
 def complete_steps(run_dir: Path) -> list[int]:
     """Steps whose trainer checkpoint is complete (its COMPLETE marker is written last), ascending.
 

@@ -1,6 +1,17 @@
-"""Small message factories shared by the bus integration tests."""
+"""Small message factories and a wait shared by the bus integration tests."""
+
+import asyncio
+import time
 
 from rlbus.wire import batches, tasks
+
+
+async def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> None:
+    """Poll `predicate` until it holds; fail the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(interval_s)
 
 
 def make_task(index: int, step: int = 0) -> tasks.Task:

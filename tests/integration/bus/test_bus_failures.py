@@ -11,7 +11,7 @@ import textwrap
 import time
 
 import pytest
-from bus_factories import make_batch, make_task
+from bus_factories import make_batch, make_task, wait_for
 
 from rlbus.bus import Bus, BusAuthError, LeaseHeld, NatsServer
 from rlbus.bus.errors import PoisonBatch
@@ -36,13 +36,6 @@ DYING_WORKER = textwrap.dedent(
     asyncio.run(main(*sys.argv[1:]))
     """
 )
-
-
-async def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(interval_s)
 
 
 async def test_task_of_a_killed_worker_is_redelivered_to_another_worker(make_bus, tmp_path):

@@ -5,22 +5,14 @@ message is lost, and none is duplicated beyond at-least-once redelivery."""
 import asyncio
 import os
 import signal
-import time
 
 import pytest
-from bus_factories import make_task
+from bus_factories import make_task, wait_for
 
 from rlbus.wire import tasks
 
 STOPPED_S = 9.0
 DOWN_S = 20.0
-
-
-async def wait_for(predicate, timeout_s: float, interval_s: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(interval_s)
 
 
 @pytest.mark.slow  # about a minute of outages

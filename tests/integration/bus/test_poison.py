@@ -5,18 +5,11 @@ import asyncio
 import os
 import socket
 
-from bus_factories import make_task
+from bus_factories import make_task, wait_for
 from structlog.testing import capture_logs
 
 from rlbus.wire import tasks, weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
-
-
-async def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(interval_s)
 
 
 async def test_always_failing_handler_quarantines_after_max_deliver_and_goes_on(make_bus):

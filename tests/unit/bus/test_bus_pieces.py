@@ -42,7 +42,7 @@ def test_auth_errors_are_recognised():
 
 
 def test_claim_check_round_trip_and_corruption(tmp_path):
-    claim = claimcheck.store(tmp_path, "rlbus.r.batches.1", b"payload" * 1000)
+    claim = claimcheck.store(tmp_path, "rlbus.r.batches.1", b"payload" * 1000, "batch-1")
     assert not claim.path.startswith("/")
     assert claimcheck.load(tmp_path, claim) == b"payload" * 1000
     (tmp_path / claim.path).write_bytes(b"x" * claim.size)

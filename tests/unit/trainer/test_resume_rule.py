@@ -3,7 +3,13 @@ checkpoint even with `resume` unset, and never silently from step 1 once the bus
 
 import pytest
 
-from rlbus.runs import CHECKPOINT_COMPLETE, RunDirError, checkpoint_dir, trainer_start
+from rlbus.runs import (
+    CHECKPOINT_COMPLETE,
+    RunDirError,
+    checkpoint_dir,
+    never_reread_through,
+    trainer_start,
+)
 
 
 def make_checkpoints(run_dir, steps, incomplete=()):
@@ -41,3 +47,10 @@ def test_bus_progress_without_a_checkpoint_is_refused_with_the_fix(tmp_path):
     assert "weights version 7" in message
     assert str(tmp_path / "checkpoints") in message
     assert "[ckpt]" in message and "--run.name" in message and "--clean" in message
+
+
+def test_batches_are_reread_after_the_oldest_checkpoint_or_never_without_checkpoints(tmp_path):
+    assert never_reread_through(tmp_path, 7, checkpointing=True) == 0
+    make_checkpoints(tmp_path, [4, 6], incomplete=[2])
+    assert never_reread_through(tmp_path, 7, checkpointing=True) == 4
+    assert never_reread_through(tmp_path, 7, checkpointing=False) == 7

@@ -45,6 +45,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from rlbus.runs import never_reread_through
 from rlbus.runtime import ServiceState, control_handler, run_service
 from rlbus.wire import events
 from rlbus.wire.batches import MicroBatch, TrainBatch
@@ -357,6 +358,9 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
                     wait_s=round(arrival.wait_s, 3),
                     retrained=bool(extra.get("retrained")),
                 )
+            bus.step_log.discard_claims(
+                never_reread_through(run_dir, step, checkpointing=config.ckpt is not None)
+            )
         last_step = step
         step += 1
 

@@ -32,9 +32,11 @@ import nats.errors
 import nats.js.errors
 import structlog
 
+from rlbus.bus import claimcheck
 from rlbus.bus.core import MSG_ID_HEADER, BusCore
 from rlbus.bus.errors import ClaimCheckError
 from rlbus.obs import tracing
+from rlbus.wire.claims import ClaimCheck
 from rlbus.wire.subjects import ConsumerSpec
 
 log = structlog.get_logger()
@@ -53,13 +55,15 @@ def nak_delay(base_s: float, num_delivered: int) -> float:
 class Delivery(Generic[T]):
     """One delivered message: decoded `data` plus ack/nak/term/in_progress."""
 
-    __slots__ = ("data", "msg", "_consumer", "settled")
+    __slots__ = ("data", "msg", "_consumer", "settled", "claim")
 
-    def __init__(self, data: T, msg, consumer: "Consumer"):
+    def __init__(self, data: T, msg, consumer: "Consumer", claim: ClaimCheck | None = None):
         self.data = data
         self.msg = msg
         self._consumer = consumer
         self.settled = False
+        self.claim = claim
+        """The claim check the payload came through (its file is deleted once acked)."""
 
     @property
     def subject(self) -> str:
@@ -87,12 +91,16 @@ class Delivery(Generic[T]):
         self._consumer._unsettled.discard(self)
 
     async def ack(self, *, sync: bool = False) -> None:
-        """Done; never redelivered. `sync=True` waits for the server to confirm."""
+        """Done; never redelivered. `sync=True` waits for the server to confirm. A claim-checked
+        message is always acked synchronously, and its file deleted once the server confirmed
+        (a lost ack would redeliver it with the file gone)."""
         self._settle()
-        if sync:
+        if sync or self.claim is not None:
             await self.msg.ack_sync()
         else:
             await self.msg.ack()
+        if self.claim is not None:
+            claimcheck.discard(self._consumer.bus.storage_dir, self.claim)
 
     async def nak(self, delay_s: float | None = None) -> None:
         """Not done; redeliver (after `delay_s`)."""
@@ -248,11 +256,12 @@ class Consumer(Generic[T]):
         headers = msg.headers
         max_deliver = self.bus.config.max_deliver
         try:
+            claim = self.bus.claim_of(msg.data, headers)
             data = self.decoder.decode(self.bus.decode_payload(msg.data, headers))
         except (msgspec.DecodeError, ClaimCheckError) as error:
             await self._dead_letter(msg, f"{type(error).__name__}: {error}")
             return
-        delivery = Delivery(data, msg, self)
+        delivery = Delivery(data, msg, self, claim)
         self._unsettled.add(delivery)
         try:
             if tracing.enabled():

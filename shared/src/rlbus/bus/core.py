@@ -23,10 +23,11 @@ import structlog
 from nats.js import api
 
 from rlbus.bus import claimcheck
-from rlbus.bus.errors import BusError
+from rlbus.bus.errors import BusError, ClaimCheckError
 from rlbus.configs.bus import BusConfig
 from rlbus.obs import tracing
 from rlbus.wire import claims
+from rlbus.wire.claims import ClaimCheck
 from rlbus.wire.subjects import BucketSpec, ConsumerSpec, RunSubjects, StreamSpec
 
 log = structlog.get_logger()
@@ -314,17 +315,17 @@ class BusCore:
         headers = dict(headers) if headers else {}
         headers[MSG_ID_HEADER] = msg_id or uuid.uuid4().hex
         if len(payload) > self.claim_check_bytes:
-            payload = self._claim(subject, payload)
+            payload = self._claim(subject, payload, headers[MSG_ID_HEADER])
             headers[claimcheck.CLAIM_HEADER] = "1"
         return payload, headers
 
-    def _claim(self, subject: str, payload: bytes) -> bytes:
+    def _claim(self, subject: str, payload: bytes, msg_id: str) -> bytes:
         if self.storage_dir is None:
             raise BusError(
                 f"a {len(payload)}-byte message to {subject} exceeds the claim-check threshold "
                 f"({self.claim_check_bytes} bytes) but this Bus has no storage_dir: pass storage_dir=<run_dir>"
             )
-        claim = claimcheck.store(self.storage_dir, subject, payload)
+        claim = claimcheck.store(self.storage_dir, subject, payload, msg_id)
         log.debug("claim_check_stored", subject=subject, size=claim.size, path=claim.path)
         return claims.encoder.encode(claim)
 
@@ -366,9 +367,20 @@ class BusCore:
 
     def decode_payload(self, data: bytes, headers: dict[str, str] | None) -> bytes:
         """The real payload of a received message (resolves claim checks, verifying them)."""
-        if headers and headers.get(claimcheck.CLAIM_HEADER):
-            return claimcheck.load(self.storage_dir, claims.decoder.decode(data))
+        if (claim := self.claim_of(data, headers)) is not None:
+            return claimcheck.load(self.storage_dir, claim)
         return data
+
+    @staticmethod
+    def claim_of(data: bytes, headers: dict[str, str] | None) -> ClaimCheck | None:
+        """The claim check a received message carries instead of its payload (None: inline).
+        Undecodable claim bytes raise `ClaimCheckError`."""
+        if not (headers and headers.get(claimcheck.CLAIM_HEADER)):
+            return None
+        try:
+            return claims.decoder.decode(data)
+        except msgspec.DecodeError as error:
+            raise ClaimCheckError(f"undecodable claim check: {error}") from None
 
     def origin(self) -> str:
         """`<client name>@<host>:<pid>`: who quarantined a message (the `Rlbus-Dead-Origin` header)."""

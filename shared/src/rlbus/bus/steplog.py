@@ -19,6 +19,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 
+from rlbus.bus import claimcheck
 from rlbus.bus.core import BusCore
 from rlbus.bus.errors import ClaimCheckError, PoisonBatch, StepNotFound
 from rlbus.wire import batches
@@ -121,6 +122,20 @@ class StepLog:
         )
         steps = [int(subject.rsplit(".", 1)[1]) for subject in (info.state.subjects or {})]
         return max(steps) if steps else None
+
+    def discard_claims(self, through_step: int) -> list[str]:
+        """Delete the claim-check files of the batches of steps <= `through_step`: the trainer
+        calls it once no checkpoint it may resume from precedes them. Returns their subjects."""
+        prefix = self.bus.subjects.batch(0).removesuffix("0")
+
+        def doomed(subject: str) -> bool:
+            step = subject.removeprefix(prefix)
+            return subject.startswith(prefix) and step.isdigit() and int(step) <= through_step
+
+        removed = claimcheck.discard_subjects(self.bus.storage_dir, doomed)
+        if removed:
+            log.info("batch_claims_deleted", through_step=through_step, subjects=len(removed))
+        return removed
 
     async def _raw(self, step: int):
         subjects = self.bus.subjects
