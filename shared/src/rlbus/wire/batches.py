@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from rlbus.wire.base import Message, now
+from rlbus.wire.base import Message, NonNegative, now
 
 
 class MicroBatch(msgspec.Struct, kw_only=True, array_like=True):
@@ -35,13 +35,13 @@ class MicroBatch(msgspec.Struct, kw_only=True, array_like=True):
 class TrainBatch(Message, kw_only=True):
     """Step `step`'s data, split per data-parallel rank."""
 
-    step: int
+    step: NonNegative
     micro_batches: list[list[MicroBatch]]
     """`micro_batches[rank]` is the list of micro-batches of data-parallel rank `rank`."""
-    num_samples: int = 0
-    num_tokens: int = 0
-    min_policy_version: int = 0
-    max_policy_version: int = 0
+    num_samples: NonNegative = 0
+    num_tokens: NonNegative = 0
+    min_policy_version: NonNegative = 0
+    max_policy_version: NonNegative = 0
     task_ids: list[str] = []
     metrics: dict[str, float] = {}
     """Orchestrator-side metrics of this batch (reward mean, lengths, off-policy drops, ...)."""

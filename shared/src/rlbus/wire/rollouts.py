@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from rlbus.wire.base import Message, now
+from rlbus.wire.base import Message, NonNegative, now
 
 
 class RolloutSample(msgspec.Struct, kw_only=True, array_like=True):
@@ -26,7 +26,7 @@ class RolloutSample(msgspec.Struct, kw_only=True, array_like=True):
     finish_reason: str | None = None
     """`stop`, `length`, ... as reported by inference."""
     is_truncated: bool = False
-    policy_version: int = 0
+    policy_version: NonNegative = 0
     """Weights version that generated the completion (oldest one if it changed mid-sample)."""
     replica_id: str | None = None
     timings: dict[str, float] = {}
@@ -39,7 +39,7 @@ class Rollout(Message, kw_only=True):
     """One finished group (all samples of one task)."""
 
     task_id: str
-    step: int
+    step: NonNegative
     env_id: str
     example_id: int | str | None = None
     samples: list[RolloutSample] = []

@@ -5,11 +5,11 @@ consumer on the work-queue stream `subjects.tasks`). The message id is derived f
 cursor (`task_id`), so a restarted coordinator that re-publishes a task is deduplicated.
 """
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
-from rlbus.wire.base import Message, now
+from rlbus.wire.base import Message, NonNegative, Positive, now
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -22,9 +22,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 class SamplingArgs(msgspec.Struct, kw_only=True):
     """Sampling parameters sent to inference (OpenAI/vLLM names)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 128
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    max_tokens: Positive = 128
     stop: list[str] = []
     seed: int | None = None
     extra: dict[str, Any] = {}
@@ -45,15 +45,15 @@ class Task(Message, kw_only=True):
 
     task_id: str
     """Deterministic id (e.g. `<step>-<example index>`), also the Nats-Msg-Id."""
-    step: int
+    step: NonNegative
     """The training step this group is meant for."""
     env_id: str
     env_args: dict[str, Any] = {}
     example_id: int | str | None = None
     problem: Problem
     sampling: SamplingArgs = msgspec.field(default_factory=SamplingArgs)
-    group_size: int = 1
-    min_policy_version: int = 0
+    group_size: Positive = 1
+    min_policy_version: NonNegative = 0
     """Rollouts must come from weights at least this new."""
     created_at: float = msgspec.field(default_factory=now)
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from rlbus.wire.base import Message, now
+from rlbus.wire.base import Message, FileName, NonNegative, now
 
 WEIGHTS_VERSION_HEADER = "X-Rlbus-Weights-Version"
 
@@ -23,15 +23,15 @@ WEIGHTS_VERSION_HEADER = "X-Rlbus-Weights-Version"
 class WeightFile(msgspec.Struct, kw_only=True):
     """One file of a filesystem broadcast, relative to `location`."""
 
-    name: str
-    size: int
+    name: FileName
+    size: NonNegative
     sha256: str
 
 
 class WeightsPublished(Message, kw_only=True, tag="weights_published"):
     """Weights version `version` (= trainer step) is ready."""
 
-    version: int
+    version: NonNegative
     transport: Literal["filesystem", "nccl"]
     location: str
     """filesystem: the broadcast directory; nccl: the rendezvous address `host:port`."""
@@ -45,7 +45,7 @@ class WeightsPublished(Message, kw_only=True, tag="weights_published"):
 class WeightsApplied(Message, kw_only=True, tag="weights_applied"):
     """A replica now serves `version`."""
 
-    version: int
+    version: NonNegative
     replica_id: str
     duration_s: float = 0.0
     applied_at: float = msgspec.field(default_factory=now)
@@ -54,7 +54,7 @@ class WeightsApplied(Message, kw_only=True, tag="weights_applied"):
 class WeightsFailed(Message, kw_only=True, tag="weights_failed"):
     """A replica could not apply `version` (it keeps serving its previous version)."""
 
-    version: int
+    version: NonNegative
     replica_id: str
     reason: str
     failed_at: float = msgspec.field(default_factory=now)
