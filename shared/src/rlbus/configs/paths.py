@@ -1,0 +1,87 @@
+"""Paths a run needs that must exist when its config is loaded: a local model directory and SFT
+data. Without this check a typo in `--model.name` surfaced 10-30 s later, as a traceback of
+transformers or vLLM in a service log (docs/configuration.md, "Bad input").
+
+A model name is a local path when it is written as one (absolute, `./`, `../`, `~`) or has more
+than one `/` (a hub id is `org/name`). Relative paths are resolved from the working directory, as
+the services resolve them. A dry run (`strict=False`) only plans: a relative path such as
+`outputs/models/tiny-qwen3` may be built before its scripts run, so there only paths written
+explicitly as paths are checked; the launch itself checks them all.
+"""
+
+from pathlib import Path
+
+from pydantic import BaseModel
+
+EXPLICIT_PREFIXES = ("/", "./", "../", "~")
+BUILT_IN_DATA = "reverse-text"
+"""The SFT data generated on the fly (`sft.data.path` default); every other value is a path."""
+
+
+def is_local(name: str, *, strict: bool) -> bool:
+    """Whether `name` is meant as a local path (and so must exist) rather than a hub id."""
+    return name.startswith(EXPLICIT_PREFIXES) or (strict and name.count("/") > 1)
+
+
+def model_problem(flag: str, name: str, *, strict: bool) -> str | None:
+    """Why the model `name` given by `flag` cannot be loaded, if it is a local path that is not
+    a saved model directory."""
+    if not is_local(name, strict=strict):
+        return None
+    path = Path(name).expanduser()
+    hint = "a local model is a directory with config.json (save_pretrained writes one)"
+    if not path.exists():
+        return f"{flag}: no such directory (got {name!r}, from {Path.cwd()}); {hint}"
+    if not path.is_dir():
+        return f"{flag}: is a file, not a model directory (got {name!r}); {hint}"
+    if not (path / "config.json").is_file():
+        return f"{flag}: has no config.json (got {name!r}); {hint}"
+    return None
+
+
+def data_problem(flag: str, name: str | None, *, strict: bool) -> str | None:
+    """Why SFT data `name` cannot be read, if it is a path that does not exist."""
+    if name is None or name == BUILT_IN_DATA:
+        return None
+    if not strict and not name.startswith(EXPLICIT_PREFIXES):
+        return None
+    if Path(name).expanduser().exists():
+        return None
+    return (
+        f"{flag}: no such file or directory (got {name!r}, from {Path.cwd()}); give a "
+        f"JSONL/Parquet file, a saved `datasets` directory, or the built-in {BUILT_IN_DATA!r}"
+    )
+
+
+def _walk(config: BaseModel, prefix: str):
+    """(flag prefix, sub-config) for `config` and every sub-config below it."""
+    yield prefix, config
+    for name in type(config).model_fields:
+        value = getattr(config, name)
+        if isinstance(value, BaseModel):
+            yield from _walk(value, f"{prefix}{name.replace('_', '-')}.")
+
+
+def path_problems(config: BaseModel, *, strict: bool) -> list[str]:
+    """One line per missing path of `config`, each named by the first flag that holds it
+    (`rl` pushes `--model.name` into every service: it is reported once, as `--model.name`)."""
+    from rlbus.configs.common import ModelConfig
+    from rlbus.configs.inference import VLLMConfig
+    from rlbus.configs.sft import SFTDataConfig
+
+    problems: dict[str, str] = {}
+    for prefix, sub in _walk(config, "--"):
+        found: list[tuple[str, str | None]] = []
+        if isinstance(sub, ModelConfig):
+            found.append((sub.name, model_problem(prefix + "name", sub.name, strict=strict)))
+        elif isinstance(sub, VLLMConfig):
+            found.append((sub.model, model_problem(prefix + "model", sub.model, strict=strict)))
+        elif isinstance(sub, SFTDataConfig):
+            for field in ("path", "val_path"):
+                value = getattr(sub, field)
+                flag = prefix + field.replace("_", "-")
+                found.append((str(value), data_problem(flag, value, strict=strict)))
+        for value, problem in found:
+            if problem is not None:
+                problems.setdefault(value, problem)
+    return list(problems.values())
