@@ -200,8 +200,32 @@ def format_validation_error(cls: type[BaseModel], error: ValidationError) -> str
             hint = suggest_flag(flag.removeprefix("--"), known)
             if hint:
                 message += f"; did you mean --{hint}?"
-        lines.append(f"{flag}: {message}")
+        lines.append(message if flag == "<config>" else f"{flag}: {message}")
     return "\n".join(lines)
+
+
+def field_errors(model: BaseModel, *errors: tuple[str, str]) -> ValidationError:
+    """A ValidationError for cross-field rules, located at the fields (`("batch_size", message)`,
+    dotted paths relative to `model`) instead of at the sub-config: pydantic nests the location
+    under the parents, so the user sees the flag to change (`--orchestrator.batch-size: ...`)
+    with its value."""
+    from pydantic_core import InitErrorDetails, PydanticCustomError
+
+    details = []
+    for path, message in errors:
+        value: Any = model
+        for part in path.split("."):
+            value = getattr(value, part)
+        details.append(
+            InitErrorDetails(
+                type=PydanticCustomError(
+                    "cross_field", message.replace("{", "{{").replace("}", "}}")
+                ),
+                loc=tuple(path.split(".")),
+                input=value,
+            )
+        )
+    return ValidationError.from_exception_data(type(model).__name__, details)
 
 
 def exit_with_config_error(

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
+from rlbus.configs.base import field_errors
 from rlbus.configs.common import (
     SHARED_BLOCKS,
     DeploymentConfig,
@@ -114,7 +115,81 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
     @model_validator(mode="after")
     def _push_shared_values_down(self):
         self.push_shared_values_down()
+        errors = [*self._pushed_value_errors(), *self._replica_port_errors()]
+        if errors:
+            raise field_errors(self, *errors)
         return self
+
+    def _pushed_value_errors(self) -> list[tuple[str, str]]:
+        """The orchestrator's rules on `seq_len`, with the pushed value (an explicit
+        `orchestrator.seq_len` was checked by OrchestratorConfig itself)."""
+        orchestrator = self.orchestrator
+        if "seq_len" in orchestrator.model_fields_set:
+            return []
+        if orchestrator.sampling.max_tokens < orchestrator.seq_len:
+            return []
+        return [
+            (
+                "orchestrator.sampling.max_tokens",
+                f"must be less than seq_len ({orchestrator.seq_len}): the prompt and the "
+                "completion share one row of seq_len tokens",
+            )
+        ]
+
+    def _replica_port_errors(self) -> list[tuple[str, str]]:
+        """Replica i serves on server.port + i and backend_port + i (rlbus.launch.plan), so
+        with explicit ports the two ranges must not overlap, nor leave the port range; ports
+        left unset are picked free per replica."""
+        count = self.deployment.num_infer_replicas
+        inference = self.inference
+        explicit = {
+            "inference.server.port": "port" in inference.server.model_fields_set,
+            "inference.backend_port": "backend_port" in inference.model_fields_set,
+        }
+        ports = {
+            "inference.server.port": inference.server.port,
+            "inference.backend_port": inference.backend_port,
+        }
+        if count == 1:
+            return []
+        errors = []
+        for field, port in ports.items():
+            if not explicit[field]:
+                continue
+            if port == 0:
+                errors.append(
+                    (
+                        field,
+                        (
+                            f"0 cannot be a base port for deployment.num_infer_replicas={count} "
+                            "(replica i serves on port + i): leave it unset (each replica gets free "
+                            "ports) or give a base port"
+                        ),
+                    )
+                )
+            elif port + count - 1 > 65535:
+                errors.append(
+                    (
+                        field,
+                        (
+                            f"replica {count - 1} would serve on {port + count - 1} (port + i), past "
+                            "65535: lower the base port"
+                        ),
+                    )
+                )
+        port, backend = ports.values()
+        if all(explicit.values()) and not errors and abs(port - backend) < count:
+            errors.append(
+                (
+                    "inference.backend_port",
+                    (
+                        f"the engine ports {backend}..{backend + count - 1} overlap the router ports "
+                        f"{port}..{port + count - 1} of the {count} replicas (replica i serves on "
+                        f"server.port + i and backend_port + i): keep them at least {count} apart"
+                    ),
+                )
+            )
+        return errors
 
     def push_shared_values_down(self) -> None:
         """Copy the shared values into the service configs, except where a service sets its own.
