@@ -17,7 +17,6 @@ says why each piece exists):
 - `@ file` arguments are checked before the loader opens them (rlbus.configs.files): a
   directory, a binary or empty file, or one whose top level is not a table is one line, not a
   traceback; so is a flag that needs a value followed by another flag;
-- after validation, the paths the run needs (model, data) are checked (rlbus.configs.paths);
 - `--print-config` prints the resolved config as TOML and exits; `--debug` (or RLBUS_DEBUG=1)
   keeps tracebacks for errors that otherwise end in one line (docs/configuration.md).
 """
@@ -185,7 +184,7 @@ def suggest_flag(unknown: str, known: list[str]) -> str | None:
 def format_validation_error(cls: type[BaseModel], error: ValidationError) -> str:
     """One `--flag: message` line per error, with the input and a "did you mean" where useful."""
     known = known_flag_paths(cls)
-    lines = [_count_header(len(error.errors()), cls)]
+    lines = [count_header(len(error.errors()), cls)]
     for err in error.errors():
         flag = loc_to_flag(cls, tuple(err["loc"]))
         message = err["msg"].removeprefix("Value error, ")
@@ -444,7 +443,8 @@ def check_flag_values(cls: type[BaseModel], args: list[str]) -> None:
     would take `--dry-run` as the value and report a confusing type error, or none for a
     string field. Exits 2 naming the flag."""
     paths = _value_flag_paths(cls)
-    for token, following in zip(args, [*args[1:], None], strict=True):
+    for i, token in enumerate(args):
+        following = args[i + 1] if i + 1 < len(args) else None
         if not token.startswith("--") or "=" in token:
             continue
         flag = token[2:].replace("_", "-")
@@ -525,15 +525,11 @@ def parse_cli(
     if print_config:
         sys.stdout.write(config_to_toml(config))
         sys.exit(0)
-    from rlbus.configs.paths import path_problems  # it imports the config classes
-
-    problems = path_problems(config, strict=not getattr(config, "dry_run", False))
-    if problems:
-        exit_with_config_error(_count_header(len(problems), cls) + "\n" + "\n".join(problems))
     return config
 
 
-def _count_header(count: int, cls: type[BaseModel]) -> str:
+def count_header(count: int, cls: type[BaseModel]) -> str:
+    """The first line of a config error box: `2 invalid values for RLConfig:`."""
     return f"{count} invalid value{'s' if count != 1 else ''} for {cls.__name__}:"
 
 

@@ -175,11 +175,11 @@ class OrchestratorConfig(RunnableConfig):
                     f"{(self.batch_size // self.group_size + 1) * self.group_size}",
                 )
             )
-        if "seq_len" in self.model_fields_set and self.sampling.max_tokens >= self.seq_len:
+        if "seq_len" in self.model_fields_set and self.sampling.max_tokens > self.seq_len:
             errors.append(
                 (
                     "sampling.max_tokens",
-                    f"must be less than seq_len ({self.seq_len}): the prompt and the completion "
+                    f"must not exceed seq_len ({self.seq_len}): the prompt and the completion "
                     "share one row of seq_len tokens",
                 )
             )

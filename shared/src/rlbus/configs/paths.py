@@ -1,5 +1,6 @@
-"""Paths a run needs that must exist when its config is loaded: a local model directory and SFT
-data. Without this check a typo in `--model.name` surfaced 10-30 s later, as a traceback of
+"""Paths a run needs that must exist when its command starts: a local model directory and SFT
+data. Every entry point calls `exit_if_paths_missing` right after `parse_cli` (parsing alone,
+e.g. `--print-config`, does not need the files). Without this check a typo in `--model.name` surfaced 10-30 s later, as a traceback of
 transformers or vLLM in a service log (docs/configuration.md, "Bad input").
 
 A model name is a local path when it is written as one (absolute, `./`, `../`, `~`) or has more
@@ -12,6 +13,8 @@ explicitly as paths are checked; the launch itself checks them all.
 from pathlib import Path
 
 from pydantic import BaseModel
+
+from rlbus.configs.base import count_header, exit_with_config_error
 
 EXPLICIT_PREFIXES = ("/", "./", "../", "~")
 BUILT_IN_DATA = "reverse-text"
@@ -85,3 +88,11 @@ def path_problems(config: BaseModel, *, strict: bool) -> list[str]:
             if problem is not None:
                 problems.setdefault(value, problem)
     return list(problems.values())
+
+
+def exit_if_paths_missing(config: BaseModel, *, strict: bool = True) -> None:
+    """Exit 2 with one line per missing path (see `path_problems`)."""
+    problems = path_problems(config, strict=strict)
+    if problems:
+        header = count_header(len(problems), type(config))
+        exit_with_config_error("\n".join([header, *problems]))

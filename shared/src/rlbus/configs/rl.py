@@ -126,12 +126,12 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
         orchestrator = self.orchestrator
         if "seq_len" in orchestrator.model_fields_set:
             return []
-        if orchestrator.sampling.max_tokens < orchestrator.seq_len:
+        if orchestrator.sampling.max_tokens <= orchestrator.seq_len:
             return []
         return [
             (
                 "orchestrator.sampling.max_tokens",
-                f"must be less than seq_len ({orchestrator.seq_len}): the prompt and the "
+                f"must not exceed seq_len ({orchestrator.seq_len}): the prompt and the "
                 "completion share one row of seq_len tokens",
             )
         ]
