@@ -180,9 +180,7 @@ def errors_in_one_line(
                 hint=hint,
             )
         else:
-            sys.stderr.write(
-                f"{command}: {describe_error(error)} (exit {code}; --debug for the traceback)\n"
-            )
+            sys.stderr.write(f"{command}: {describe_error(error)} (exit {code}; {hint})\n")
         raise SystemExit(code) from None
 
 

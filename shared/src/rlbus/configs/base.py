@@ -1,7 +1,8 @@
 """The base class of every rlbus config, and the command-line loader every entry point uses.
 
-`pydantic_config.BaseConfig` is a pydantic model with `extra="forbid"` plus the before-validators
-the CLI loader relies on ("None" strings, dict value coercion, default union tags).
+`BaseConfig` is `pydantic_config.BaseConfig` (a pydantic model with `extra="forbid"` plus the
+before-validators the CLI loader relies on: "None" strings, dict value coercion, default union
+tags) that also refuses `inf` and `nan`.
 
 `parse_cli(Cls)` is `pydantic_config.cli(Cls)` with a thin layer around it (docs/configuration.md
 says why each piece exists):
@@ -31,12 +32,22 @@ import sys
 import types
 from typing import Any, NoReturn, TypeVar, Union, get_args, get_origin
 
-from pydantic import AliasChoices, BaseModel, ValidationError
-from pydantic_config import BaseConfig, ConfigFileError, cli
+import pydantic_config
+from pydantic import AliasChoices, BaseModel, ConfigDict, ValidationError
+from pydantic_config import ConfigFileError, cli
 
 from rlbus.configs.files import ConfigFileProblem, check_config_files
 
 T = TypeVar("T", bound=BaseModel)
+
+
+class BaseConfig(pydantic_config.BaseConfig):
+    """pydantic_config's base with finite floats only: `inf` and `nan` pass `gt=0` checks
+    (`--trainer.optim.lr inf` was accepted) and mean nothing for a rate, a size or a timeout;
+    "no limit" is spelled None where a field allows it."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
 
 PRINT_CONFIG_FLAG = "--print-config"
 DEBUG_FLAG = "--debug"

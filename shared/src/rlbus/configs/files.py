@@ -31,6 +31,16 @@ def file_arguments(args: list[str]) -> list[str]:
     return paths
 
 
+def _kind_of(value: Any) -> str:
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    return "a number" if isinstance(value, (int, float)) else type(value).__name__
+
+
 def _parse(kind: str, text: str) -> Any:
     if kind == "TOML":
         import tomli
@@ -80,7 +90,7 @@ def load_table(name: str) -> dict:
         raise ConfigFileProblem(f"config file {name}: invalid {kind}: {detail}") from None
     if not isinstance(table, dict):
         raise ConfigFileProblem(
-            f"config file {name}: the top level is a {type(table).__name__}, not a table; "
+            f"config file {name}: the top level is {_kind_of(table)}, not a table; "
             "write `key = value` pairs (a JSON object, a YAML mapping)"
         )
     return table
