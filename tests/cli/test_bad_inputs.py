@@ -403,8 +403,8 @@ CONFIG_CASES = [
         ["--inference.vllm.model", "'/no/such/model'"],
     ),
     Case(
-        "orchestrator-model-missing",
-        ORCH,
+        "trainer-model-home-missing",
+        TRAINER,
         ["--model.name", "~/no/such/model"],
         ["--model.name", "'~/no/such/model'"],
     ),
@@ -447,6 +447,8 @@ ACCEPTED = [
     ),
     (RL, ["--model.name", "Org/Some-Model"]),  # a hub id is not a local path
     (RL, ["--model.name", str(TINY_MODEL)]),
+    # The orchestrator only sends the name: the files live with inference (another container).
+    (ORCH, ["--model.name", "/models/on-the-inference-host"]),
     (TRAINER, ["--optim.betas", "0.8", "0.95"]),
     (RL, ["--seq-len", "128", "--orchestrator.sampling.max-tokens", "128"]),
 ]
@@ -592,7 +594,11 @@ COMMAND_CASES = [
         "rl-output-dir-not-a-directory",
         ["rl", "--dry-run", "--output-dir", "afile/outputs"],
         4,
-        ["NotADirectoryError", "afile", "check --output-dir afile/outputs"],
+        [
+            "NotADirectoryError",
+            "afile",
+            "check --model.name Qwen/Qwen3-0.6B, --output-dir afile/outputs",
+        ],
         {"afile": "x"},
     ),
     Command(
@@ -695,3 +701,21 @@ def test_debug_keeps_the_traceback(tmp_path):
 
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "NotADirectoryError" in result.stderr
+
+
+@pytest.mark.slow  # imports torch and transformers (~10 s here)
+def test_a_model_neither_local_nor_cached_ends_the_trainer_with_exit_4(nats_server, tmp_path):
+    result = run_command(
+        "trainer",
+        "--run.name", "t",
+        "--output-dir", "outputs",
+        "--bus.url", nats_server.url,
+        "--model.name", "no-such-org/no-such-model",
+        cwd=tmp_path,
+        env={"HF_HUB_OFFLINE": "1", "RLBUS_DEBUG": ""},
+    )  # fmt: skip
+
+    assert result.returncode == 4, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "service_error" in result.stderr and "OSError" in result.stderr
+    assert "check --model.name no-such-org/no-such-model" in result.stderr

@@ -126,11 +126,11 @@ def main(
     """The body of every service entry point (see module docstring); returns what `run` returns."""
     from rlbus.obs import tracing
 
-    with errors_in_one_line(command):
+    with errors_in_one_line(command, inputs=config_inputs(config)):
         setup_observability(service, config, run_dir=run_dir, run_id=run_id, rank=rank)
     run = load_service_run(module, command=command)
     try:
-        with errors_in_one_line(command, logged=True):
+        with errors_in_one_line(command, logged=True, inputs=config_inputs(config)):
             return run(config)
     finally:
         tracing.shutdown_tracing()
@@ -150,19 +150,40 @@ def exit_code_for(error: BaseException) -> int:
     return EXIT_TASK_FAILED
 
 
+INPUT_FLAGS = {
+    "--model.name": ("model", "name"),
+    "--vllm.model": ("vllm", "model"),
+    "--data.path": ("data", "path"),
+    "--output-dir": ("output_dir",),
+    "--run-dir": ("run_dir",),
+}
+"""The inputs a missing-input error (exit 4) points at, where the config has them: an OSError
+from transformers or the hub rarely names the model it was loading."""
+
+
+def config_inputs(config: Any) -> str:
+    """`--model.name m, --output-dir outputs` for the INPUT_FLAGS that `config` has."""
+    found = []
+    for flag, path in INPUT_FLAGS.items():
+        value: Any = config
+        for part in path:
+            value = getattr(value, part, None)
+        if value is not None:
+            found.append(f"{flag} {value}")
+    return ", ".join(found)
+
+
 def describe_error(error: BaseException) -> str:
     """`Type: message` on one line (messages of OSError and hub errors span several)."""
     return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 @contextlib.contextmanager
-def errors_in_one_line(
-    command: str, *, logged: bool = False, hint: str = "--debug for the traceback"
-) -> Iterator[None]:
+def errors_in_one_line(command: str, *, logged: bool = False, inputs: str = "") -> Iterator[None]:
     """An exception leaving the block ends `command` with one line and `exit_code_for` it,
     instead of a traceback; with `--debug` (RLBUS_DEBUG=1) it propagates as it is. `logged`:
     the line is a `service_error` log event (into the service's log file too), else plain
-    stderr (before logging is set up). `hint` ends the line (what to check)."""
+    stderr (before logging is set up). `inputs` (`config_inputs`) are named for a missing input."""
     from rlbus.configs.base import debug_enabled
 
     try:
@@ -171,6 +192,9 @@ def errors_in_one_line(
         if debug_enabled():
             raise
         code = exit_code_for(error)
+        hint = "--debug for the traceback"
+        if code == EXIT_INPUT_MISSING and inputs:
+            hint = f"check {inputs}; {hint}"
         if logged:
             log.error(
                 "service_error",

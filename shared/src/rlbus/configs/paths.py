@@ -3,7 +3,8 @@ data. Every entry point calls `exit_if_paths_missing` right after `parse_cli` (p
 e.g. `--print-config`, does not need the files). Without this check a typo in `--model.name` surfaced 10-30 s later, as a traceback of
 transformers or vLLM in a service log (docs/configuration.md, "Bad input").
 
-A model name is a local path when it is written as one (absolute, `./`, `../`, `~`) or has more
+The model is checked where it is loaded (trainer, SFT, inference, and `rl`, which starts them),
+not in the orchestrator, which only sends its name. A model name is a local path when it is written as one (absolute, `./`, `../`, `~`) or has more
 than one `/` (a hub id is `org/name`). Relative paths are resolved from the working directory, as
 the services resolve them. A dry run (`strict=False`) only plans: a relative path such as
 `outputs/models/tiny-qwen3` may be built before its scripts run, so there only paths written
@@ -56,13 +57,13 @@ def data_problem(flag: str, name: str | None, *, strict: bool) -> str | None:
     )
 
 
-def _walk(config: BaseModel, prefix: str):
-    """(flag prefix, sub-config) for `config` and every sub-config below it."""
-    yield prefix, config
+def _walk(config: BaseModel, prefix: str, parent: BaseModel | None = None):
+    """(flag prefix, sub-config, its parent) for `config` and every sub-config below it."""
+    yield prefix, config, parent
     for name in type(config).model_fields:
         value = getattr(config, name)
         if isinstance(value, BaseModel):
-            yield from _walk(value, f"{prefix}{name.replace('_', '-')}.")
+            yield from _walk(value, f"{prefix}{name.replace('_', '-')}.", config)
 
 
 def path_problems(config: BaseModel, *, strict: bool) -> list[str]:
@@ -70,12 +71,15 @@ def path_problems(config: BaseModel, *, strict: bool) -> list[str]:
     (`rl` pushes `--model.name` into every service: it is reported once, as `--model.name`)."""
     from rlbus.configs.common import ModelConfig
     from rlbus.configs.inference import VLLMConfig
+    from rlbus.configs.orchestrator import OrchestratorConfig
     from rlbus.configs.sft import SFTDataConfig
 
     problems: dict[str, str] = {}
-    for prefix, sub in _walk(config, "--"):
+    for prefix, sub, parent in _walk(config, "--"):
         found: list[tuple[str, str | None]] = []
-        if isinstance(sub, ModelConfig):
+        # The orchestrator only sends the model's name to inference, which may live on another
+        # host (compose: another container): its files need not exist where it runs.
+        if isinstance(sub, ModelConfig) and not isinstance(parent, OrchestratorConfig):
             found.append((sub.name, model_problem(prefix + "name", sub.name, strict=strict)))
         elif isinstance(sub, VLLMConfig):
             found.append((sub.model, model_problem(prefix + "model", sub.model, strict=strict)))

@@ -41,7 +41,13 @@ from rlbus.launch.watchdog import start_watchdog
 from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import setup_logging
 from rlbus.runs import RunPlan, prepare_run_dir_or_exit, resolve_run_dir, rl_run_name, run_id_of
-from rlbus.runtime import EXIT_SIGNAL_BASE, Terminated, errors_in_one_line, raise_terminated
+from rlbus.runtime import (
+    EXIT_SIGNAL_BASE,
+    Terminated,
+    config_inputs,
+    errors_in_one_line,
+    raise_terminated,
+)
 
 log = structlog.get_logger()
 
@@ -395,8 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     exit_if_paths_missing(config, strict=not config.dry_run and config.slurm is None)
     check_sinks_installed(config.monitors)
     command = "rl " + " ".join(sys.argv[1:] if argv is None else argv)
-    output_hint = f"check --output-dir {config.output_dir}; --debug for the traceback"
-    with errors_in_one_line("rl", hint=output_hint):
+    with errors_in_one_line("rl", inputs=config_inputs(config)):
         if config.slurm is not None:  # render and submit a batch job instead (rlbus.launch.slurm)
             from rlbus.launch.slurm import submit_rl
 

@@ -26,7 +26,7 @@ from rlbus.launch.supervisor import ServiceProcess
 from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import log_file_path, setup_logging
 from rlbus.runs import prepare_run_dir_or_exit, sft_run_name
-from rlbus.runtime import EXIT_SERVICE_MISSING, errors_in_one_line
+from rlbus.runtime import EXIT_SERVICE_MISSING, config_inputs, errors_in_one_line
 
 log = structlog.get_logger()
 
@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     exit_if_paths_missing(config, strict=not config.dry_run and config.slurm is None)
     check_sinks_installed(config.monitors)
     command = "sft " + " ".join(sys.argv[1:] if argv is None else argv)
-    output_hint = f"check --output-dir {config.output_dir}; --debug for the traceback"
-    with errors_in_one_line("sft", hint=output_hint):
+    with errors_in_one_line("sft", inputs=config_inputs(config)):
         if config.slurm is not None:  # render and submit a batch job instead (rlbus.launch.slurm)
             from rlbus.launch.slurm import submit_sft
 
