@@ -275,13 +275,13 @@ CONFIG_CASES = [
         "max-tokens-over-pushed-seq-len",
         RL,
         ["--seq-len", "64", "--orchestrator.sampling.max-tokens", "100"],
-        ["--orchestrator.sampling.max-tokens", "seq_len (64)", "got 100"],
+        ["--orchestrator.sampling.max-tokens", "max_model_len (64", "got 100"],
     ),
     Case(
-        "max-tokens-over-own-seq-len",
-        ORCH,
-        ["--seq-len", "64", "--sampling.max-tokens", "65"],
-        ["--sampling.max-tokens", "seq_len (64)", "got 65"],
+        "max-tokens-over-max-model-len",
+        RL,
+        ["--inference.vllm.max-model-len", "100"],
+        ["--orchestrator.sampling.max-tokens", "max_model_len (100", "got 128"],
     ),
     Case(
         "inference-url-not-http",
@@ -451,6 +451,7 @@ ACCEPTED = [
     (ORCH, ["--model.name", "/models/on-the-inference-host"]),
     (TRAINER, ["--optim.betas", "0.8", "0.95"]),
     (RL, ["--seq-len", "128", "--orchestrator.sampling.max-tokens", "128"]),
+    (ORCH, ["--seq-len", "64"]),  # standalone: samples are cut to seq_len, the engine is elsewhere
 ]
 
 

@@ -161,9 +161,7 @@ class OrchestratorConfig(RunnableConfig):
     """Evaluation (off unless set)."""
 
     def cross_field_errors(self) -> list[tuple[str, str]]:
-        """(field, message) for each rule between fields that this config breaks. `seq_len` is
-        checked only when set here: under `rl` it is pushed down later, and `RLConfig` checks the
-        pushed value."""
+        """(field, message) for each rule between fields that this config breaks."""
         errors = []
         if self.token_budget is None and self.batch_size % self.group_size:
             errors.append(
@@ -173,14 +171,6 @@ class OrchestratorConfig(RunnableConfig):
                     f"groups, so {self.batch_size} samples cannot be filled exactly; use "
                     f"{self.batch_size // self.group_size * self.group_size or self.group_size} or "
                     f"{(self.batch_size // self.group_size + 1) * self.group_size}",
-                )
-            )
-        if "seq_len" in self.model_fields_set and self.sampling.max_tokens > self.seq_len:
-            errors.append(
-                (
-                    "sampling.max_tokens",
-                    f"must not exceed seq_len ({self.seq_len}): the prompt and the completion "
-                    "share one row of seq_len tokens",
                 )
             )
         for i, url in enumerate(self.inference_urls):

@@ -121,18 +121,17 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
         return self
 
     def _pushed_value_errors(self) -> list[tuple[str, str]]:
-        """The orchestrator's rules on `seq_len`, with the pushed value (an explicit
-        `orchestrator.seq_len` was checked by OrchestratorConfig itself)."""
-        orchestrator = self.orchestrator
-        if "seq_len" in orchestrator.model_fields_set:
-            return []
-        if orchestrator.sampling.max_tokens <= orchestrator.seq_len:
+        """Completions must fit the engine's context (`inference.vllm.max_model_len`, pushed from
+        `seq_len`): vLLM refuses every request whose prompt plus max_tokens exceed it."""
+        max_tokens = self.orchestrator.sampling.max_tokens
+        context = self.inference.vllm.max_model_len
+        if context is None or max_tokens <= context:
             return []
         return [
             (
                 "orchestrator.sampling.max_tokens",
-                f"must not exceed seq_len ({orchestrator.seq_len}): the prompt and the "
-                "completion share one row of seq_len tokens",
+                f"must not exceed inference.vllm.max_model_len ({context}, from seq_len unless "
+                "set): vLLM refuses every request whose prompt plus max_tokens exceed it",
             )
         ]
 
