@@ -188,6 +188,8 @@ def errors_in_one_line(command: str, *, logged: bool = False, inputs: str = "") 
 
     try:
         yield
+    except Terminated:
+        raise  # SIGTERM, not an error: the launchers turn it into 143
     except Exception as error:
         if debug_enabled():
             raise

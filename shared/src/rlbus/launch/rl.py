@@ -412,7 +412,9 @@ def main(argv: list[str] | None = None) -> None:
         print(describe_written(launch.run_dir, launch.config_files, launch.script_files))
         return
     point_latest(launch.run_dir)  # only runs that start move it (a dry run starts nothing)
-    sys.exit(supervise(launch))
+    with errors_in_one_line("rl", inputs=config_inputs(config)):
+        code = supervise(launch)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

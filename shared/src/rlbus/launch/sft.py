@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     if config.dry_run:
         print(describe_written(configs[0].parent.parent, configs, scripts))
         return
-    sys.exit(launch(process))
+    with errors_in_one_line("sft", inputs=config_inputs(config)):
+        code = launch(process)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
