@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import REPO, error_text, run_command
 
+from rlbus.bus.errors import BusAuthError, BusConnectError
 from rlbus.configs import (
     InferenceConfig,
     OrchestratorConfig,
@@ -28,6 +29,7 @@ from rlbus.configs import (
 from rlbus.configs.base import parse_cli
 from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.netutil import free_port
+from rlbus.runtime import Terminated, errors_in_one_line
 
 TINY_MODEL = REPO / "examples" / "reverse-text" / "model"
 """A saved model directory that ships with the repo (config.json included)."""
@@ -720,3 +722,32 @@ def test_a_model_neither_local_nor_cached_ends_the_trainer_with_exit_4(nats_serv
     assert "Traceback" not in result.stdout + result.stderr
     assert "service_error" in result.stderr and "OSError" in result.stderr
     assert "check --model.name no-such-org/no-such-model" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        (BusConnectError("no NATS server answered"), 5),
+        (BusAuthError("refused the credentials"), 5),
+        (FileNotFoundError(2, "No such file or directory", "m/config.json"), 4),
+        (PermissionError(13, "Permission denied", "outputs"), 4),
+        (RuntimeError("a bug"), 1),
+    ],
+)
+def test_an_escaping_error_is_one_line_with_its_documented_code(error, code, capsys, monkeypatch):
+    monkeypatch.delenv("RLBUS_DEBUG", raising=False)
+
+    with pytest.raises(SystemExit) as exited, errors_in_one_line("demo", inputs="--model.name m"):
+        raise error
+
+    err = capsys.readouterr().err
+    assert exited.value.code == code and err.count("\n") == 1 and err.startswith("demo: ")
+    assert ("check --model.name m" in err) == (code == 4)
+
+
+def test_sigterm_and_debug_pass_through_unchanged(monkeypatch):
+    with pytest.raises(Terminated), errors_in_one_line("demo"):
+        raise Terminated()
+    monkeypatch.setenv("RLBUS_DEBUG", "1")
+    with pytest.raises(RuntimeError), errors_in_one_line("demo"):
+        raise RuntimeError("kept with its traceback")
