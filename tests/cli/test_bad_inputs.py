@@ -707,13 +707,19 @@ def test_debug_keeps_the_traceback(tmp_path):
 
 
 @pytest.mark.slow  # imports torch and transformers (~10 s here)
-def test_a_model_neither_local_nor_cached_ends_the_trainer_with_exit_4(nats_server, tmp_path):
+def test_a_model_directory_without_weights_ends_the_trainer_with_exit_4(nats_server, tmp_path):
+    """It passes the load-time check (a directory with config.json); transformers' OSError once
+    the trainer loads it is the run-time missing input."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_bytes((TINY_MODEL / "config.json").read_bytes())
+
     result = run_command(
         "trainer",
         "--run.name", "t",
         "--output-dir", "outputs",
         "--bus.url", nats_server.url,
-        "--model.name", "no-such-org/no-such-model",
+        "--model.name", str(model),
         cwd=tmp_path,
         env={"HF_HUB_OFFLINE": "1", "RLBUS_DEBUG": ""},
     )  # fmt: skip
@@ -721,7 +727,7 @@ def test_a_model_neither_local_nor_cached_ends_the_trainer_with_exit_4(nats_serv
     assert result.returncode == 4, result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert "service_error" in result.stderr and "OSError" in result.stderr
-    assert "check --model.name no-such-org/no-such-model" in result.stderr
+    assert f"check --model.name {model}" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -751,3 +757,20 @@ def test_sigterm_and_debug_pass_through_unchanged(monkeypatch):
     monkeypatch.setenv("RLBUS_DEBUG", "1")
     with pytest.raises(RuntimeError), errors_in_one_line("demo"):
         raise RuntimeError("kept with its traceback")
+
+
+@pytest.mark.parametrize("cls, flag", [(RL, "--model.name"), (INFER, "--vllm.model")])
+def test_offline_a_hub_id_missing_from_the_cache_is_refused_at_launch(
+    cls, flag, in_tmp, capsys, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = [flag, "no-such-org/no-such-model"]
+
+    with pytest.raises(SystemExit) as exited:
+        load(cls, args)
+
+    assert exited.value.code == 2
+    assert f"{flag}: not a local directory and not in the hub cache" in flat(
+        capsys.readouterr().err
+    )
+    assert isinstance(load(cls, ["--dry-run", *args] if cls is RL else args, strict=False), cls)

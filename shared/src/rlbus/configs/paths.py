@@ -8,9 +8,11 @@ not in the orchestrator, which only sends its name. A model name is a local path
 than one `/` (a hub id is `org/name`). Relative paths are resolved from the working directory, as
 the services resolve them. A dry run (`strict=False`) only plans: a relative path such as
 `outputs/models/tiny-qwen3` may be built before its scripts run, so there only paths written
-explicitly as paths are checked; the launch itself checks them all.
+explicitly as paths are checked; the launch itself checks them all. Offline (HF_HUB_OFFLINE=1)
+a launch also checks that a hub id is in the local hub cache.
 """
 
+import os
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -27,11 +29,38 @@ def is_local(name: str, *, strict: bool) -> bool:
     return name.startswith(EXPLICIT_PREFIXES) or (strict and name.count("/") > 1)
 
 
-def model_problem(flag: str, name: str, *, strict: bool) -> str | None:
-    """Why the model `name` given by `flag` cannot be loaded, if it is a local path that is not
-    a saved model directory."""
-    if not is_local(name, strict=strict):
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def hub_offline() -> bool:
+    """Whether the hub may not be reached (compose sets HF_HUB_OFFLINE=1; no hub is reachable in
+    CI): then a hub id must already be in the local cache."""
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in OFFLINE_ENV)
+
+
+def hub_cache_problem(flag: str, name: str) -> str | None:
+    """Offline, a hub id that is not in the local cache fails only once vLLM or transformers try
+    to load it (10-30 s in): say so now. Looks at the cache only, never at the network."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except Exception:  # not a valid repo id either (huggingface_hub's HFValidationError)
+        cached = None
+    if isinstance(cached, str):
         return None
+    return (
+        f"{flag}: not a local directory and not in the hub cache, and the hub is off "
+        f"(HF_HUB_OFFLINE) (got {name!r}); give a local model directory, or unset "
+        "HF_HUB_OFFLINE where the hub is reachable"
+    )
+
+
+def model_problem(flag: str, name: str, *, strict: bool) -> str | None:
+    """Why the model `name` given by `flag` cannot be loaded: a local path that is not a saved
+    model directory, or (when launching offline) a hub id missing from the cache."""
+    if not is_local(name, strict=strict):
+        return hub_cache_problem(flag, name) if strict and hub_offline() else None
     path = Path(name).expanduser()
     hint = "a local model is a directory with config.json (save_pretrained writes one)"
     if not path.exists():
