@@ -320,7 +320,7 @@ CONFIG_CASES = [
         "replica-base-port-zero",
         RL,
         ["--deployment.num-infer-replicas", "2", "--inference.server.port", "0"],
-        ["--inference.server.port", "0 cannot be a base port", "num_infer_replicas=2"],
+        ["--inference.server.port", "0 cannot be a base port for 2 replicas"],
     ),
     Case(
         "replica-ports-past-65535",

@@ -1,15 +1,16 @@
 """Paths a run needs that must exist when its command starts: a local model directory and SFT
 data. Every entry point calls `exit_if_paths_missing` right after `parse_cli` (parsing alone,
-e.g. `--print-config`, does not need the files). Without this check a typo in `--model.name` surfaced 10-30 s later, as a traceback of
-transformers or vLLM in a service log (docs/configuration.md, "Bad input").
+e.g. `--print-config`, needs no files). Without it a typo in `--model.name` surfaced only once a
+service loaded the model, as a traceback of transformers or vLLM in its log.
 
 The model is checked where it is loaded (trainer, SFT, inference, and `rl`, which starts them),
-not in the orchestrator, which only sends its name. A model name is a local path when it is written as one (absolute, `./`, `../`, `~`) or has more
-than one `/` (a hub id is `org/name`). Relative paths are resolved from the working directory, as
-the services resolve them. A dry run (`strict=False`) only plans: a relative path such as
-`outputs/models/tiny-qwen3` may be built before its scripts run, so there only paths written
-explicitly as paths are checked; the launch itself checks them all. Offline (HF_HUB_OFFLINE=1)
-a launch also checks that a hub id is in the local hub cache.
+not in the orchestrator, which only sends its name. A model name is a local path when it is
+written as one (absolute, `./`, `../`, `~`) or has more than one `/` (a hub id is `org/name`).
+Relative paths are resolved from the working directory, as the services resolve them. A dry run
+(`strict=False`) only plans: a relative path such as `outputs/models/tiny-qwen3` may be built
+before its scripts run, so there only paths written explicitly as paths are checked; the launch
+checks them all and, offline (HF_HUB_OFFLINE=1), that a hub id is in the local hub cache
+(docs/configuration.md, "Bad input").
 """
 
 import os

@@ -136,58 +136,40 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
         ]
 
     def _replica_port_errors(self) -> list[tuple[str, str]]:
-        """Replica i serves on server.port + i and backend_port + i (rlbus.launch.plan), so
-        with explicit ports the two ranges must not overlap, nor leave the port range; ports
-        left unset are picked free per replica."""
+        """Replica i serves on server.port + i and backend_port + i (rlbus.launch.plan), so with
+        explicit ports the two ranges must not overlap, nor leave the port range; ports left
+        unset are picked free per replica."""
         count = self.deployment.num_infer_replicas
-        inference = self.inference
-        explicit = {
-            "inference.server.port": "port" in inference.server.model_fields_set,
-            "inference.backend_port": "backend_port" in inference.model_fields_set,
-        }
-        ports = {
-            "inference.server.port": inference.server.port,
-            "inference.backend_port": inference.backend_port,
-        }
         if count == 1:
             return []
+        inference = self.inference
+        ports = {}  # the explicit ones
+        if "port" in inference.server.model_fields_set:
+            ports["inference.server.port"] = inference.server.port
+        if "backend_port" in inference.model_fields_set:
+            ports["inference.backend_port"] = inference.backend_port
         errors = []
         for field, port in ports.items():
-            if not explicit[field]:
-                continue
             if port == 0:
-                errors.append(
-                    (
-                        field,
-                        (
-                            f"0 cannot be a base port for deployment.num_infer_replicas={count} "
-                            "(replica i serves on port + i): leave it unset (each replica gets free "
-                            "ports) or give a base port"
-                        ),
-                    )
+                why = (
+                    f"0 cannot be a base port for {count} replicas (replica i serves on port + i): "
+                    "leave it unset (each replica gets free ports) or give a base port"
                 )
+                errors.append((field, why))
             elif port + count - 1 > 65535:
-                errors.append(
-                    (
-                        field,
-                        (
-                            f"replica {count - 1} would serve on {port + count - 1} (port + i), past "
-                            "65535: lower the base port"
-                        ),
-                    )
+                why = (
+                    f"replica {count - 1} would serve on {port + count - 1} (port + i), past 65535"
                 )
-        port, backend = ports.values()
-        if all(explicit.values()) and not errors and abs(port - backend) < count:
-            errors.append(
-                (
-                    "inference.backend_port",
-                    (
-                        f"the engine ports {backend}..{backend + count - 1} overlap the router ports "
-                        f"{port}..{port + count - 1} of the {count} replicas (replica i serves on "
-                        f"server.port + i and backend_port + i): keep them at least {count} apart"
-                    ),
+                errors.append((field, why + ": lower the base port"))
+        if len(ports) == 2 and not errors:
+            port, backend = ports.values()
+            if abs(port - backend) < count:
+                why = (
+                    f"the engine ports {backend}..{backend + count - 1} overlap the router ports "
+                    f"{port}..{port + count - 1} of the {count} replicas (replica i serves on "
+                    f"server.port + i and backend_port + i): keep them at least {count} apart"
                 )
-            )
+                errors.append(("inference.backend_port", why))
         return errors
 
     def push_shared_values_down(self) -> None:
