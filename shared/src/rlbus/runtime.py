@@ -4,6 +4,8 @@
       1. structlog + OpenTelemetry, once, from the config's `log` and `otel` blocks
       2. import `module.run` lazily (a missing service: one message, exit 3)
       3. run(config) -> run_service(body): asyncio loop, signals, supervised tasks
+      4. an error that escapes: one `service_error` line and its exit code (`exit_code_for`:
+         4 a missing input, 5 the bus unreachable, 1 anything else); `--debug` keeps the traceback
 
 Signals: the first SIGTERM/SIGINT asks the service to drain (finish the work in hand, then exit 0);
 a second one exits at once with 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
@@ -18,12 +20,13 @@ naming the task and the error, then exit code 1. Nothing fails silently.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import os
 import signal
 import sys
 import traceback
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +38,12 @@ EXIT_TASK_FAILED = 1
 """A supervised background task raised (the log line `service_task_failed` names it)."""
 EXIT_SERVICE_MISSING = 3
 """The command parsed its config but its service module (or its `run`) is not installed."""
+EXIT_INPUT_MISSING = 4
+"""A file or resource the run needs is missing or unusable once it runs (an OSError): a model
+that is neither a local directory nor in the hub cache, data, a run directory that cannot be
+written, a full disk."""
+EXIT_BUS_UNREACHABLE = 5
+"""No NATS server answered within bus.connect_retry_s, or the server refused the credentials."""
 EXIT_SIGNAL_BASE = 128
 """A second SIGTERM/SIGINT exits at once with 128 + the signal number (143 / 130)."""
 
@@ -117,12 +126,88 @@ def main(
     """The body of every service entry point (see module docstring); returns what `run` returns."""
     from rlbus.obs import tracing
 
-    setup_observability(service, config, run_dir=run_dir, run_id=run_id, rank=rank)
+    with errors_in_one_line(command, inputs=config_inputs(config)):
+        setup_observability(service, config, run_dir=run_dir, run_id=run_id, rank=rank)
     run = load_service_run(module, command=command)
     try:
-        return run(config)
+        with errors_in_one_line(command, logged=True, inputs=config_inputs(config)):
+            return run(config)
     finally:
         tracing.shutdown_tracing()
+
+
+# ---- errors that reach the top --------------------------------------------------------------
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The documented exit code of an error that ended a command (docs/launcher.md)."""
+    from rlbus.bus.errors import BusAuthError, BusConnectError
+
+    if isinstance(error, (BusConnectError, BusAuthError)):
+        return EXIT_BUS_UNREACHABLE
+    if isinstance(error, OSError):
+        return EXIT_INPUT_MISSING
+    return EXIT_TASK_FAILED
+
+
+INPUT_FLAGS = {
+    "--model.name": ("model", "name"),
+    "--vllm.model": ("vllm", "model"),
+    "--data.path": ("data", "path"),
+    "--output-dir": ("output_dir",),
+    "--run-dir": ("run_dir",),
+}
+"""The inputs a missing-input error (exit 4) points at, where the config has them: an OSError
+from transformers or the hub rarely names the model it was loading."""
+
+
+def config_inputs(config: Any) -> str:
+    """`--model.name m, --output-dir outputs` for the INPUT_FLAGS that `config` has."""
+    found = []
+    for flag, path in INPUT_FLAGS.items():
+        value: Any = config
+        for part in path:
+            value = getattr(value, part, None)
+        if value is not None:
+            found.append(f"{flag} {value}")
+    return ", ".join(found)
+
+
+def describe_error(error: BaseException) -> str:
+    """`Type: message` on one line (messages of OSError and hub errors span several)."""
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+@contextlib.contextmanager
+def errors_in_one_line(command: str, *, logged: bool = False, inputs: str = "") -> Iterator[None]:
+    """An exception leaving the block ends `command` with one line and `exit_code_for` it,
+    instead of a traceback; with `--debug` (RLBUS_DEBUG=1) it propagates as it is. `logged`:
+    the line is a `service_error` log event (into the service's log file too), else plain
+    stderr (before logging is set up). `inputs` (`config_inputs`) are named for a missing input."""
+    from rlbus.configs.base import debug_enabled
+
+    try:
+        yield
+    except Terminated:
+        raise  # SIGTERM, not an error: the launchers turn it into 143
+    except Exception as error:
+        if debug_enabled():
+            raise
+        code = exit_code_for(error)
+        hint = "--debug for the traceback"
+        if code == EXIT_INPUT_MISSING and inputs:
+            hint = f"check {inputs}; {hint}"
+        if logged:
+            log.error(
+                "service_error",
+                error=describe_error(error),
+                where=where(error),
+                exit_code=code,
+                hint=hint,
+            )
+        else:
+            sys.stderr.write(f"{command}: {describe_error(error)} (exit {code}; {hint})\n")
+        raise SystemExit(code) from None
 
 
 # ---- what the service was asked to do ------------------------------------------------------

@@ -1,11 +1,13 @@
 """`claim_ports`: a replica checks its ports before it starts anything or registers (real sockets
 on loopback): 0 is a free port, a port held past the wait is one line naming the flag, a port
-released during the wait is taken, and the two ports may not be equal."""
+released during the wait is taken, and the two ports may not be equal (refused when the config
+is loaded already; the start checks again)."""
 
 import socket
 import threading
 
 import pytest
+from pydantic import ValidationError
 
 from rlbus.configs.inference import InferenceConfig
 from rlbus.netutil import free_ports, port_in_use
@@ -52,7 +54,11 @@ def test_a_port_released_during_the_wait_is_taken(monkeypatch):
     assert (claimed.server.port, claimed.backend_port) == (port, backend)
 
 
-def test_equal_ports_are_refused():
+def test_equal_ports_are_refused_when_the_config_is_loaded_and_again_at_the_start():
     (port,) = free_ports(1)
+    with pytest.raises(ValidationError, match="must differ from server.port"):
+        replica(port, port)
+    # The start checks again: two ports picked free (0) can race onto one.
+    clashing = replica(port, 0).model_copy(update={"backend_port": port})
     with pytest.raises(PortInUse, match="--server.port and --backend-port are both"):
-        claim_ports(replica(port, port))
+        claim_ports(clashing)

@@ -12,6 +12,7 @@ import sys
 from rlbus import runtime
 from rlbus.configs import InferenceConfig
 from rlbus.configs.base import parse_cli
+from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.runs import run_id_of, slug
 
 SLURM_SUBMIT = "rlbus.launch.slurm"
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     if config.slurm is not None:  # submit a batch job instead of serving: the launcher's job
         args = sys.argv[1:] if argv is None else argv
         os.execv(sys.executable, [sys.executable, "-m", SLURM_SUBMIT, *args])
+    exit_if_paths_missing(config)
     runtime.main(
         log_name(config),
         config,

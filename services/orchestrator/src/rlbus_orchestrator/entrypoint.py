@@ -10,11 +10,13 @@ Started by `rl` with the resolved config from the run directory; by hand, pass `
 from rlbus import runtime
 from rlbus.configs import OrchestratorConfig
 from rlbus.configs.base import parse_cli
+from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.runs import ensure_run_name, run_id_of
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(OrchestratorConfig, argv, prog="orchestrator")
+    exit_if_paths_missing(config)
     run_dir = ensure_run_name(config, "orchestrator")
     runtime.main(
         "orchestrator" if config.role != "worker" else "orchestrator-worker",

@@ -16,6 +16,7 @@ import signal
 from rlbus import runtime
 from rlbus.configs import TrainerConfig
 from rlbus.configs.base import parse_cli
+from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.procs import die_with_parent
 from rlbus.runs import ensure_run_name, run_id_of
 
@@ -32,6 +33,7 @@ def die_with_agent() -> None:
 def main(argv: list[str] | None = None) -> None:
     die_with_agent()
     config = parse_cli(TrainerConfig, argv, prog="trainer")
+    exit_if_paths_missing(config)
     run_dir = ensure_run_name(config, "trainer")
     runtime.main(
         "trainer",

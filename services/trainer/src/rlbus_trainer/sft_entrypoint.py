@@ -10,6 +10,7 @@ by hand. Logs go to `<run_dir>/logs/sft.log` (rank r: `sft-rank<r>.log`).
 from rlbus import runtime
 from rlbus.configs import SFTConfig
 from rlbus.configs.base import parse_cli
+from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.runs import ensure_run_name
 from rlbus_trainer.entrypoint import die_with_agent
 
@@ -17,6 +18,7 @@ from rlbus_trainer.entrypoint import die_with_agent
 def main(argv: list[str] | None = None) -> None:
     die_with_agent()  # a SIGKILLed torchrun agent takes its ranks along
     config = parse_cli(SFTConfig, argv, prog="sft")
+    exit_if_paths_missing(config)
     run_dir = ensure_run_name(config, "sft")
     runtime.main(
         "sft",

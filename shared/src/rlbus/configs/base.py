@@ -1,7 +1,8 @@
 """The base class of every rlbus config, and the command-line loader every entry point uses.
 
-`pydantic_config.BaseConfig` is a pydantic model with `extra="forbid"` plus the before-validators
-the CLI loader relies on ("None" strings, dict value coercion, default union tags).
+`BaseConfig` is `pydantic_config.BaseConfig` (a pydantic model with `extra="forbid"` plus the
+before-validators the CLI loader relies on: "None" strings, dict value coercion, default union
+tags) that also refuses `inf` and `nan`.
 
 `parse_cli(Cls)` is `pydantic_config.cli(Cls)` with a thin layer around it (docs/configuration.md
 says why each piece exists):
@@ -14,7 +15,11 @@ says why each piece exists):
 - space-separated list values (`--monitors.wandb.tags a b`) also work inside optional
   sub-configs and union variants, where pydantic_config alone takes one value;
 - bad JSON values and every other loader error end in the same box, exit code 2, no traceback;
-- `--print-config` prints the resolved config as TOML and exits.
+- `@ file` arguments are checked before the loader opens them (rlbus.configs.files): a
+  directory, a binary or empty file, or one whose top level is not a table is one line, not a
+  traceback; so is a flag that needs a value followed by another flag;
+- `--print-config` prints the resolved config as TOML and exits; `--debug` (or RLBUS_DEBUG=1)
+  keeps tracebacks for errors that otherwise end in one line (docs/configuration.md).
 """
 
 import ast
@@ -22,17 +27,38 @@ import difflib
 import functools
 import inspect
 import json
+import os
 import sys
 import types
 from typing import Any, NoReturn, TypeVar, Union, get_args, get_origin
 
-from pydantic import AliasChoices, BaseModel, ValidationError
-from pydantic_config import BaseConfig, ConfigFileError, cli
+import pydantic_config
+from pydantic import AliasChoices, BaseModel, ConfigDict, ValidationError
+from pydantic_config import ConfigFileError, cli
+
+from rlbus.configs.files import ConfigFileProblem, check_config_files
 
 T = TypeVar("T", bound=BaseModel)
 
+
+class BaseConfig(pydantic_config.BaseConfig):
+    """pydantic_config's base with finite floats only: `inf` and `nan` pass `gt=0` checks
+    (`--trainer.optim.lr inf` was accepted) and mean nothing for a rate, a size or a timeout;
+    "no limit" is spelled None where a field allows it."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
 PRINT_CONFIG_FLAG = "--print-config"
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "RLBUS_DEBUG"
+"""`--debug` sets it, so the processes a launcher starts inherit it and keep tracebacks too."""
 EXIT_CONFIG_ERROR = 2
+
+
+def debug_enabled() -> bool:
+    """Whether errors keep their traceback (`--debug` or RLBUS_DEBUG=1) instead of one line."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 # --- walking the config tree -------------------------------------------------------------------
@@ -169,8 +195,7 @@ def suggest_flag(unknown: str, known: list[str]) -> str | None:
 def format_validation_error(cls: type[BaseModel], error: ValidationError) -> str:
     """One `--flag: message` line per error, with the input and a "did you mean" where useful."""
     known = known_flag_paths(cls)
-    count = len(error.errors())
-    lines = [f"{count} invalid value{'s' if count != 1 else ''} for {cls.__name__}:"]
+    lines = [count_header(len(error.errors()), cls)]
     for err in error.errors():
         flag = loc_to_flag(cls, tuple(err["loc"]))
         message = err["msg"].removeprefix("Value error, ")
@@ -185,8 +210,32 @@ def format_validation_error(cls: type[BaseModel], error: ValidationError) -> str
             hint = suggest_flag(flag.removeprefix("--"), known)
             if hint:
                 message += f"; did you mean --{hint}?"
-        lines.append(f"{flag}: {message}")
+        lines.append(message if flag == "<config>" else f"{flag}: {message}")
     return "\n".join(lines)
+
+
+def field_errors(model: BaseModel, *errors: tuple[str, str]) -> ValidationError:
+    """A ValidationError for cross-field rules, located at the fields (`("batch_size", message)`,
+    dotted paths relative to `model`) instead of at the sub-config: pydantic nests the location
+    under the parents, so the user sees the flag to change (`--orchestrator.batch-size: ...`)
+    with its value."""
+    from pydantic_core import InitErrorDetails, PydanticCustomError
+
+    details = []
+    for path, message in errors:
+        value: Any = model
+        for part in path.split("."):
+            value = getattr(value, part)
+        details.append(
+            InitErrorDetails(
+                type=PydanticCustomError(
+                    "cross_field", message.replace("{", "{{").replace("}", "}}")
+                ),
+                loc=tuple(path.split(".")),
+                input=value,
+            )
+        )
+    return ValidationError.from_exception_data(type(model).__name__, details)
 
 
 def exit_with_config_error(
@@ -381,6 +430,43 @@ def _list_values_as_json(args: list[str], paths: set[str]) -> list[str]:
     return out
 
 
+def _value_flag_paths(cls: type[BaseModel], prefix: str = "") -> set[str]:
+    """Flag paths (kebab-case, aliases included) that take a value: every leaf that is not a
+    toggle (`bool`, `X | bool`) and not an optional sub-config (bare `--monitors.wandb`)."""
+    paths: set[str] = set()
+    for name, finfo in cls.model_fields.items():
+        variants = _model_variants(finfo.annotation)
+        inner = _strip_annotated(finfo.annotation)
+        toggle = inner is bool or (
+            get_origin(inner) in (Union, types.UnionType) and bool in get_args(inner)
+        )
+        for spelling in _field_names(name, finfo):
+            path = flag_path(prefix, spelling)
+            if not variants and not toggle:
+                paths.add(path)
+            for variant in variants:
+                paths |= _value_flag_paths(variant, path)
+    return paths
+
+
+def check_flag_values(cls: type[BaseModel], args: list[str]) -> None:
+    """A flag that needs a value followed by another flag (`--max-steps --dry-run`): the loader
+    would take `--dry-run` as the value and report a confusing type error, or none for a
+    string field. Exits 2 naming the flag."""
+    paths = _value_flag_paths(cls)
+    for i, token in enumerate(args):
+        following = args[i + 1] if i + 1 < len(args) else None
+        if not token.startswith("--") or "=" in token:
+            continue
+        flag = token[2:].replace("_", "-")
+        if flag in paths and (following is None or following.startswith("--")):
+            got = "nothing" if following is None else f"the next flag {following}"
+            exit_with_config_error(
+                f"{token} needs a value (got {got}): pass `{token} VALUE` "
+                "(`--help` lists what each option takes)"
+            )
+
+
 # --- TOML output -------------------------------------------------------------------------------
 
 
@@ -418,10 +504,19 @@ def parse_cli(
     """Parse `@ file` references and `--flags` into a validated `cls`; on a user error print a
     box and exit 2. `--help` prints the panels and exits 0; `--print-config` prints TOML and exits 0."""
     args = list(sys.argv[1:] if args is None else args)
-    if "--help" in args or "-h" in args:
+    if DEBUG_FLAG in args:
+        os.environ[DEBUG_ENV] = "1"
+    wants_help = "--help" in args or "-h" in args
+    if wants_help:
         _use_fast_docstrings()
     print_config = PRINT_CONFIG_FLAG in args
-    args = [a for a in args if a != PRINT_CONFIG_FLAG]
+    args = [a for a in args if a not in (PRINT_CONFIG_FLAG, DEBUG_FLAG)]
+    if not wants_help:
+        try:
+            check_config_files(args)
+        except ConfigFileProblem as problem:
+            exit_with_config_error(str(problem))
+        check_flag_values(cls, args)
     args = _hoist_root_files(args, _model_paths(cls))
     args = _snake_case_file_targets(_expand_bool_union_toggles(args, _bool_union_paths(cls)))
     args = _list_values_as_json(args, _variant_list_paths(cls))
@@ -442,6 +537,11 @@ def parse_cli(
         sys.stdout.write(config_to_toml(config))
         sys.exit(0)
     return config
+
+
+def count_header(count: int, cls: type[BaseModel]) -> str:
+    """The first line of a config error box: `2 invalid values for RLConfig:`."""
+    return f"{count} invalid value{'s' if count != 1 else ''} for {cls.__name__}:"
 
 
 __all__ = [

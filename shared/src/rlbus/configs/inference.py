@@ -2,9 +2,9 @@
 
 from typing import Any
 
-from pydantic import ByteSize, ConfigDict, Field
+from pydantic import ByteSize, ConfigDict, Field, model_validator
 
-from rlbus.configs.base import BaseConfig
+from rlbus.configs.base import BaseConfig, field_errors
 from rlbus.configs.common import ServiceConfig, WeightBroadcastConfig
 from rlbus.configs.slurm import SlurmConfig
 
@@ -128,3 +128,20 @@ class InferenceConfig(ServiceConfig):
             else:
                 args.extend([flag, str(value)])
         return args
+
+    # --- cross-field rules (checked at load time, `--dry-run` included) ---
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> "InferenceConfig":
+        """The router and the engine cannot share a port (0 picks a free one for each). Before,
+        only the replica's start (`claim_ports`) noticed, after the config was written."""
+        if self.server.port == self.backend_port != 0:
+            raise field_errors(
+                self,
+                (
+                    "backend_port",
+                    f"must differ from server.port ({self.server.port}): the router listens "
+                    "there; give the engine another port, or 0 for a free one",
+                ),
+            )
+        return self

@@ -4,7 +4,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rlbus.configs.base import BaseConfig
+from rlbus.configs.base import BaseConfig, field_errors
 from rlbus.configs.common import ModelConfig, RunnableConfig
 
 
@@ -101,8 +101,8 @@ class OrchestratorConfig(RunnableConfig):
     model: ModelConfig = ModelConfig()
     """Model name sent to inference."""
 
-    env: list[EnvConfig] = [EnvConfig()]
-    """Environments to train on."""
+    env: list[EnvConfig] = Field([EnvConfig()], min_length=1)
+    """Environments to train on (at least one)."""
 
     sampling: SamplingConfig = SamplingConfig()
     """Sampling arguments."""
@@ -159,3 +159,34 @@ class OrchestratorConfig(RunnableConfig):
 
     eval: EvalConfig | None = None
     """Evaluation (off unless set)."""
+
+    def cross_field_errors(self) -> list[tuple[str, str]]:
+        """(field, message) for each rule between fields that this config breaks."""
+        errors = []
+        if self.token_budget is None and self.batch_size % self.group_size:
+            errors.append(
+                (
+                    "batch_size",
+                    f"must be a multiple of group_size ({self.group_size}): a step takes whole "
+                    f"groups, so {self.batch_size} samples cannot be filled exactly; use "
+                    f"{self.batch_size // self.group_size * self.group_size or self.group_size} or "
+                    f"{(self.batch_size // self.group_size + 1) * self.group_size}",
+                )
+            )
+        for i, url in enumerate(self.inference_urls):
+            if not url.startswith(("http://", "https://")):
+                errors.append(
+                    (
+                        "inference_urls",
+                        f"entry {i} ({url!r}) is not an http(s) URL: give OpenAI API roots such "
+                        "as http://host:8000/v1",
+                    )
+                )
+        return errors
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> "OrchestratorConfig":
+        errors = self.cross_field_errors()
+        if errors:
+            raise field_errors(self, *errors)
+        return self

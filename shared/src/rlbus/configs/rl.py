@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
+from rlbus.configs.base import field_errors
 from rlbus.configs.common import (
     SHARED_BLOCKS,
     DeploymentConfig,
@@ -114,7 +115,62 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
     @model_validator(mode="after")
     def _push_shared_values_down(self):
         self.push_shared_values_down()
+        errors = [*self._pushed_value_errors(), *self._replica_port_errors()]
+        if errors:
+            raise field_errors(self, *errors)
         return self
+
+    def _pushed_value_errors(self) -> list[tuple[str, str]]:
+        """Completions must fit the engine's context (`inference.vllm.max_model_len`, pushed from
+        `seq_len`): vLLM refuses every request whose prompt plus max_tokens exceed it."""
+        max_tokens = self.orchestrator.sampling.max_tokens
+        context = self.inference.vllm.max_model_len
+        if context is None or max_tokens <= context:
+            return []
+        return [
+            (
+                "orchestrator.sampling.max_tokens",
+                f"must not exceed inference.vllm.max_model_len ({context}, from seq_len unless "
+                "set): vLLM refuses every request whose prompt plus max_tokens exceed it",
+            )
+        ]
+
+    def _replica_port_errors(self) -> list[tuple[str, str]]:
+        """Replica i serves on server.port + i and backend_port + i (rlbus.launch.plan), so with
+        explicit ports the two ranges must not overlap, nor leave the port range; ports left
+        unset are picked free per replica."""
+        count = self.deployment.num_infer_replicas
+        if count == 1:
+            return []
+        inference = self.inference
+        ports = {}  # the explicit ones
+        if "port" in inference.server.model_fields_set:
+            ports["inference.server.port"] = inference.server.port
+        if "backend_port" in inference.model_fields_set:
+            ports["inference.backend_port"] = inference.backend_port
+        errors = []
+        for field, port in ports.items():
+            if port == 0:
+                why = (
+                    f"0 cannot be a base port for {count} replicas (replica i serves on port + i): "
+                    "leave it unset (each replica gets free ports) or give a base port"
+                )
+                errors.append((field, why))
+            elif port + count - 1 > 65535:
+                why = (
+                    f"replica {count - 1} would serve on {port + count - 1} (port + i), past 65535"
+                )
+                errors.append((field, why + ": lower the base port"))
+        if len(ports) == 2 and not errors:
+            port, backend = ports.values()
+            if abs(port - backend) < count:
+                why = (
+                    f"the engine ports {backend}..{backend + count - 1} overlap the router ports "
+                    f"{port}..{port + count - 1} of the {count} replicas (replica i serves on "
+                    f"server.port + i and backend_port + i): keep them at least {count} apart"
+                )
+                errors.append(("inference.backend_port", why))
+        return errors
 
     def push_shared_values_down(self) -> None:
         """Copy the shared values into the service configs, except where a service sets its own.

@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlbus.configs.base import BaseConfig
+from rlbus.configs.base import BaseConfig, field_errors
 from rlbus.configs.common import LaunchConfig, MonitorsConfig
 from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import TrainerConfig
@@ -68,3 +68,16 @@ class SFTConfig(TrainerConfig, LaunchConfig):
 
     kind: Literal["sft"] = "sft"
     """Fixed tag for run naming."""
+
+    @model_validator(mode="after")
+    def _every_rank_gets_data(self) -> "SFTConfig":
+        if self.data.batch_size < self.num_processes:
+            raise field_errors(
+                self,
+                (
+                    "data.batch_size",
+                    f"must be at least num_processes ({self.num_processes}): the batch is "
+                    "split between the ranks, and each needs one sequence or more",
+                ),
+            )
+        return self

@@ -5,9 +5,9 @@ the launcher then resolves every config as `--dry-run` would, renders
 `<run_dir>/slurm/<name>.sbatch` and submits it with `sbatch` (docs/slurm.md).
 """
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from rlbus.configs.base import BaseConfig
+from rlbus.configs.base import BaseConfig, field_errors
 
 
 class SlurmConfig(BaseConfig):
@@ -72,3 +72,17 @@ class SlurmConfig(BaseConfig):
 
     submit: bool = True
     """Submit the script with sbatch (`--no-slurm.submit`, or `--dry-run` on rl/sft: only write it)."""
+
+    @model_validator(mode="after")
+    def _sidecar_ports_differ(self) -> "SlurmConfig":
+        """The NATS sidecar listens on both ports on the first node."""
+        if self.nats_port == self.nats_http_port:
+            raise field_errors(
+                self,
+                (
+                    "nats_http_port",
+                    f"must differ from slurm.nats_port ({self.nats_port}): the NATS sidecar "
+                    "listens on both on the first node",
+                ),
+            )
+        return self

@@ -2,7 +2,7 @@
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlbus.configs.base import BaseConfig
 from rlbus.configs.common import ModelConfig, TrainingRunConfig
@@ -63,6 +63,16 @@ class AdamWConfig(BaseConfig):
     max_norm: float | None = Field(1.0, gt=0)
     """Gradient clipping norm (None disables)."""
 
+    @field_validator("betas")
+    @classmethod
+    def _two_betas_in_unit_interval(cls, betas: list[float]) -> list[float]:
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(
+                f"must be exactly two values in [0, 1), e.g. [0.9, 0.999] in a file or "
+                f"`--optim.betas 0.9 0.999` (got {betas})"
+            )
+        return betas
+
 
 class SGDConfig(BaseConfig):
     """SGD with optional momentum (torch.optim.SGD)."""
@@ -70,8 +80,8 @@ class SGDConfig(BaseConfig):
     type: Literal["sgd"] = "sgd"
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate."""
-    momentum: float = Field(0.0, ge=0)
-    """Momentum factor."""
+    momentum: float = Field(0.0, ge=0, lt=1)
+    """Momentum factor (in [0, 1))."""
     weight_decay: float = Field(0.0, ge=0)
     """Weight decay."""
     max_norm: float | None = Field(1.0, gt=0)
@@ -98,8 +108,8 @@ class MuonConfig(BaseConfig):
     """Peak learning rate of the Muon parameter group."""
     adamw_lr: float = Field(1e-5, gt=0)
     """Learning rate of the AdamW group (embeddings, norms, biases)."""
-    momentum: float = Field(0.95, ge=0)
-    """Muon momentum."""
+    momentum: float = Field(0.95, ge=0, lt=1)
+    """Muon momentum (in [0, 1))."""
     weight_decay: float = Field(0.01, ge=0)
     """Weight decay."""
     max_norm: float | None = Field(1.0, gt=0)

@@ -23,6 +23,7 @@ import structlog
 
 from rlbus.configs import RLConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
+from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.launch.lock import refusal, remove_lock, write_lock
 from rlbus.launch.plan import Launch, build_rl_launch
 from rlbus.launch.progress import Progress
@@ -40,7 +41,13 @@ from rlbus.launch.watchdog import start_watchdog
 from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import setup_logging
 from rlbus.runs import RunPlan, prepare_run_dir_or_exit, resolve_run_dir, rl_run_name, run_id_of
-from rlbus.runtime import EXIT_SIGNAL_BASE, Terminated, raise_terminated
+from rlbus.runtime import (
+    EXIT_SIGNAL_BASE,
+    Terminated,
+    config_inputs,
+    errors_in_one_line,
+    raise_terminated,
+)
 
 log = structlog.get_logger()
 
@@ -390,19 +397,24 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(importlib.import_module(SUBCOMMANDS[args[0]]).main(args[1:]))
     config = parse_cli(RLConfig, argv, prog="rl")
+    # A dry run or a SLURM job only plans here: relative paths may be built before they run.
+    exit_if_paths_missing(config, strict=not config.dry_run and config.slurm is None)
     check_sinks_installed(config.monitors)
     command = "rl " + " ".join(sys.argv[1:] if argv is None else argv)
-    if config.slurm is not None:  # render and submit a batch job instead (rlbus.launch.slurm)
-        from rlbus.launch.slurm import submit_rl
+    with errors_in_one_line("rl", inputs=config_inputs(config)):
+        if config.slurm is not None:  # render and submit a batch job instead (rlbus.launch.slurm)
+            from rlbus.launch.slurm import submit_rl
 
-        config, run = prepare_rl(config)
-        sys.exit(submit_rl(config, run.run_dir, command))
-    launch = plan_rl(config, command=command)
+            config, run = prepare_rl(config)
+            sys.exit(submit_rl(config, run.run_dir, command))
+        launch = plan_rl(config, command=command)
     if config.dry_run:
         print(describe_written(launch.run_dir, launch.config_files, launch.script_files))
         return
     point_latest(launch.run_dir)  # only runs that start move it (a dry run starts nothing)
-    sys.exit(supervise(launch))
+    with errors_in_one_line("rl", inputs=config_inputs(config)):
+        code = supervise(launch)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import structlog
 
 from rlbus.configs import SFTConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
+from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.launch.plan import torchrun_argv
 from rlbus.launch.restarts import shell_exit_code
 from rlbus.launch.scripts import config_path, describe_written, write_launch
@@ -25,7 +26,7 @@ from rlbus.launch.supervisor import ServiceProcess
 from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import log_file_path, setup_logging
 from rlbus.runs import prepare_run_dir_or_exit, sft_run_name
-from rlbus.runtime import EXIT_SERVICE_MISSING
+from rlbus.runtime import EXIT_SERVICE_MISSING, config_inputs, errors_in_one_line
 
 log = structlog.get_logger()
 
@@ -83,18 +84,23 @@ def launch(process: ServiceProcess) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(SFTConfig, argv, prog="sft")
+    # A dry run or a SLURM job only plans here: relative paths may be built before they run.
+    exit_if_paths_missing(config, strict=not config.dry_run and config.slurm is None)
     check_sinks_installed(config.monitors)
     command = "sft " + " ".join(sys.argv[1:] if argv is None else argv)
-    if config.slurm is not None:  # render and submit a batch job instead (rlbus.launch.slurm)
-        from rlbus.launch.slurm import submit_sft
+    with errors_in_one_line("sft", inputs=config_inputs(config)):
+        if config.slurm is not None:  # render and submit a batch job instead (rlbus.launch.slurm)
+            from rlbus.launch.slurm import submit_sft
 
-        resolved, run_dir = prepare_sft(config)
-        sys.exit(submit_sft(config, resolved, run_dir, command))
-    process, configs, scripts = plan_sft(config, command)
+            resolved, run_dir = prepare_sft(config)
+            sys.exit(submit_sft(config, resolved, run_dir, command))
+        process, configs, scripts = plan_sft(config, command)
     if config.dry_run:
         print(describe_written(configs[0].parent.parent, configs, scripts))
         return
-    sys.exit(launch(process))
+    with errors_in_one_line("sft", inputs=config_inputs(config)):
+        code = launch(process)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
