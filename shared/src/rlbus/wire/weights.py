@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from rlbus.wire.base import Message, FileName, NonNegative, now
+from rlbus.wire.base import FileName, Message, NonNegative, now
 
 WEIGHTS_VERSION_HEADER = "X-Rlbus-Weights-Version"
 
