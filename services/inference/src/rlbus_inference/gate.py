@@ -1,0 +1,179 @@
+"""The public port (`server.port`): an allow-list in front of vllm-router.
+
+vllm-router has no switch for its own management API (/add_worker, /remove_worker, /workers,
+/list_workers, /flush_cache, /get_loads, ...) or for vLLM's elastic-scaling endpoints it
+forwards (/scale_elastic_ep), and it answers every origin with permissive CORS headers
+(measured on vllm-router 0.1.17, docs/inference.md "Public port"). So the router binds loopback
+on a free port and this gate, running in the replica process, serves `server.port`:
+
+    PUBLIC paths (the OpenAI API, /health, /metrics)  -> streamed through to the router
+    anything else                                      -> 404 {"error": ...}
+    CORS                                               -> only for server.cors_allowed_origins
+
+The same `is_public` rule guards the engine's router-facing listener (`rlbus_inference.admin`),
+so vLLM's control routes are closed on both hops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from http import HTTPStatus
+
+import httpx
+
+PUBLIC_EXACT = frozenset({"/health", "/metrics"})
+PUBLIC_PREFIX = "/v1/"
+NOT_PUBLIC = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+"""vLLM's own adapter management lives under /v1/ but is an admin operation."""
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+    }
+)
+CORS_METHODS = "GET, POST, OPTIONS"
+
+
+def is_public(path: str) -> bool:
+    """Whether clients may reach `path` on the public port (the OpenAI API, health, metrics)."""
+    path = path.rstrip("/") or "/"
+    if path in PUBLIC_EXACT:
+        return True
+    return path.startswith(PUBLIC_PREFIX) and path not in NOT_PUBLIC and ".." not in path
+
+
+def json_response(status: HTTPStatus, body: dict, headers: list | None = None):
+    """An ASGI (start, body) message pair with a JSON body."""
+    data = json.dumps(body).encode()
+    start = {
+        "type": "http.response.start",
+        "status": status.value,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+            *(headers or []),
+        ],
+    }
+    return start, {"type": "http.response.body", "body": data}
+
+
+class PublicGate:
+    """ASGI app: forwards public paths to `upstream` (the router), refuses the rest."""
+
+    def __init__(self, upstream: str, allowed_origins: list[str]):
+        self.client = httpx.AsyncClient(
+            base_url=upstream,
+            timeout=httpx.Timeout(None, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.allow_any = "*" in allowed_origins
+        self.allowed = frozenset(allowed_origins)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
+        cors = self.cors_headers(headers.get("origin"))
+        if scope["method"] == "OPTIONS":
+            status = HTTPStatus.NO_CONTENT if cors else HTTPStatus.FORBIDDEN
+            for message in json_response(status, {} if cors else {"error": "CORS is off"}, cors):
+                await send(message)
+            return
+        if not is_public(scope["path"]):
+            refusal = {
+                "error": f"{scope['path']} is not served on the public port (only the OpenAI API "
+                "under /v1/, /health and /metrics are)"
+            }
+            for message in json_response(HTTPStatus.NOT_FOUND, refusal):
+                await send(message)
+            return
+        await self.forward(scope, receive, send, cors)
+
+    def cors_headers(self, origin: bytes | None) -> list[tuple[bytes, bytes]]:
+        """CORS response headers for a request from `origin`; none unless it is allowed."""
+        if origin is None or not (self.allow_any or origin.decode("latin-1") in self.allowed):
+            return []
+        return [
+            (b"access-control-allow-origin", origin),
+            (b"access-control-allow-methods", CORS_METHODS.encode()),
+            (b"access-control-allow-headers", b"authorization, content-type"),
+            (b"vary", b"origin"),
+        ]
+
+    async def forward(self, scope, receive, send, cors: list) -> None:
+        body = bytearray()
+        while True:
+            message = await receive()
+            body.extend(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        url = scope["path"] + (
+            "?" + scope["query_string"].decode() if scope["query_string"] else ""
+        )
+        request = self.client.build_request(
+            scope["method"],
+            url,
+            headers=[
+                (k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP_BY_HOP
+            ],
+            content=bytes(body),
+        )
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as error:
+            for message in json_response(
+                HTTPStatus.BAD_GATEWAY, {"error": f"router unreachable: {error!r}"}
+            ):
+                await send(message)
+            return
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": [*upstream_headers(response), *cors],
+                }
+            )
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def upstream_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    """The router's response headers without hop-by-hop ones and without its CORS headers."""
+    return [
+        (k, v)
+        for k, v in response.headers.raw
+        if (name := k.decode("latin-1").lower()) not in HOP_BY_HOP
+        and not name.startswith("access-control-")
+    ]
+
+
+def no_signal_server(app, host: str, port: int):
+    """A uvicorn server for `app` that leaves signal handling to its host process (vLLM's
+    server in the engine, `rlbus.runtime` in the replica)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    return Server(
+        uvicorn.Config(
+            app, host=host, port=port, lifespan="off", log_level="warning", access_log=False
+        )
+    )
