@@ -148,8 +148,8 @@ def test_the_token_is_in_no_command_line(replica):
         assert TOKEN not in command, pid
 
 
-def test_the_engine_port_is_not_on_loopback_and_the_router_only_is(replica):
-    """Bound where configured: the engine on ADDRESS only; the router is internal (loopback)."""
+def test_the_engine_port_binds_only_the_configured_address(replica):
+    """--admin.host ADDRESS: the engine listens there, not on every interface."""
     port = replica["replica"].ports[1]
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()

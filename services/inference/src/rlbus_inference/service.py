@@ -4,7 +4,8 @@
 
     1. start the vLLM engine on `backend_port` (admin endpoints, worker extension) and wait for
        /health (25-35 s on CPU);
-    2. start vllm-router on `server.port` in front of it and wait for its /health;
+    2. start vllm-router on a loopback port in front of it and wait for its /health, then serve
+       `server.port` with the public allow-list gate (`rlbus_inference.gate`) in this process;
     3. with `bus.url`: register in the replica registry (lease, heartbeat) and run the weight
        agent (watch the weights KV key, apply each new version, report applied/failed);
     4. serve until SIGTERM/SIGINT or until a child dies.
@@ -14,8 +15,8 @@ the order below (also during start-up: the engine is stopped and the exit is 0),
 exits at once (143/130). The bus tasks are supervised: a lease or weight agent that raises ends
 the replica with one `service_task_failed` line and exit code 1.
 
-Shutdown order: withdraw the lease (rollout workers stop sending), stop the agent, stop the
-router, stop the engine (its process group, EngineCore included), close the bus; then end whatever
+Shutdown order: withdraw the lease (rollout workers stop sending), close the public gate, stop
+the agent, stop the router, stop the engine (its process group, EngineCore included), close the bus; then end whatever
 still carries the replica's mark (`processes.end_marked`).
 
 While serving, `processes.ChildWatch` checks the API server, the router and vLLM's EngineCore and
@@ -136,7 +137,7 @@ async def serve(config: InferenceConfig, state: ServiceState, token: str | None 
     router_facing_port, router_port = free_port(), free_port()
     mark = processes.replica_mark(log_suffix(config))
     tasks = TaskSupervisor()
-    replica = gate_server = None
+    replica = gate = gate_server = None
     failed = True  # until serving ended by a stop request: then shut down in order, unhurried
     try:
         engine_log = logs / f"inference-engine-{log_suffix(config)}.log" if logs else None
@@ -178,7 +179,7 @@ async def serve(config: InferenceConfig, state: ServiceState, token: str | None 
         )
         gate = PublicGate(processes.router_url(router_port), config.server.cors_allowed_origins)
         gate_server = no_signal_server(gate, config.server.host, config.server.port)
-        tasks.spawn("public_gate", gate_server.serve())
+        tasks.spawn("public_gate", serve_gate(gate_server, config))
         await wait_serving(gate_server, tasks)
         log.info(
             "inference_ready",
@@ -218,8 +219,22 @@ async def serve(config: InferenceConfig, state: ServiceState, token: str | None 
                 await finish(replica)
             await asyncio.to_thread(stop_children, router, engine, grace_s=STOP_GRACE_S)
         await tasks.close()
+        if gate is not None:
+            await gate.aclose()
         await asyncio.to_thread(processes.end_marked, mark)
         log.info("inference_stopped")
+
+
+async def serve_gate(server, config: InferenceConfig) -> None:
+    """Run the public gate; uvicorn's own exit on a failed bind (SystemExit) becomes an error
+    naming the flag, so the supervisor ends the replica with one line."""
+    try:
+        await server.serve()
+    except SystemExit:
+        raise PortInUse(
+            f"--server.port {config.server.port}: the public port could not be bound on "
+            f"{config.server.host} (see the line before)"
+        ) from None
 
 
 async def wait_serving(server, tasks: TaskSupervisor, timeout_s: float = 10.0) -> None:
