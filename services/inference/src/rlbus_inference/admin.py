@@ -64,7 +64,7 @@ MAX_TIMEOUT_S = 24 * 3600.0
 class AdminState:
     """Per-app state: the version being served and the lock that serialises weight changes."""
 
-    def __init__(self, engine_client, version: int, model: str):
+    def __init__(self, engine_client, version: int, model: str | None = None):
         self.engine = engine_client
         self.version = version
         self.lock = asyncio.Lock()
@@ -76,6 +76,8 @@ class AdminState:
         self.check_finite = os.environ.get(guards.CHECK_FINITE_ENV, "1") == "1"
 
     def reference_specs(self) -> dict[str, validation.Spec]:
+        if self.model is None:
+            raise FileNotFoundError("the served model is not known")
         if self.reference is None:
             self.reference = validation.file_specs(validation.model_files(self.model))
         return self.reference
