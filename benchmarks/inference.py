@@ -24,7 +24,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration" / "inference"))
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS / "integration" / "inference"), str(TESTS)]  # + replica_support
 
 
 async def tokens_per_second(url: str, model: str, num_requests: int, max_tokens: int) -> float:
@@ -43,6 +44,8 @@ async def tokens_per_second(url: str, model: str, num_requests: int, max_tokens:
             *[client.post(url + "/v1/chat/completions", json=body) for _ in range(num_requests)]
         )
         elapsed = time.perf_counter() - start
+    if bad := [r for r in responses if r.status_code != 200]:
+        raise RuntimeError(f"{url}: {len(bad)} answers were {bad[0].status_code}: {bad[0].text}")
     tokens = sum(r.json()["usage"]["completion_tokens"] for r in responses)
     return tokens / elapsed
 
@@ -61,12 +64,19 @@ async def latency_s(url: str, model: str, num_requests: int = 20) -> float:
 
 
 def router_port(replica) -> int:
-    """The loopback port of the replica's vllm-router (behind the gate), from its command line."""
-    for command in replica.descendants().values():
-        if "vllm-router" in command:
-            words = command.split()
-            return int(words[words.index("--port") + 1])
-    raise RuntimeError("no vllm-router under the replica")
+    """The loopback port of the replica's vllm-router (behind the gate): the router retitles
+    itself `vllm::router`, so its listening port comes from `ss`, not its command line."""
+    import subprocess
+
+    pids = [pid for pid, command in replica.descendants().items() if "router" in command]
+    listening = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True).stdout
+    for line in listening.splitlines():  # its API port, not its Prometheus one
+        if any(f"pid={pid}," in line for pid in pids):
+            port = int(line.split()[3].rpartition(":")[2])
+            answer = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+            if answer.headers.get("content-type") == "application/json":  # not the exporter's text
+                return port
+    raise RuntimeError("no vllm-router port under the replica")
 
 
 def time_update(engine_url: str, model: Path, run_dir: Path, version: int) -> float:

@@ -193,6 +193,23 @@ def test_public_port_serves_health_models_metrics_and_chat(replica):
     assert_still_serving(replica)
 
 
+def test_public_port_streams_a_completion_as_it_is_generated(replica):
+    body = {
+        "model": str(replica["base"]),
+        "messages": PROMPT,
+        "max_tokens": 6,
+        "min_tokens": 6,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", replica["public"] + "/v1/chat/completions", json=body, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 7  # a role chunk, 6 tokens, done
+
+
 def test_cors_is_off_on_the_public_port(replica):
     url, origin = replica["public"], {"Origin": "http://evil.example"}
     preflight = httpx.options(

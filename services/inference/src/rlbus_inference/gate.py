@@ -20,8 +20,6 @@ import contextlib
 import json
 from http import HTTPStatus
 
-import httpx
-
 PUBLIC_EXACT = frozenset({"/health", "/metrics"})
 PUBLIC_PREFIX = "/v1/"
 NOT_PUBLIC = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
@@ -69,13 +67,23 @@ class PublicGate:
     """ASGI app: forwards public paths to `upstream` (the router), refuses the rest."""
 
     def __init__(self, upstream: str, allowed_origins: list[str]):
-        self.client = httpx.AsyncClient(
-            base_url=upstream,
-            timeout=httpx.Timeout(None, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        self.upstream = upstream.rstrip("/")
+        self.session = None  # an aiohttp.ClientSession, made in the serving event loop
         self.allow_any = "*" in allowed_origins
         self.allowed = frozenset(allowed_origins)
+
+    def client(self):
+        """The upstream session. aiohttp (a vLLM dependency), not httpx: on 2 cores httpx's
+        per-request cost halved the throughput through the gate (docs/inference.md)."""
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, connect=5.0),
+                connector=aiohttp.TCPConnector(limit=0),
+                auto_decompress=False,
+            )
+        return self.session
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -109,26 +117,26 @@ class PublicGate:
         ]
 
     async def forward(self, scope, receive, send, cors: list) -> None:
+        import aiohttp
+
         body = bytearray()
         while True:
             message = await receive()
             body.extend(message.get("body", b""))
             if not message.get("more_body"):
                 break
-        url = scope["path"] + (
-            "?" + scope["query_string"].decode() if scope["query_string"] else ""
-        )
-        request = self.client.build_request(
-            scope["method"],
-            url,
-            headers=[
-                (k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP_BY_HOP
-            ],
-            content=bytes(body),
-        )
+        query = scope["query_string"].decode("latin-1")
+        url = self.upstream + scope["path"] + ("?" + query if query else "")
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in scope["headers"]
+            if k.decode("latin-1").lower() not in HOP_BY_HOP
+        ]
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as error:
+            response = await self.client().request(
+                scope["method"], url, headers=headers, data=bytes(body), allow_redirects=False
+            )
+        except (aiohttp.ClientError, OSError) as error:
             for message in json_response(
                 HTTPStatus.BAD_GATEWAY, {"error": f"router unreachable: {error!r}"}
             ):
@@ -138,25 +146,26 @@ class PublicGate:
             await send(
                 {
                     "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": [*upstream_headers(response), *cors],
+                    "status": response.status,
+                    "headers": [*upstream_headers(response.raw_headers), *cors],
                 }
             )
-            async for chunk in response.aiter_raw():
+            async for chunk in response.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         finally:
-            await response.aclose()
+            response.release()
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        if self.session is not None:
+            await self.session.close()
 
 
-def upstream_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+def upstream_headers(raw_headers) -> list[tuple[bytes, bytes]]:
     """The router's response headers without hop-by-hop ones and without its CORS headers."""
     return [
         (k, v)
-        for k, v in response.headers.raw
+        for k, v in raw_headers
         if (name := k.decode("latin-1").lower()) not in HOP_BY_HOP
         and not name.startswith("access-control-")
     ]
