@@ -7,7 +7,8 @@ vllm/plugins/endpoint_plugins/interface.py). Our package registers `rlbus` in th
 engine, so vLLM itself stays unpatched. The heavy lifting runs in the workers through
 `collective_rpc` into `rlbus_inference.worker.RlbusWorkerExtension`.
 
-Routes (engine port only; the router in front forwards only the OpenAI API, so these 404 there):
+Routes (engine port only; the public port and the router serve only the OpenAI API, so these
+404 there):
 
     GET  /liveness           {"status", "weights_version", "paused"}
     POST /pause              {"mode": "wait"|"abort", "timeout_s"}   stop scheduling
@@ -17,8 +18,9 @@ Routes (engine port only; the router in front forwards only the OpenAI API, so t
     POST /load_lora_adapter  {"lora_name", "lora_path", "version"?}  load, or reload in place
 
 The router does not call backend_port: it calls a second, loopback-only listener of the same
-app (`RLBUS_ROUTER_FACING_PORT`), which serves only `rlbus_inference.gate.PUBLIC` (the OpenAI API,
-/health, /metrics); everything else answers 404 there (`RlbusMiddleware`).
+app (`RLBUS_ROUTER_FACING_PORT`), which serves only what `rlbus_inference.gate.is_public`
+allows (the OpenAI API, /health, /metrics); everything else answers 404 there
+(`RlbusMiddleware`).
 
 backend_port binds `admin.host` (loopback by default). With a token (`RLBUS_ADMIN_TOKEN` in the
 engine's environment, set by the service from admin.token_file or its own environment), every
@@ -54,6 +56,7 @@ from rlbus_inference.gate import is_public, no_signal_server
 
 INITIAL_VERSION_ENV = "RLBUS_INITIAL_WEIGHTS_VERSION"
 ROUTER_PORT_ENV = "RLBUS_ROUTER_FACING_PORT"
+
 router = APIRouter()
 
 MAX_VERSION = 2**53
@@ -88,7 +91,7 @@ class PauseRequest(BaseModel):
 
     mode: Literal["wait", "abort"] = "wait"
     """wait: let in-flight requests finish (aborted after timeout_s); abort: abort them now."""
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
 
 
 class UpdateWeightsRequest(BaseModel):
