@@ -4,14 +4,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from rlbus.configs.inference import InferenceConfig
+from rlbus.netutil import free_port
 from rlbus.secrets import SecretError
 from rlbus_inference import gate, guards, validation
 
@@ -287,3 +290,41 @@ def test_loopback_addresses(host, loopback):
 )
 def test_the_public_port_allows_only_the_openai_api_health_and_metrics(path, public):
     assert gate.is_public(path) is public
+
+
+# ---- the public gate without an upstream: what it answers itself ------------------------------
+
+
+@contextlib.asynccontextmanager
+async def gate_client(origins: list[str]):
+    app = gate.PublicGate(f"http://127.0.0.1:{free_port()}", origins)  # nothing listens there
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gate") as client:
+            yield client
+    finally:
+        await app.aclose()
+
+
+async def test_cors_preflights_are_refused_unless_the_origin_is_configured():
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}
+    async with gate_client([]) as off, gate_client(["http://ui.example"]) as on:
+        refused = await off.options("/v1/chat/completions", headers=preflight)
+        allowed = await on.options("/v1/chat/completions", headers=preflight)
+        other = await on.options(
+            "/v1/chat/completions", headers={**preflight, "Origin": "http://x"}
+        )
+    assert refused.status_code == 403 and "cors_allowed_origins" in refused.json()["error"]
+    assert allowed.status_code == 204
+    assert allowed.headers["access-control-allow-origin"] == "http://ui.example"
+    assert other.status_code == 403
+
+
+async def test_the_gate_refuses_closed_paths_huge_bodies_and_names_a_dead_router():
+    async with gate_client([]) as client:
+        closed = await client.post("/add_worker", json={"url": "http://evil"})
+        huge = await client.post("/v1/completions", content=b"x" * (gate.MAX_BODY_BYTES + 1))
+        dead = await client.get("/v1/models")
+    assert closed.status_code == 404 and "not served on the public port" in closed.json()["error"]
+    assert huge.status_code == 413
+    assert dead.status_code == 502 and "router unreachable" in dead.json()["error"]

@@ -38,6 +38,9 @@ HOP_BY_HOP = frozenset(
     }
 )
 CORS_METHODS = "GET, POST, OPTIONS"
+MAX_BODY_BYTES = 64 << 20
+"""Largest request body passed on (a long multi-turn prompt is well under 1 MiB); more is 413,
+so a client cannot make the replica process hold gigabytes."""
 
 
 def is_public(path: str) -> bool:
@@ -90,10 +93,8 @@ class PublicGate:
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         cors = self.cors_headers(headers.get("origin"))
-        if scope["method"] == "OPTIONS":
-            status = HTTPStatus.NO_CONTENT if cors else HTTPStatus.FORBIDDEN
-            for message in json_response(status, {} if cors else {"error": "CORS is off"}, cors):
-                await send(message)
+        if scope["method"] == "OPTIONS":  # a CORS preflight: answered here, never forwarded
+            await self.preflight(send, cors)
             return
         if not is_public(scope["path"]):
             refusal = {
@@ -104,6 +105,18 @@ class PublicGate:
                 await send(message)
             return
         await self.forward(scope, receive, send, cors)
+
+    async def preflight(self, send, cors: list) -> None:
+        if not cors:
+            refusal = {
+                "error": "cross-origin requests are not allowed (server.cors_allowed_origins)"
+            }
+            for message in json_response(HTTPStatus.FORBIDDEN, refusal):
+                await send(message)
+            return
+        start = {"type": "http.response.start", "status": HTTPStatus.NO_CONTENT.value}
+        await send({**start, "headers": cors})
+        await send({"type": "http.response.body", "body": b""})
 
     def cors_headers(self, origin: bytes | None) -> list[tuple[bytes, bytes]]:
         """CORS response headers for a request from `origin`; none unless it is allowed."""
@@ -123,6 +136,11 @@ class PublicGate:
         while True:
             message = await receive()
             body.extend(message.get("body", b""))
+            if len(body) > MAX_BODY_BYTES:
+                too_big = {"error": f"request body over {MAX_BODY_BYTES >> 20} MiB"}
+                for message in json_response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, too_big):
+                    await send(message)
+                return
             if not message.get("more_body"):
                 break
         query = scope["query_string"].decode("latin-1")
