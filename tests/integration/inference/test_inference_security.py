@@ -26,12 +26,10 @@ from inference_helpers import (
     PROMPT,
     VLLM_TEST_ARGS,
     connect_run,
-    inference_command,
     make_base_model,
     make_changed_weights,
     make_published,
     replica_bus_args,
-    replica_command,
     start_replica,
 )
 from safetensors.torch import load_file, save_file
@@ -508,44 +506,3 @@ async def test_a_refused_update_reaches_the_bus_as_weights_failed_naming_version
     assert event.version == 2 and event.replica_id == "insec"
     assert "422" in event.reason and "down_proj.weight: holds NaN" in event.reason
     await asyncio.to_thread(assert_still_serving, replica)
-
-
-# ---- start-up refusals (no vLLM: the check runs before the engine starts) ----------------------
-
-
-@pytest.mark.parametrize(
-    ("admin_args", "message"),
-    [
-        (["--admin.host", "0.0.0.0"], "--admin.host 0.0.0.0 exposes"),
-        (["--admin.host", "192.0.2.77"], "--admin.host 192.0.2.77 exposes"),
-        (["--admin.host", "0.0.0.0", "--admin.token-file", "/nonexistent/t"], "does not exist"),
-    ],
-)
-def test_an_exposed_admin_port_without_a_token_is_refused_at_start(tmp_path, admin_args, message):
-    port, backend = free_ports(2)
-    env = {k: v for k, v in os.environ.items() if k != "RLBUS_ADMIN_TOKEN"}
-    done = subprocess.run(
-        [*replica_command(tmp_path, port, backend), *admin_args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert done.returncode == 2, done.stderr
-    assert message in " ".join(done.stderr.split())
-    assert "Traceback" not in done.stderr
-
-
-def test_a_readable_token_file_is_refused_at_start(tmp_path):
-    token_file = tmp_path / "token"
-    token_file.write_text("t")
-    token_file.chmod(0o644)
-    port, backend = free_ports(2)
-    done = subprocess.run(
-        [*inference_command(), "--vllm.model", str(tmp_path), "--server.port", str(port)]
-        + ["--backend-port", str(backend), "--admin.token-file", str(token_file)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 2 and "chmod 600" in done.stderr, done.stderr

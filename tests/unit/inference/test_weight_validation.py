@@ -1,16 +1,19 @@
 """The checks before a weight update touches the engine, on a tiny torch model (no vLLM):
 `rlbus_inference.validation` (names, shapes, dtypes, bytes, finite values) and
-`rlbus_inference.guards` (confined paths, the admin token, exposure), `gate.is_public`."""
+`rlbus_inference.guards` (confined paths, the admin token, exposure), the public gate's own
+answers, and `inference` refusing an exposed admin port at start (exit 2, before vLLM loads)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from replica_support import inference_command, replica_command
 from safetensors.torch import save_file
 
 from rlbus.configs.inference import InferenceConfig
@@ -328,3 +331,44 @@ async def test_the_gate_refuses_closed_paths_huge_bodies_and_names_a_dead_router
     assert closed.status_code == 404 and "not served on the public port" in closed.json()["error"]
     assert huge.status_code == 413
     assert dead.status_code == 502 and "router unreachable" in dead.json()["error"]
+
+
+# ---- start-up refusals (no vLLM: the check runs before the engine starts) ----------------------
+
+
+@pytest.mark.parametrize(
+    ("admin_args", "message"),
+    [
+        (["--admin.host", "0.0.0.0"], "--admin.host 0.0.0.0 exposes"),
+        (["--admin.host", "192.0.2.77"], "--admin.host 192.0.2.77 exposes"),
+        (["--admin.host", "0.0.0.0", "--admin.token-file", "/nonexistent/t"], "does not exist"),
+    ],
+)
+def test_an_exposed_admin_port_without_a_token_is_refused_at_start(tmp_path, admin_args, message):
+    port, backend = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RLBUS_ADMIN_TOKEN"}
+    done = subprocess.run(
+        [*replica_command(tmp_path, port, backend), *admin_args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert message in " ".join(done.stderr.split())
+    assert "Traceback" not in done.stderr
+
+
+def test_a_readable_token_file_is_refused_at_start(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("t")
+    token_file.chmod(0o644)
+    port, backend = free_port(), free_port()
+    done = subprocess.run(
+        [*inference_command(), "--vllm.model", str(tmp_path), "--server.port", str(port)]
+        + ["--backend-port", str(backend), "--admin.token-file", str(token_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "chmod 600" in done.stderr, done.stderr
