@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/inference.py [--model DIR] [--requests 32] [--max-tokens 64]
 
 Starts one `inference` replica (no bus) on a tiny model built offline (or --model), then prints:
-1. completion tokens/s of N concurrent chat completions through the router (:server.port) vs
-   straight to the engine (:backend_port), and their ratio;
+1. completion tokens/s of N concurrent chat completions through the public port (:server.port:
+   the allow-list gate, then vllm-router), through the router alone (its loopback port), and
+   straight to the engine (:backend_port), with ratios; and the median latency of one short
+   completion on each path (what the gate's extra hop costs);
 2. seconds of `/update_weights` of a safetensors directory (checksums, pause, in-place reload,
    prefix-cache reset, resume) vs `safetensors.torch.load_file` of the same files, and the ratio.
 Numbers, not assertions: tests never time anything.
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration" / "inference"))
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS / "integration" / "inference"), str(TESTS)]  # + replica_support
 
 
 async def tokens_per_second(url: str, model: str, num_requests: int, max_tokens: int) -> float:
@@ -41,13 +44,52 @@ async def tokens_per_second(url: str, model: str, num_requests: int, max_tokens:
             *[client.post(url + "/v1/chat/completions", json=body) for _ in range(num_requests)]
         )
         elapsed = time.perf_counter() - start
+    if bad := [r for r in responses if r.status_code != 200]:
+        raise RuntimeError(f"{url}: {len(bad)} answers were {bad[0].status_code}: {bad[0].text}")
     tokens = sum(r.json()["usage"]["completion_tokens"] for r in responses)
     return tokens / elapsed
 
 
-def time_update(engine_url: str, weights_dir: Path, version: int) -> float:
+async def latency_s(url: str, model: str, num_requests: int = 20) -> float:
+    """Median seconds of one 1-token chat completion, sent one after another."""
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    times = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        for _ in range(num_requests):
+            start = time.perf_counter()
+            response = await client.post(url + "/v1/chat/completions", json=body)
+            times.append(time.perf_counter() - start)
+            assert response.status_code == 200, response.text
+    return statistics.median(times)
+
+
+def router_port(replica) -> int:
+    """The loopback port of the replica's vllm-router (behind the gate): the router retitles
+    itself `vllm::router`, so its listening port comes from `ss`, not its command line."""
+    import subprocess
+
+    pids = [pid for pid, command in replica.descendants().items() if "router" in command]
+    listening = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True).stdout
+    for line in listening.splitlines():  # its API port, not its Prometheus one
+        if any(f"pid={pid}," in line for pid in pids):
+            port = int(line.split()[3].rpartition(":")[2])
+            answer = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+            if answer.headers.get("content-type") == "application/json":  # not the exporter's text
+                return port
+    raise RuntimeError("no vllm-router port under the replica")
+
+
+def time_update(engine_url: str, model: Path, run_dir: Path, version: int) -> float:
+    """One /update_weights of a copy of the model's files under the run's broadcasts directory
+    (the only place the engine accepts weights from)."""
+    import shutil
+
     from inference_helpers import make_published
 
+    weights_dir = run_dir / "broadcasts" / f"step_{version}"
+    weights_dir.mkdir(parents=True)
+    for path in model.glob("*.safetensors"):
+        shutil.copy(path, weights_dir / path.name)
     published = make_published(version, weights_dir)
     start = time.perf_counter()
     response = httpx.post(
@@ -88,32 +130,36 @@ def main() -> None:
     try:
         name = str(model)
         asyncio.run(tokens_per_second(replica.engine_url, name, 4, 8))  # warm-up (logprobs path)
-        direct, routed = [], []
+        router = f"http://127.0.0.1:{router_port(replica)}"
+        paths = {"direct engine": replica.engine_url, "router only": router}
+        paths["public (gate)"] = replica.router_url
+        rates: dict[str, list[float]] = {label: [] for label in paths}
         for _ in range(args.repeats):
-            direct.append(
-                asyncio.run(
-                    tokens_per_second(replica.engine_url, name, args.requests, args.max_tokens)
-                )
-            )
-            routed.append(
-                asyncio.run(
-                    tokens_per_second(replica.router_url, name, args.requests, args.max_tokens)
-                )
-            )
-        d, r = statistics.median(direct), statistics.median(routed)
+            for label, url in paths.items():
+                rate = tokens_per_second(url, name, args.requests, args.max_tokens)
+                rates[label].append(asyncio.run(rate))
+        median = {label: statistics.median(values) for label, values in rates.items()}
+        latency = {label: asyncio.run(latency_s(url, name)) for label, url in paths.items()}
+        d = median["direct engine"]
         print(f"{args.requests} concurrent x {args.max_tokens} tokens, median of {args.repeats}")
-        print(f"  direct engine  {d:9.0f} tok/s")
-        print(f"  via router     {r:9.0f} tok/s   router/direct = {r / d:.2f}")
+        for label in paths:
+            print(
+                f"  {label:14} {median[label]:9.0f} tok/s   /direct = {median[label] / d:.2f}   "
+                f"1-token latency {latency[label] * 1000:6.1f} ms"
+            )
 
         updates = [
-            time_update(replica.engine_url, model, version)
+            time_update(replica.engine_url, model, root / "run", version)
             for version in range(1, args.repeats + 2)
         ]
         plain = [time_plain_load(model) for _ in range(args.repeats + 1)]
         u, p = statistics.median(updates), statistics.median(plain)
         size_mb = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e6
         print(f"weights: {size_mb:.1f} MB safetensors")
-        print(f"  /update_weights          {u * 1000:8.1f} ms (sha256 + pause + reload + resume)")
+        print(
+            f"  /update_weights          {u * 1000:8.1f} ms "
+            "(sha256 + checks + pause + reload + resume)"
+        )
         print(f"  safetensors load_file    {p * 1000:8.1f} ms   update/plain = {u / p:.1f}x")
     finally:
         replica.stop()

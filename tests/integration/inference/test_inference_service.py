@@ -142,7 +142,8 @@ def test_admin_endpoints_answer_on_engine_port_and_404_on_router_port(run, path)
 
 def test_update_weights_rejects_bad_requests_with_reason(run):
     engine = run["replica"].engine_url
-    missing = httpx.post(engine + "/update_weights", json={"version": 9, "path": "/does/not/exist"})
+    absent = str(run["run_dir"] / "broadcasts" / "does-not-exist")
+    missing = httpx.post(engine + "/update_weights", json={"version": 9, "path": absent})
     assert missing.status_code == 400
     assert "does not exist" in missing.json()["error"]
     assert served_version(run) == 0
@@ -226,7 +227,8 @@ def test_lora_adapter_load_and_reload_changes_output(run):
     base_tokens = completion_tokens(chat(router, str(run["base"])))
     outputs = []
     for seed in (1, 2):
-        adapter = make_lora_adapter(run["root"] / f"lora-{seed}", seed=seed)
+        # under the run's broadcasts directory: the only place the engine loads weights from
+        adapter = make_lora_adapter(run["run_dir"] / "broadcasts" / f"lora-{seed}", seed=seed)
         response = httpx.post(
             engine + "/load_lora_adapter",
             json={"lora_name": "policy", "lora_path": str(adapter)},

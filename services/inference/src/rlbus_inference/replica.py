@@ -66,21 +66,20 @@ def served_model_name(config: InferenceConfig) -> str:
     return name or config.vllm.model
 
 
-def public_host(config: InferenceConfig) -> str:
-    """Host other machines use to reach this replica's ports."""
-    if config.server.host in ("0.0.0.0", "::", ""):
+def public_host(host: str) -> str:
+    """Host other machines use to reach a port of this replica bound to `host`."""
+    if host in ("0.0.0.0", "::", ""):
         return socket.getfqdn()
-    return config.server.host
+    return host
 
 
 def make_replica_info(
     config: InferenceConfig, *, version: int, status: str
 ) -> replicas.ReplicaInfo:
-    host = public_host(config)
     return replicas.ReplicaInfo(
         replica_id=replica_id(config),
-        base_url=f"http://{host}:{config.server.port}/v1",
-        admin_url=f"http://{host}:{config.backend_port}",
+        base_url=f"http://{public_host(config.server.host)}:{config.server.port}/v1",
+        admin_url=f"http://{public_host(config.admin.host)}:{config.backend_port}",
         model=served_model_name(config),
         weights_version=version,
         capacity=int((config.vllm.model_extra or {}).get("max_num_seqs", 256)),
@@ -425,9 +424,11 @@ async def wait_or_stop(stop: asyncio.Event, delay_s: float) -> None:
         pass
 
 
-async def run_replica_tasks(config: InferenceConfig, service: ServiceState) -> None:
+async def run_replica_tasks(
+    config: InferenceConfig, service: ServiceState, token: str | None = None
+) -> None:
     """Load the current weights, then lease + weight agent until the service ends; then withdraw
-    the lease and close the bus."""
+    the lease and close the bus. The agent sends the admin `token` with every call."""
     stop = service.stop_requested
     bus = await Bus.connect(
         config.bus,
@@ -447,7 +448,8 @@ async def run_replica_tasks(config: InferenceConfig, service: ServiceState) -> N
                 log.warning("replica_update_failed", status=status, error=repr(error))
 
     try:
-        async with httpx.AsyncClient() as http, TaskSupervisor() as tasks:
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        async with httpx.AsyncClient(headers=headers) as http, TaskSupervisor() as tasks:
             agent = WeightAgent(bus, config, http, on_change)
             await agent.load_current()  # before registering: never advertise stale weights
             lease = tasks.spawn("replica_lease", hold_lease(bus, config, state, stop))

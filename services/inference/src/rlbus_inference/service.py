@@ -4,7 +4,8 @@
 
     1. start the vLLM engine on `backend_port` (admin endpoints, worker extension) and wait for
        /health (25-35 s on CPU);
-    2. start vllm-router on `server.port` in front of it and wait for its /health;
+    2. start vllm-router on a loopback port in front of it and wait for its /health, then serve
+       `server.port` with the public allow-list gate (`rlbus_inference.gate`) in this process;
     3. with `bus.url`: register in the replica registry (lease, heartbeat) and run the weight
        agent (watch the weights KV key, apply each new version, report applied/failed);
     4. serve until SIGTERM/SIGINT or until a child dies.
@@ -14,8 +15,8 @@ the order below (also during start-up: the engine is stopped and the exit is 0),
 exits at once (143/130). The bus tasks are supervised: a lease or weight agent that raises ends
 the replica with one `service_task_failed` line and exit code 1.
 
-Shutdown order: withdraw the lease (rollout workers stop sending), stop the agent, stop the
-router, stop the engine (its process group, EngineCore included), close the bus; then end whatever
+Shutdown order: withdraw the lease (rollout workers stop sending), close the public gate, stop
+the agent, stop the router, stop the engine (its process group, EngineCore included), close the bus; then end whatever
 still carries the replica's mark (`processes.end_marked`).
 
 While serving, `processes.ChildWatch` checks the API server, the router and vLLM's EngineCore and
@@ -40,10 +41,13 @@ from pathlib import Path
 import httpx
 import structlog
 
+from rlbus.configs.base import exit_with_config_error
 from rlbus.configs.inference import InferenceConfig
 from rlbus.netutil import free_port, port_in_use
 from rlbus.runtime import ServiceState, TaskSupervisor, run_service
-from rlbus_inference import processes
+from rlbus.secrets import SecretError
+from rlbus_inference import guards, processes
+from rlbus_inference.gate import PublicGate, no_signal_server
 
 log = structlog.get_logger()
 
@@ -64,11 +68,10 @@ def claim_ports(config: InferenceConfig) -> InferenceConfig:
     replica on this host) keeps listening on for PORT_WAIT_S ends the replica with one line
     naming the flag, before it could register; 0 picks a free port. The wait lets the children
     of a replica that just died (a restart in place) release their ports."""
-    host = config.server.host or "0.0.0.0"
     ports = {}
-    for flag, field, port in (
-        ("--server.port", "port", config.server.port),
-        ("--backend-port", "backend_port", config.backend_port),
+    for flag, field, port, host in (
+        ("--server.port", "port", config.server.port, config.server.host or "0.0.0.0"),
+        ("--backend-port", "backend_port", config.backend_port, config.admin.host or "0.0.0.0"),
     ):
         if port == 0:
             port = free_port(host)
@@ -100,8 +103,12 @@ def run(config: InferenceConfig) -> None:
     child (engine, router) that exits or never becomes healthy, ends the process with exit code 1
     and one line saying which and where its output is, not a traceback."""
     try:
+        token = guards.admin_token(config)
+    except (guards.AdminExposed, SecretError) as error:
+        exit_with_config_error(str(error))
+    try:
         config = claim_ports(config)
-        run_service("inference", lambda state: serve(config, state))
+        run_service("inference", lambda state: serve(config, state, token))
     except PortInUse as error:
         sys.exit(f"inference: {error}")
     except (processes.EngineConfigError, processes.ChildExited, processes.StartupTimeout) as error:
@@ -121,16 +128,16 @@ def log_suffix(config: InferenceConfig) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", config.replica_id or str(config.server.port))
 
 
-async def serve(config: InferenceConfig, state: ServiceState) -> None:
+async def serve(config: InferenceConfig, state: ServiceState, token: str | None = None) -> None:
     stop_startup = threading.Event()  # the stop request, seen by the start-up waits in threads
     state.listeners.append(stop_startup.set)
 
     logs = logs_dir(config)
     engine = router = None
-    router_facing_port = free_port()
+    router_facing_port, router_port = free_port(), free_port()
     mark = processes.replica_mark(log_suffix(config))
     tasks = TaskSupervisor()
-    replica = None
+    replica = gate = gate_server = None
     failed = True  # until serving ended by a stop request: then shut down in order, unhurried
     try:
         engine_log = logs / f"inference-engine-{log_suffix(config)}.log" if logs else None
@@ -138,7 +145,10 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
             "engine",
             processes.engine_command(config),
             env=processes.engine_env(
-                initial_version=0, router_facing_port=router_facing_port, mark=mark
+                initial_version=0,
+                router_facing_port=router_facing_port,
+                mark=mark,
+                admin=guards.engine_env(config, token),
             ),
             log_path=engine_log,
             parent_death_signal=signal.SIGTERM,
@@ -154,7 +164,7 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
         router_log = logs / f"inference-router-{log_suffix(config)}.log" if logs else None
         router = processes.start(
             "router",
-            processes.router_command(config, router_facing_port),
+            processes.router_command(router_port, router_facing_port),
             env=processes.child_env(mark),
             log_path=router_log,
         )
@@ -162,14 +172,18 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
             processes.wait_healthy,
             "router",
             router,
-            processes.router_url(config) + "/health",
+            processes.router_url(router_port) + "/health",
             ROUTER_START_TIMEOUT_S,
             stop_startup,
             log_path=router_log,
         )
+        gate = PublicGate(processes.router_url(router_port), config.server.cors_allowed_origins)
+        gate_server = no_signal_server(gate, config.server.host, config.server.port)
+        tasks.spawn("public_gate", serve_gate(gate_server, config))
+        await wait_serving(gate_server, tasks)
         log.info(
             "inference_ready",
-            url=processes.router_url(config),
+            url=processes.public_url(config),
             engine_url=processes.engine_url(config),
             model=config.vllm.model,
         )
@@ -181,7 +195,7 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
         if config.bus.url:
             from rlbus_inference.replica import run_replica_tasks
 
-            replica = tasks.spawn("replica_tasks", run_replica_tasks(config, state))
+            replica = tasks.spawn("replica_tasks", run_replica_tasks(config, state, token))
         await wait_for_stop(state, watch, tasks, interval_s=config.health.interval_s)
         failed = False
     except processes.StopDuringStartup as stopped:
@@ -189,6 +203,8 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
         failed = False
     finally:
         state.drain("shutdown")  # the bus tasks see it: they withdraw the lease first
+        if gate_server is not None:  # clients stop reaching the replica first
+            gate_server.should_exit = True
         if failed:  # a child died: leave the registry and end the rest at once, side by side
             await asyncio.gather(
                 finish(replica, timeout_s=FAILED_WITHDRAW_S) if replica else asyncio.sleep(0),
@@ -203,8 +219,32 @@ async def serve(config: InferenceConfig, state: ServiceState) -> None:
                 await finish(replica)
             await asyncio.to_thread(stop_children, router, engine, grace_s=STOP_GRACE_S)
         await tasks.close()
+        if gate is not None:
+            await gate.aclose()
         await asyncio.to_thread(processes.end_marked, mark)
         log.info("inference_stopped")
+
+
+async def serve_gate(server, config: InferenceConfig) -> None:
+    """Run the public gate; uvicorn's own exit on a failed bind (SystemExit) becomes an error
+    naming the flag, so the supervisor ends the replica with one line."""
+    try:
+        await server.serve()
+    except SystemExit:
+        raise PortInUse(
+            f"--server.port {config.server.port}: the public port could not be bound on "
+            f"{config.server.host} (see the line before)"
+        ) from None
+
+
+async def wait_serving(server, tasks: TaskSupervisor, timeout_s: float = 10.0) -> None:
+    """Return once uvicorn `server` listens; a gate that failed to bind ends the replica
+    (its task fails: TaskFailed names it)."""
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise processes.StartupTimeout(f"public port not serving after {timeout_s:g} s")
+        await tasks.wait(asyncio.Event(), timeout_s=0.05)
 
 
 def stop_children(router, engine, *, grace_s: float) -> None:

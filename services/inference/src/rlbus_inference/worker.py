@@ -71,19 +71,57 @@ class RlbusWorkerExtension:
         )
         return rank
 
-    def rlbus_receive_broadcast(self) -> dict:
-        """Receive one version from the broadcast group and load it tensor by tensor."""
-        from rlbus.broadcast import receive_header, receive_tensors
+    def _rlbus_reference(self) -> dict:
+        """Tensor specs of the served model's checkpoint (`rlbus_inference.validation`)."""
+        from rlbus_inference import validation
+
+        if getattr(self, "_rlbus_reference_specs", None) is None:
+            model = self.model_config.model  # type: ignore[attr-defined]
+            self._rlbus_reference_specs = validation.file_specs(validation.model_files(model))
+        return self._rlbus_reference_specs
+
+    def rlbus_receive_broadcast(self, check_finite: bool = True) -> dict:
+        """Receive one version from the broadcast group and load it tensor by tensor.
+
+        The header is compared with the served model before any tensor is received; a mismatch
+        is refused (`{"refused": reason}`, the engine keeps its weights) after the announced
+        tensors were received and dropped, so the sender is not left waiting. With
+        `check_finite` the whole version is received before loading (one model's worth of extra
+        memory) and refused if any value is NaN or infinite.
+        """
+        from rlbus.broadcast import DTYPES, receive_header, receive_tensors
+        from rlbus_inference import validation
 
         group = getattr(self, "_rlbus_group", None)
         if group is None:
             raise RuntimeError("no broadcast group: call /init_broadcaster first")
         start = time.perf_counter()
-        header = receive_header(group)
+        try:
+            header = receive_header(group)
+        except (ValueError, KeyError, TypeError) as error:  # a sender not speaking the protocol
+            self._rlbus_group = None
+            return {"refused": f"broadcast header unreadable ({error}); group closed"}
         if header is None:
             self._rlbus_group = None
             return {"version": None, "closed": True}
-        self._rlbus_reload(receive_tensors(group, header))
+        announced = validation.broadcast_specs((t.name, t.dtype, t.shape) for t in header.tensors)
+        reference = self._rlbus_reference()
+        if problems := validation.compare(announced, reference):
+            drainable = all(t.dtype in DTYPES for t in header.tensors) and (
+                validation.total_bytes(announced) <= 2 * validation.total_bytes(reference)
+            )
+            if drainable:  # receive and drop: the group stays in step with the sender
+                for _ in receive_tensors(group, header):
+                    pass
+            else:  # what it announces cannot even be received safely: leave the group
+                self._rlbus_group = None
+            return {"refused": str(validation.WeightsRefused(problems))}
+        tensors = receive_tensors(group, header)
+        if check_finite:
+            tensors = list(tensors)
+            if problem := validation.first_non_finite(tensors):
+                return {"refused": problem}
+        self._rlbus_reload(iter(tensors))
         return {
             "version": header.version,
             "num_tensors": len(header.tensors),

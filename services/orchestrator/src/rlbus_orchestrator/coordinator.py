@@ -392,12 +392,34 @@ class Coordinator:
             self.bus.subjects.weights_applied, weights_wire.decoder, on_event
         )
 
+    async def subscribe_weights_failed(self):
+        """Core subscription to `weights.failed`: a replica that refused or failed a version says
+        why (one error line each), so a run gated on that version never waits in silence."""
+        from rlbus.wire import weights as weights_wire
+
+        async def on_event(event, headers) -> None:
+            if isinstance(event, weights_wire.WeightsFailed):
+                log.error(
+                    "weights_failed_seen",
+                    version=event.version,
+                    replica_id=event.replica_id,
+                    reason=event.reason,
+                )
+
+        return await self.bus.subscribe(
+            self.bus.subjects.weights_failed, weights_wire.decoder, on_event
+        )
+
     async def watch_weights(self) -> None:
-        subscription = await self.subscribe_weights_applied()
+        subscriptions = [
+            await self.subscribe_weights_applied(),
+            await self.subscribe_weights_failed(),
+        ]
         try:
             await self.poll_weights()
         finally:
-            await subscription.unsubscribe()
+            for subscription in subscriptions:
+                await subscription.unsubscribe()
 
     async def poll_weights(self) -> None:
         while not self.done.is_set():

@@ -52,10 +52,13 @@ class ServerConfig(BaseConfig):
     """The client-facing router."""
 
     host: str = "0.0.0.0"
-    """Bind address of the router and the engine."""
+    """Bind address of the public port (the engine's admin port binds admin.host)."""
 
     port: int = Field(8000, ge=0, le=65535)
-    """Client-facing router port (OpenAI API)."""
+    """Client-facing port: the OpenAI API (/v1/...), /health and /metrics only."""
+
+    cors_allowed_origins: list[str] = []
+    """Origins browsers may call the public port from (`*`: any); none by default (CORS off)."""
 
 
 class HealthConfig(BaseConfig):
@@ -69,6 +72,26 @@ class HealthConfig(BaseConfig):
 
     failures: int = Field(3, ge=1)
     """Probes failing in a row that count as a dead engine (the replica then exits 1)."""
+
+
+class AdminConfig(BaseConfig):
+    """The engine's admin port (`backend_port`: /update_weights, /pause, ...) and the checks every
+    weight update passes before it touches the engine (docs/security.md)."""
+
+    host: str = "127.0.0.1"
+    """Bind address of the engine port. Loopback by default: the weight agent runs on the same
+    host. Any other address (multi-node) needs a token (`token_file` or env RLBUS_ADMIN_TOKEN)."""
+
+    token_file: str | None = None
+    """File (mode 0600) holding the bearer token every admin call must send; else env
+    RLBUS_ADMIN_TOKEN. With a token, admin paths answer 401 without it, on any bind address."""
+
+    weights_root: str | None = None
+    """Directory every weights `path` / `lora_path` must lie under (default: `<run_dir>/broadcasts`;
+    without a run_dir and this, any directory is accepted)."""
+
+    check_finite: bool = True
+    """Refuse a weight update holding NaN or infinite values (reads every tensor once more)."""
 
 
 class InferenceConfig(ServiceConfig):
@@ -105,6 +128,9 @@ class InferenceConfig(ServiceConfig):
     slurm: SlurmConfig | None = None
     """Submit this replica as a SLURM batch job (one replica per node) instead of serving here
     (bare `--slurm` or a `[slurm]` table; needs run_dir; docs/slurm.md)."""
+
+    admin: AdminConfig = AdminConfig()
+    """Engine admin port: bind address, token, weight-update checks."""
 
     weights_apply_timeout_s: float = Field(600.0, gt=0)
     """Deadline of one weights load (the engine's /update_weights or /load_lora_adapter call);
