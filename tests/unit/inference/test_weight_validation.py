@@ -345,6 +345,7 @@ async def test_the_gate_refuses_closed_paths_huge_bodies_and_names_a_dead_router
     ],
 )
 def test_an_exposed_admin_port_without_a_token_is_refused_at_start(tmp_path, admin_args, message):
+    (tmp_path / "config.json").write_text("{}")  # a model directory, as far as loading checks
     port, backend = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RLBUS_ADMIN_TOKEN"}
     done = subprocess.run(
@@ -363,6 +364,7 @@ def test_a_readable_token_file_is_refused_at_start(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("t")
     token_file.chmod(0o644)
+    (tmp_path / "config.json").write_text("{}")
     port, backend = free_port(), free_port()
     done = subprocess.run(
         [*inference_command(), "--vllm.model", str(tmp_path), "--server.port", str(port)]
