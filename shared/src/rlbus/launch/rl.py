@@ -41,6 +41,7 @@ from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import setup_logging
 from rlbus.runs import RunPlan, prepare_run_dir_or_exit, resolve_run_dir, rl_run_name, run_id_of
 from rlbus.runtime import EXIT_SIGNAL_BASE, Terminated, raise_terminated
+from rlbus.secrets import SecretError
 
 log = structlog.get_logger()
 
@@ -88,9 +89,12 @@ def prepare_rl(config: RLConfig) -> tuple[RLConfig, RunPlan]:
 def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
     """Steps 1-3 for an already parsed config: returns the written launch."""
     config, run = prepare_rl(config)
-    launch = build_rl_launch(config, run.run_dir)
+    try:
+        launch = build_rl_launch(config, run.run_dir)
+    except SecretError as error:  # a token/password file that is missing or readable by others
+        exit_with_config_error(str(error))
     launch.config_files, launch.script_files = write_launch(
-        run.run_dir, launch.configs, launch.processes, command, launch.files
+        run.run_dir, launch.configs, launch.processes, command, launch.files, launch.secret_files
     )
     return launch
 

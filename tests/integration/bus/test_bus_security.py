@@ -1,0 +1,261 @@
+"""A secured NATS server (rlbus.bus.natsauth: per-role users, subject permissions, TLS) against
+real clients: who may publish what, and how fast and how clearly a wrong setup fails."""
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+import nkeys
+import pytest
+import structlog
+from bus_factories import make_task
+
+from rlbus.bus import Bus, NatsServer
+from rlbus.bus.errors import BusAuthError, BusTLSError
+from rlbus.bus.natsauth import ROLES, write_security_dir
+from rlbus.configs.bus import BusConfig
+from rlbus.secrets import write_secret_file
+from rlbus.wire.subjects import RunSubjects
+
+RUN = "sec"
+FAIL_FAST_S = 10.0
+"""Issue 15: a wrong CA, wrong credentials or a TLS mismatch fails within this."""
+
+
+@pytest.fixture(scope="module")
+def security_dir(tmp_path_factory):
+    return write_security_dir(tmp_path_factory.mktemp("secrets") / "nats", RUN, ["127.0.0.1"])
+
+
+@pytest.fixture(scope="module")
+def secured_server(security_dir, tmp_path_factory):
+    server = NatsServer(tmp_path_factory.mktemp("store"), security_dir=security_dir).start()
+    try:
+        yield server
+    finally:
+        server.stop(timeout_s=5)
+        server.kill()
+
+
+def role_config(server: NatsServer, security_dir, role: str, **overrides) -> BusConfig:
+    fields = dict(
+        url=server.url,
+        user=role,
+        password_file=str(security_dir / f"{role}.password"),
+        tls_ca=str(security_dir / "ca.pem"),
+        connect_retry_s=5.0,
+    )
+    return BusConfig(**(fields | overrides))
+
+
+async def publish_outcome(bus: Bus, subject: str) -> str:
+    """ "allowed" or "denied": a core publish, then a flush (the server answers a permission
+    violation with -ERR before the PONG)."""
+    with structlog.testing.capture_logs() as logs:
+        await bus.nc.publish(subject, b"{}")
+        await bus.nc.flush(timeout=5)
+        await asyncio.sleep(0.05)
+    errors = [entry["error"] for entry in logs if entry["event"] == "nats_error"]
+    if any(
+        f'permissions violation for publish to "{subject.lower()}"' in e.lower() for e in errors
+    ):
+        return "denied"
+    assert not errors, errors
+    return "allowed"
+
+
+S = RunSubjects(RUN)
+WEIGHTS = f"$KV.{S.weights_bucket}.latest"
+REPLICA = f"$KV.{S.replicas_bucket}.replica-0"
+STATE = f"$KV.{S.state_bucket}.finished"
+DELETE_TASKS = f"$JS.API.STREAM.DELETE.{S.tasks_stream}"
+# (role, subject, outcome): what each service must do, and the neighbours' subjects it must not.
+CASES = [
+    ("trainer", WEIGHTS, "allowed"),
+    ("trainer", STATE, "allowed"),
+    ("trainer", S.weights_published, "allowed"),
+    ("trainer", S.batch(1), "denied"),
+    ("trainer", S.tasks, "denied"),
+    ("orchestrator", S.batch(1), "allowed"),
+    ("orchestrator", S.tasks, "allowed"),
+    ("orchestrator", S.rollouts, "allowed"),
+    ("orchestrator", WEIGHTS, "denied"),
+    ("orchestrator", REPLICA, "denied"),
+    ("worker", S.rollouts, "allowed"),
+    ("worker", S.lifecycle("worker"), "allowed"),
+    ("worker", WEIGHTS, "denied"),
+    ("worker", S.weights_published, "denied"),
+    ("worker", S.batch(1), "denied"),
+    ("worker", S.tasks, "denied"),
+    ("worker", STATE, "denied"),
+    ("inference", REPLICA, "allowed"),
+    ("inference", S.weights_applied, "allowed"),
+    ("inference", S.batch(1), "denied"),
+    ("inference", S.tasks, "denied"),
+    ("inference", WEIGHTS, "denied"),
+    ("inference", S.rollouts, "denied"),
+    ("monitor", S.metrics("monitor"), "allowed"),
+    ("monitor", S.rollouts, "denied"),
+    ("monitor", WEIGHTS, "denied"),
+    *[(role, DELETE_TASKS, "denied") for role in ROLES if role != "admin"],
+    *[(role, "rlbus.other_run.tasks", "denied") for role in ROLES if role != "admin"],
+    ("admin", S.batch(1), "allowed"),
+]
+
+
+@pytest.mark.parametrize(("role", "subject", "outcome"), CASES)
+async def test_each_role_publishes_only_its_own_subjects(
+    secured_server, security_dir, role, subject, outcome
+):
+    bus = await Bus.connect(role_config(secured_server, security_dir, role), run_id=RUN, name=role)
+    try:
+        assert await publish_outcome(bus, subject) == outcome
+    finally:
+        await bus.close()
+
+
+async def test_a_worker_publishes_a_rollout_but_its_weights_put_is_refused(
+    secured_server, security_dir
+):
+    worker = await Bus.connect(role_config(secured_server, security_dir, "worker"), run_id=RUN)
+    try:
+        ack = await worker.js.publish(worker.subjects.rollouts, b"{}")
+        assert ack.stream == worker.subjects.rollouts_stream
+        with pytest.raises(Exception) as refused:  # no ack: the server dropped the put
+            await worker.js.publish(WEIGHTS, b"{}", timeout=1.0)
+        assert "timeout" in type(refused.value).__name__.lower()
+    finally:
+        await worker.close()
+
+
+async def test_plaintext_client_against_the_tls_server_fails_fast(secured_server, security_dir):
+    url = secured_server.url.replace("tls://", "nats://")
+    config = role_config(secured_server, security_dir, "worker", url=url, tls_ca=None)
+    started = time.monotonic()
+    with pytest.raises(BusTLSError, match=f"NATS at {url} requires TLS.*tls_ca"):
+        await Bus.connect(config, run_id=RUN)
+    assert time.monotonic() - started < FAIL_FAST_S
+
+
+async def test_a_ca_that_did_not_sign_the_server_fails_fast(secured_server, security_dir, tmp_path):
+    other = write_security_dir(tmp_path / "other", RUN, ["127.0.0.1"])
+    config = role_config(secured_server, security_dir, "worker", tls_ca=str(other / "ca.pem"))
+    started = time.monotonic()
+    with pytest.raises(BusTLSError, match="certificate is not trusted.*bus.tls_ca"):
+        await Bus.connect(config, run_id=RUN)
+    assert time.monotonic() - started < FAIL_FAST_S
+
+
+async def test_a_wrong_password_fails_fast(secured_server, security_dir, tmp_path):
+    wrong = write_secret_file(tmp_path / "wrong.password", "not-the-password")
+    config = role_config(secured_server, security_dir, "trainer", password_file=str(wrong))
+    started = time.monotonic()
+    with pytest.raises(BusAuthError, match="refused the credentials.*bus.password_file"):
+        await Bus.connect(config, run_id=RUN)
+    assert time.monotonic() - started < FAIL_FAST_S
+
+
+async def test_another_roles_password_does_not_log_in(secured_server, security_dir):
+    config = role_config(secured_server, security_dir, "trainer")
+    config.password_file = str(security_dir / "worker.password")
+    with pytest.raises(BusAuthError):
+        await Bus.connect(config, run_id=RUN)
+
+
+async def test_a_wrong_token_fails_fast(tmp_path):
+    server = NatsServer(tmp_path / "store", token="right-token").start()
+    try:
+        wrong = write_secret_file(tmp_path / "token", "wrong-token")
+        config = BusConfig(url=server.url, token_file=str(wrong), connect_retry_s=30)
+        started = time.monotonic()
+        with pytest.raises(BusAuthError, match=f"NATS at {server.url} refused"):
+            await Bus.connect(config, run_id=RUN)
+        assert time.monotonic() - started < FAIL_FAST_S
+    finally:
+        server.kill()
+
+
+class FakePlaintextServer:
+    """A TCP listener that speaks the first line of NATS (INFO without TLS) and records what the
+    client sends back: a TLS client must hang up before any CONNECT (its credentials)."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.received = b""
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        self.listener.settimeout(10)
+        try:
+            conn, _ = self.listener.accept()
+        except TimeoutError:
+            return
+        with conn:
+            conn.sendall(
+                b'INFO {"server_id":"fake","auth_required":true,"max_payload":1048576}\r\n'
+            )
+            conn.settimeout(2)
+            try:
+                while chunk := conn.recv(4096):
+                    self.received += chunk
+            except TimeoutError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(5)
+
+
+async def test_a_tls_client_never_sends_credentials_to_a_plaintext_server(tmp_path, security_dir):
+    fake = FakePlaintextServer()
+    try:
+        url = f"tls://127.0.0.1:{fake.port}"
+        token = write_secret_file(tmp_path / "token", "the-secret-token")
+        config = BusConfig(
+            url=url, token_file=str(token), tls_ca=str(security_dir / "ca.pem"), connect_retry_s=30
+        )
+        started = time.monotonic()
+        with pytest.raises(BusTLSError, match=f"NATS at {url} offers no TLS.*refusing plaintext"):
+            await Bus.connect(config, run_id=RUN)
+        assert time.monotonic() - started < FAIL_FAST_S
+    finally:
+        fake.close()
+    assert b"CONNECT" not in fake.received and b"the-secret-token" not in fake.received
+
+
+async def test_a_tls_client_refuses_a_real_plaintext_server(tmp_path, security_dir):
+    server = NatsServer(tmp_path / "store").start()
+    try:
+        url = server.url.replace("nats://", "tls://")
+        config = BusConfig(url=url, tls_ca=str(security_dir / "ca.pem"))
+        started = time.monotonic()
+        with pytest.raises(BusTLSError, match="offers no TLS"):
+            await Bus.connect(config, run_id=RUN)
+        assert time.monotonic() - started < FAIL_FAST_S
+    finally:
+        server.kill()
+
+
+async def test_nkey_seed_file_authenticates(tmp_path):
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    server = NatsServer(tmp_path / "store", users=[{"nkey": public}]).start()
+    try:
+        seed_file = write_secret_file(tmp_path / "user.nk", seed.decode())
+        bus = await Bus.connect(
+            BusConfig(url=server.url, nkey_seed_file=str(seed_file)), run_id=RUN
+        )
+        try:
+            assert (await bus.publish(bus.subjects.tasks, make_task(0), msg_id="0-0")).seq == 1
+        finally:
+            await bus.close()
+        other = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+        other_file = write_secret_file(tmp_path / "other.nk", other.decode())
+        with pytest.raises(BusAuthError):
+            await Bus.connect(BusConfig(url=server.url, nkey_seed_file=str(other_file)), run_id=RUN)
+    finally:
+        server.kill()
