@@ -2,10 +2,17 @@
 real clients: who may publish what, and how fast and how clearly a wrong setup fails."""
 
 import asyncio
+import json
 import os
+import signal
 import socket
+import stat
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import nkeys
 import pytest
@@ -259,3 +266,79 @@ async def test_nkey_seed_file_authenticates(tmp_path):
             await Bus.connect(BusConfig(url=server.url, nkey_seed_file=str(other_file)), run_id=RUN)
     finally:
         server.kill()
+
+
+ROOT = Path(__file__).resolve().parents[3]
+LAUNCH_SECRET = "launch-tok-8e2d41"
+
+
+def start_script(script: Path, log: Path) -> subprocess.Popen:
+    """A run-directory script in its own session, without the token in its environment (the
+    children must find it in the run directory's secret file)."""
+    env = {k: v for k, v in os.environ.items() if k != "RLBUS_BUS_TOKEN"}
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            ["bash", str(script)], stdout=out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def connection_names(monitor_url: str) -> list[str]:
+    with urllib.request.urlopen(f"{monitor_url}/connz", timeout=2) as resp:
+        return [c.get("name", "") for c in json.load(resp)["connections"] or []]
+
+
+def test_a_launched_run_shows_its_token_in_no_argv_and_no_readable_file(tmp_path):
+    env = os.environ | {"RLBUS_BUS_TOKEN": LAUNCH_SECRET}
+    rl = Path(sys.executable).parent / "rl"
+    subprocess.run(
+        [rl, "@", ROOT / "configs/debug/rl.toml", "--dry-run", "--output-dir", tmp_path,
+         "--run.name", "r"],
+        cwd=ROOT, check=True, capture_output=True, timeout=60, env=env,
+    )  # fmt: skip
+    run_dir = tmp_path / "r"
+    conf = json.loads((run_dir / "configs" / "nats.conf").read_text())
+    server_url = f"http://127.0.0.1:{conf['http'].rsplit(':', 1)[1]}"
+    started = []
+    try:
+        started.append(start_script(run_dir / "scripts" / "nats.sh", tmp_path / "nats.log"))
+        wait_until(lambda: healthy(server_url), 15)
+        started.append(start_script(run_dir / "scripts" / "monitor.sh", tmp_path / "monitor.log"))
+        wait_until(lambda: len(connection_names(server_url)) >= 1, 30)  # the monitor got in
+        pids = {str(p.pid) for p in started}
+        args = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+        ours = [line for line in args.splitlines() if line.split(None, 1)[0] in pids]
+        assert len(ours) == 2 and all(LAUNCH_SECRET not in line for line in ours), ours
+        assert LAUNCH_SECRET not in args
+    finally:
+        for process in started:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in started:
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    readable = [
+        p for p in run_dir.rglob("*")
+        if p.is_file() and LAUNCH_SECRET in p.read_text(errors="replace")
+        and stat.S_IMODE(p.stat().st_mode) & 0o077
+    ]  # fmt: skip
+    assert readable == []
+    assert LAUNCH_SECRET not in "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+
+
+def healthy(monitor_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{monitor_url}/healthz?js-enabled-only=true", timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def wait_until(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s}s"
+        time.sleep(0.2)

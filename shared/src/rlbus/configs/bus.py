@@ -7,7 +7,7 @@ the secret comes from a 0600 file (`token_file`, `password_file`) or an environm
 keeps it out of every dump (docs/security.md, "The bus: authentication, TLS and permissions").
 """
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from rlbus.configs.base import BaseConfig
 from rlbus.secrets import resolve_secret
@@ -119,18 +119,19 @@ class BusConfig(BaseConfig):
     _token: str | None = PrivateAttr(None)
     _password: str | None = PrivateAttr(None)
 
-    @field_validator("token", "password")
+    @model_validator(mode="before")
     @classmethod
-    def _refuse_plain_secret(cls, value: str | None, info) -> str | None:
-        if value is not None:
-            source = "token_file" if info.field_name == "token" else "password_file"
-            env = TOKEN_ENV if info.field_name == "token" else PASSWORD_ENV
-            raise ValueError(
-                f"a plain secret is not accepted (a command line or config file shows it to "
-                f"others): export {env}=... or write it to a file with mode 0600 and set "
-                f"bus.{source} (--bus.{source.replace('_', '-')} PATH)"
-            )
-        return value
+    def _refuse_plain_secrets(cls, data):
+        """A before-validator, so the error's input is the whole block and the secret itself is
+        never echoed back in the message."""
+        for name, env in (("token", TOKEN_ENV), ("password", PASSWORD_ENV)):
+            if isinstance(data, dict) and data.get(name) not in (None, "None"):
+                raise ValueError(
+                    f"bus.{name}: a plain secret is not accepted (a command line or config file "
+                    f"shows it to others): export {env}=... or write it to a file with mode 0600 "
+                    f"and pass --bus.{name}-file PATH"
+                )
+        return data
 
     def with_secrets(self, *, token: str | None = None, password: str | None = None) -> "BusConfig":
         """A copy that carries `token` / `password` in memory only (never dumped or logged)."""

@@ -170,12 +170,14 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     config = config.model_copy(deep=True)
     processes: list[ServiceProcess] = []
     files: dict[str, str] = {}
-    secret_files = bus_secret_files(config.bus, run_dir)
     if config.bus.url is None:
         url, nats, nats_conf = embedded_nats(config, run_dir)
         config.bus.url = url
         processes.append(nats)
         files["nats.conf"] = nats_conf
+    # after the embedded server took the secrets from the environment: from here on the
+    # services read them from the run directory's 0600 files
+    secret_files = bus_secret_files(config.bus, run_dir)
     config.push_shared_values_down()
 
     launch = Launch(config=resolved_rl, run_dir=run_dir, files=files, secret_files=secret_files)
