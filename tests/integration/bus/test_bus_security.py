@@ -342,3 +342,37 @@ def wait_until(predicate, timeout_s: float) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"not within {timeout_s}s"
         time.sleep(0.2)
+
+
+async def test_the_shipped_nats_conf_serves_tls_with_the_generated_users(tmp_path, free_ports):
+    port, http_port = free_ports(2)
+    conf = (ROOT / "deploy" / "nats.conf").read_text()
+    conf = conf.replace("port: 4222", f"port: {port}").replace(":8222", f":{http_port}")
+    conf = conf.replace("/data/nats", str(tmp_path / "jetstream"))
+    (tmp_path / "nats.conf").write_text(conf)
+    security = write_security_dir(tmp_path / "secrets", RUN, ["127.0.0.1"])
+    binary = Path(sys.executable).parent / "nats-server"
+    process = subprocess.Popen(
+        [binary, "-c", str(tmp_path / "nats.conf")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(wait_until, lambda: healthy(f"http://127.0.0.1:{http_port}"), 15)
+        config = BusConfig(
+            url=f"tls://127.0.0.1:{port}",
+            user="orchestrator",
+            password_file=str(security / "orchestrator.password"),
+            tls_ca=str(security / "ca.pem"),
+        )
+        bus = await Bus.connect(config, run_id=RUN)
+        try:
+            assert (await bus.publish(bus.subjects.tasks, make_task(0), msg_id="0-0")).seq == 1
+            assert await publish_outcome(bus, WEIGHTS) == "denied"
+        finally:
+            await bus.close()
+        plain = BusConfig(url=f"nats://127.0.0.1:{port}", connect_retry_s=5)
+        with pytest.raises(BusTLSError):
+            await Bus.connect(plain, run_id=RUN)
+    finally:
+        process.terminate()
+        process.wait(10)

@@ -12,6 +12,8 @@ and its clients need, once:
     <dir>/server.key        its private key (0600)
     <dir>/<role>.password   one random password per role (0600)
     <dir>/run_id            the run these permissions are for
+    <dir>/auth.conf         `authorization` + `tls` blocks for a stock nats-server (0600;
+                            `include` it, as deploy/nats.conf does)
 
 `rlbus-nats --security-dir DIR` serves with it; services connect with `--bus.user ROLE
 --bus.password-file DIR/ROLE.password --bus.tls-ca DIR/ca.pem` and a tls:// URL. TLS material is
@@ -22,6 +24,7 @@ same code on every host). Run `rlbus-nats-config --dir DIR --run-id RUN --host n
 import argparse
 import datetime
 import ipaddress
+import json
 import secrets
 import sys
 from pathlib import Path
@@ -204,7 +207,19 @@ def write_security_dir(security_dir: Path, run_id: str, hosts: list[str]) -> Pat
         if not (security_dir / f"{role}.password").exists():
             write_secret_file(security_dir / f"{role}.password", secrets.token_urlsafe(32))
     (security_dir / "run_id").write_text(run_id + "\n")
+    write_secret_file(security_dir / "auth.conf", auth_conf_text(security_dir))
     return security_dir
+
+
+def auth_conf_text(security_dir: Path) -> str:
+    """Top-level `authorization` and `tls` blocks (JSON values are nats-server config syntax)."""
+    tls = {
+        "cert_file": str((security_dir / "server.pem").absolute()),
+        "key_file": str((security_dir / "server.key").absolute()),
+        "timeout": 5,
+    }
+    users = {"users": nats_users(security_dir)}
+    return f"authorization: {json.dumps(users, indent=2)}\ntls: {json.dumps(tls, indent=2)}"
 
 
 def client_flags(security_dir: Path, role: str) -> list[str]:
