@@ -376,3 +376,37 @@ async def test_the_shipped_nats_conf_serves_tls_with_the_generated_users(tmp_pat
     finally:
         process.terminate()
         process.wait(10)
+
+
+@pytest.mark.timeout(120)
+async def test_the_secured_sidecar_issues_its_certificate_and_exits_when_the_run_finishes(
+    tmp_path, free_ports
+):
+    """`rlbus-nats --security-dir --tls-host` as SLURM starts it: a certificate for the host it
+    is told at start (none before), TLS only, and the run's end seen through its admin user."""
+    port, http_port = free_ports(2)
+    security = tmp_path / "secrets"
+    write_security_dir(security, RUN, ["only-a-placeholder"])
+    argv = [Path(sys.executable).parent / "rlbus-nats", "--store", tmp_path / "store",
+            "--host", "0.0.0.0", "--port", str(port), "--http-port", str(http_port),
+            "--run-id", RUN, "--exit-when-finished", "--linger-s", "5",
+            "--security-dir", security, "--tls-host", "127.0.0.1"]  # fmt: skip
+    log = tmp_path / "rlbus-nats.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        await asyncio.to_thread(wait_until, lambda: "nats-server ready" in log.read_text(), 30)
+        url = f"tls://127.0.0.1:{port}"
+        trainer = BusConfig(
+            url=url, user="trainer", password_file=str(security / "trainer.password"),
+            tls_ca=str(security / "ca.pem"),
+        )  # fmt: skip
+        bus = await Bus.connect(trainer, run_id=RUN, name="trainer")
+        await bus.mark_finished(last_step=1)
+        await bus.close()
+        code = await asyncio.to_thread(process.wait, 30)
+        assert code == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(15)
