@@ -93,6 +93,7 @@ def test_rl_writes_the_env_token_only_into_a_0600_file(tmp_path):
     holders = files_holding(run_dir, SECRET)
     assert holders and all(owner_only(p) for p in holders), holders
     assert {p.name for p in holders} == {"bus.token", "nats.conf"}
+    assert stat.S_IMODE((run_dir / "secrets").stat().st_mode) == 0o700
     monitor = (run_dir / "scripts" / "monitor.sh").read_text()
     assert f"--bus.token-file {run_dir.absolute()}/secrets/bus.token" in monitor
     assert "token_file" in (run_dir / "configs" / "trainer.toml").read_text()

@@ -142,5 +142,6 @@ def write_launch(
     for name, text in (files or {}).items():
         written.append(write_secret_file(run_dir / CONFIGS_DIR / name, text))
     for path, secret in (secret_files or {}).items():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_secret_file(path, secret)
     return written, write_scripts(run_dir, processes, command)
