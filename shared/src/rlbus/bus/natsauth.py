@@ -249,7 +249,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     hosts = [*args.host, "localhost", "127.0.0.1"]
-    write_security_dir(args.dir, args.run_id, hosts)
-    if args.reissue_server_cert:
-        write_server_cert(args.dir, hosts)
+    try:
+        write_security_dir(args.dir, args.run_id, hosts)
+        if args.reissue_server_cert:
+            write_server_cert(args.dir, hosts)
+    except (OSError, ValueError) as error:  # unwritable --dir, a CA key readable by others
+        parser.error(f"--dir {args.dir}: {error}")
     print(f"NATS security directory ready: {args.dir} (users: {', '.join(ROLES)})", file=sys.stderr)

@@ -315,6 +315,11 @@ def server_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     from rlbus.configs.bus import TOKEN_ENV
     from rlbus.secrets import SecretError
 
+    if args.security_dir and not (Path(args.security_dir) / "run_id").is_file():
+        parser.error(
+            f"--security-dir {args.security_dir} holds no users: make it with "
+            f"`rlbus-nats-config --dir {args.security_dir} --run-id RUN --host NAME`"
+        )
     try:
         token = resolve_secret(field="--token-file", file=args.token_file, env=TOKEN_ENV)
         if args.security_dir and args.tls_host:
