@@ -320,16 +320,19 @@ def server_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             f"--security-dir {args.security_dir} holds no users: make it with "
             f"`rlbus-nats-config --dir {args.security_dir} --run-id RUN --host NAME`"
         )
+    if args.security_dir and args.token_file:
+        parser.error("--security-dir brings per-role users: drop --token-file")
     try:
-        token = resolve_secret(field="--token-file", file=args.token_file, env=TOKEN_ENV)
+        # With a security directory an exported RLBUS_BUS_TOKEN (a submit shell's, inherited by
+        # the job) is not this server's: its users are.
+        env = None if args.security_dir else TOKEN_ENV
+        token = resolve_secret(field="--token-file", file=args.token_file, env=env)
         if args.security_dir and args.tls_host:
             from rlbus.bus.natsauth import write_server_cert
 
             write_server_cert(Path(args.security_dir), [*args.tls_host, "localhost", "127.0.0.1"])
     except (SecretError, OSError) as error:
         parser.error(str(error))
-    if token and args.security_dir:
-        parser.error("--security-dir brings per-role users: drop --token-file / RLBUS_BUS_TOKEN")
     return NatsServer(
         args.store,
         host=args.host,
