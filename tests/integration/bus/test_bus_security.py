@@ -2,6 +2,8 @@
 real clients: who may publish what, and how fast and how clearly a wrong setup fails."""
 
 import asyncio
+import base64
+import hashlib
 import json
 import os
 import signal
@@ -410,3 +412,89 @@ async def test_the_secured_sidecar_issues_its_certificate_and_exits_when_the_run
         if process.poll() is None:
             process.terminate()
             process.wait(15)
+
+
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def nkey_pair(prefix: int) -> tuple[bytes, "nkeys.KeyPair", str]:
+    seed = nkeys.encode_seed(os.urandom(32), prefix)
+    pair = nkeys.from_seed(bytearray(seed))
+    return seed, pair, pair.public_key.decode()
+
+
+def signed_jwt(issuer: "nkeys.KeyPair", issuer_public: str, subject: str, nats: dict) -> str:
+    """A NATS JWT (v2 claims, ed25519-nkey) like `nsc` writes, signed by `issuer`."""
+    header = b64url(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    claims = {"iat": int(time.time()), "iss": issuer_public, "sub": subject, "nats": nats}
+    digest = hashlib.sha256(json.dumps(claims).encode()).digest()
+    claims["jti"] = base64.b32encode(digest).decode().rstrip("=")
+    payload = b64url(json.dumps(claims).encode())
+    signature = issuer.sign(f"{header}.{payload}".encode())
+    return f"{header}.{payload}.{b64url(signature)}"
+
+
+UNLIMITED = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+             "wildcards": True, "conn": -1, "leaf": -1}  # fmt: skip
+
+
+def operator_mode_conf(tmp_path: Path, port: int, http_port: int) -> tuple[str, Path]:
+    """(server config, creds file of one user): an operator, a JetStream-enabled account with a
+    user, and the system account JetStream needs; all keys made here with nkeys."""
+    _, operator, operator_public = nkey_pair(nkeys.PREFIX_BYTE_OPERATOR)
+    _, account, account_public = nkey_pair(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, _, system_public = nkey_pair(nkeys.PREFIX_BYTE_ACCOUNT)
+    user_seed, _, user_public = nkey_pair(nkeys.PREFIX_BYTE_USER)
+    operator_jwt = signed_jwt(operator, operator_public, operator_public,
+                              {"type": "operator", "version": 2})  # fmt: skip
+    storage = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
+    account_jwt = signed_jwt(operator, operator_public, account_public,
+                             {"limits": UNLIMITED | storage, "type": "account", "version": 2})  # fmt: skip
+    system_jwt = signed_jwt(operator, operator_public, system_public,
+                            {"limits": UNLIMITED, "type": "account", "version": 2})  # fmt: skip
+    user_jwt = signed_jwt(account, account_public, user_public,
+                          {"pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1,
+                           "type": "user", "version": 2})  # fmt: skip
+    conf = f"""port: {port}
+http: "127.0.0.1:{http_port}"
+jetstream {{ store_dir: "{tmp_path / "jetstream"}" }}
+operator: "{operator_jwt}"
+system_account: {system_public}
+resolver: MEMORY
+resolver_preload: {{ {account_public}: "{account_jwt}", {system_public}: "{system_jwt}" }}
+"""
+    creds = (
+        f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{user_seed.decode()}\n------END USER NKEY SEED------\n"
+    )
+    return conf, write_secret_file(tmp_path / "user.creds", creds)
+
+
+async def test_a_creds_file_authenticates_against_an_operator_mode_server(tmp_path, free_ports):
+    port, http_port = free_ports(2)
+    conf, creds = operator_mode_conf(tmp_path, port, http_port)
+    (tmp_path / "nats.conf").write_text(conf)
+    process = subprocess.Popen(
+        [Path(sys.executable).parent / "nats-server", "-c", tmp_path / "nats.conf"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(wait_until, lambda: healthy(f"http://127.0.0.1:{http_port}"), 15)
+        url = f"nats://127.0.0.1:{port}"
+        bus = await Bus.connect(BusConfig(url=url, creds_file=str(creds)), run_id=RUN)
+        try:
+            assert (await bus.publish(bus.subjects.tasks, make_task(0), msg_id="0-0")).seq == 1
+        finally:
+            await bus.close()
+        _, stranger = operator_mode_conf(tmp_path / "other", port, http_port)  # unknown account
+        started = time.monotonic()
+        with pytest.raises(BusAuthError, match="bus.creds_file"):
+            await Bus.connect(BusConfig(url=url, creds_file=str(stranger)), run_id=RUN)
+        assert time.monotonic() - started < FAIL_FAST_S
+        creds.chmod(0o644)
+        with pytest.raises(ValueError, match="chmod 600"):
+            await Bus.connect(BusConfig(url=url, creds_file=str(creds)), run_id=RUN)
+    finally:
+        process.terminate()
+        process.wait(10)
