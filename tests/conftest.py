@@ -68,8 +68,8 @@ def nats_server_session(tmp_path_factory):
 
 def make_bus_config(server: NatsServer, **overrides) -> BusConfig:
     """A BusConfig pointing at `server`, with short test-friendly retry windows."""
-    fields = dict(url=server.url, token=server.token, connect_retry_s=5.0, publish_retry_s=30.0)
-    return BusConfig(**(fields | overrides))
+    fields = dict(url=server.url, connect_retry_s=5.0, publish_retry_s=30.0)
+    return BusConfig(**(fields | overrides)).with_secrets(token=server.token)
 
 
 @pytest.fixture

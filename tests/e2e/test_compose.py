@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from e2e_support import REPO, run_rows
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,9 @@ REWARD_MARGIN = 0.05
 """As tests/e2e/test_rl_run.py: the debug config's reward rises by ~0.1 over its first 10 steps."""
 PROJECT = "rlbus-e2e"
 RUN = "compose-e2e"
-SERVICES = {"resolve", "nats", "inference", "orchestrator", "worker", "trainer", "monitor"}
+SERVICES = {
+    "nats-secrets", "resolve", "nats", "inference", "orchestrator", "worker", "trainer", "monitor"
+}  # fmt: skip
 
 
 def setup_skip_reason(root: Path) -> str | None:
@@ -203,6 +206,35 @@ def test_metrics_have_every_step_and_the_reward_rises(finished):
     first = sum(rewards[:REWARD_WINDOW]) / REWARD_WINDOW
     last = sum(rewards[-REWARD_WINDOW:]) / REWARD_WINDOW
     assert last > first + REWARD_MARGIN, f"rewards per step: {rewards}"
+
+
+def nats_connections(log: Path) -> list[str]:
+    """URLs of the `nats_connected` events in one service log (JSON lines)."""
+    urls = []
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("event") == "nats_connected":
+            urls.append(record["url"])
+    return urls
+
+
+def test_the_bus_is_tls_only_with_a_user_per_service_and_no_published_port(finished):
+    compose = yaml.safe_load((REPO / "deploy/docker-compose.yml").read_text())
+    assert all("ports" not in service for service in compose["services"].values())
+    logs = finished["run_dir"] / "logs"
+    seen = {}
+    for log in logs.glob("*.log"):
+        if urls := nats_connections(log):
+            seen[log.stem] = urls
+    assert {"trainer", "orchestrator", "monitor"} <= set(seen), seen
+    assert any(name.startswith("inference") for name in seen), seen
+    assert all(url.startswith("tls://nats:") for urls in seen.values() for url in urls), seen
+    for name in ("orchestrator", "worker", "trainer", "monitor", "inference"):
+        command = compose["services"][name]["command"]
+        assert command[command.index("--bus.user") + 1] == name, command
 
 
 def test_compose_down_leaves_no_container_or_volume(finished):

@@ -228,6 +228,23 @@ def test_rl_slurm_job_completes_the_run_with_rising_reward(slurm, tmp_path, star
         assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.05, rewards
     assert "started nats" in output and "trainer exited with code 0" in output
     assert "SIGKILL" not in output, output
+    assert_bus_secured(run_dir)
+
+
+def assert_bus_secured(run_dir: Path) -> None:
+    """The sidecar served TLS only, with one user per role (docs/security.md): every service
+    connected over tls:// as itself, and no credential is readable by others."""
+    conf = json.loads((run_dir / "nats" / "nats-server.conf").read_text())
+    assert conf["tls"]["cert_file"].endswith("server.pem")
+    users = {u["user"] for u in conf["authorization"]["users"]}
+    assert users >= {"trainer", "orchestrator", "inference", "monitor"}
+    assert conf["http"].startswith("127.0.0.1:")  # monitoring stays on the node
+    for service in ("monitor", "inference", "orchestrator", "trainer"):
+        urls = {r["url"] for r in service_events(run_dir, service, "nats_connected")}
+        assert urls and all(url.startswith("tls://") for url in urls), (service, urls)
+    for path in [run_dir / "nats" / "nats-server.conf", *(run_dir / "secrets").rglob("*")]:
+        if path.is_file() and path.suffix in (".conf", ".password", ".key"):
+            assert path.stat().st_mode & 0o077 == 0, path
 
 
 def test_scancel_batch_term_drains_the_job(slurm, tmp_path, starting_model):

@@ -71,6 +71,12 @@ def test_nats_conf_is_accepted_by_nats_server(tmp_path):
     server = shutil.which("nats-server", path=str(BIN)) or shutil.which("nats-server")
     conf = (DEPLOY / "nats.conf").read_text().replace("/data/nats", str(tmp_path / "store"))
     (tmp_path / "nats.conf").write_text(conf)
+    # the file it includes (users, permissions, TLS), as its header says to make it
+    made = subprocess.run(
+        [BIN / "rlbus-nats-config", "--dir", tmp_path / "secrets", "--run-id", "r", "--host", "nats"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
     result = subprocess.run(
         [server, "-c", tmp_path / "nats.conf", "-t"], capture_output=True, text=True
     )
@@ -90,7 +96,7 @@ def test_compose_names_its_images_and_every_service_ends_with_the_run():
             continue
         assert service["image"].startswith("rlbus-"), f"{name}: no rlbus image name (--no-build)"
         command = list(map(str, service.get("command", [])))
-        if name not in {"resolve", "trainer"}:
+        if name not in {"nats-secrets", "resolve", "trainer"}:  # one-shots, and the run's end
             assert "--exit-when-finished" in command, f"{name} would outlive the run"
     nats = compose_services()["nats"]
     assert "--run-id" in nats["command"] and "ports" not in nats

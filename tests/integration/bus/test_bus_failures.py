@@ -208,7 +208,9 @@ def nats_server_with_token(tmp_path):
 
 
 async def test_wrong_token_fails_with_a_clear_error(nats_server_with_token):
-    config = BusConfig(url=nats_server_with_token.url, token="wrong", connect_retry_s=5)
+    config = BusConfig(url=nats_server_with_token.url, connect_retry_s=5).with_secrets(
+        token="wrong"
+    )
     started = time.monotonic()
     with pytest.raises(BusAuthError, match="bus.token"):
         await Bus.connect(config, run_id="auth")
@@ -216,7 +218,7 @@ async def test_wrong_token_fails_with_a_clear_error(nats_server_with_token):
 
 
 async def test_right_token_connects(nats_server_with_token, tmp_path):
-    config = BusConfig(url=nats_server_with_token.url, token="s3cret")
+    config = BusConfig(url=nats_server_with_token.url).with_secrets(token="s3cret")
     bus = await Bus.connect(config, run_id="auth", storage_dir=tmp_path)
     try:
         ack = await bus.publish(bus.subjects.tasks, make_task(0), msg_id="0-0")
@@ -250,8 +252,12 @@ async def test_user_password_auth_right_and_wrong(tmp_path):
     server = NatsServer(tmp_path / "nats-user", user="rl", password="pw").start()
     try:
         with pytest.raises(BusAuthError, match="bus.user"):
-            await Bus.connect(BusConfig(url=server.url, user="rl", password="nope"), run_id="auth")
-        bus = await Bus.connect(BusConfig(url=server.url, user="rl", password="pw"), run_id="auth")
+            await Bus.connect(
+                BusConfig(url=server.url, user="rl").with_secrets(password="nope"), run_id="auth"
+            )
+        bus = await Bus.connect(
+            BusConfig(url=server.url, user="rl").with_secrets(password="pw"), run_id="auth"
+        )
         await bus.close()
     finally:
         server.kill()

@@ -12,14 +12,15 @@ from rlbus.configs.bus import BusConfig
 
 
 def test_connect_options_carry_auth_and_fail_fast_first():
-    options = connect_options(BusConfig(url="nats://h:4222", token="t"), name="svc")
+    options = connect_options(BusConfig(url="nats://h:4222").with_secrets(token="t"), name="svc")
     assert (
         options["servers"] == ["nats://h:4222"]
         and options["token"] == "t"
         and options["name"] == "svc"
     )
     assert options["allow_reconnect"] is False  # flipped to forever once connected
-    options = connect_options(BusConfig(url="nats://h:4222", user="u", password="p"), name="svc")
+    config = BusConfig(url="nats://h:4222", user="u").with_secrets(password="p")
+    options = connect_options(config, name="svc")
     assert (options["user"], options["password"]) == ("u", "p")
     assert "token" not in options
 
@@ -70,8 +71,8 @@ def test_server_config_sets_payload_store_and_auth(tmp_path):
 def test_bus_config_rejects_inconsistent_fields():
     with pytest.raises(ValueError, match="duplicate_window_s"):
         BusConfig(stream_max_age_s=60)
-    with pytest.raises(ValueError, match="bus.password"):
-        BusConfig(user="u")
+    with pytest.raises(ValueError, match="bus.user"):
+        BusConfig(password_file="pw")
     with pytest.raises(ValueError, match="tls_cert"):
         BusConfig(tls_key="k.pem")
 

@@ -18,6 +18,7 @@ NATS_ALLOWED = (BUS_DIR, ROOT / "benchmarks/bus.py")
 # Lower rank = lower layer; a module may import only modules of a strictly lower rank.
 BUS_LAYERS = {
     "errors": 0,
+    "natsauth": 0,  # users, permissions and TLS files: imports no other bus module
     "claimcheck": 1,
     "core": 2,
     "connection": 2,

@@ -1,27 +1,78 @@
-"""Opening the NATS connection: auth/TLS options from `BusConfig`, reconnect forever, logged callbacks."""
+"""Opening the NATS connection: auth/TLS options from `BusConfig`, reconnect forever, logged callbacks.
+
+Failures a retry cannot fix end the first connection at once, with one line naming the URL and
+what to check: refused credentials (`BusAuthError`), and TLS trouble (`BusTLSError`): a server
+certificate the CA does not vouch for, a TLS client talking to a plaintext server, or a plaintext
+client talking to a TLS server. A client configured for TLS never sends its CONNECT (credentials
+included) over plaintext: nats-py would (it upgrades only when the server's INFO asks for TLS),
+so `TlsOnlyClient` refuses such a server before CONNECT, on every reconnect too.
+"""
 
 import asyncio
 import ssl
 import time
 from collections.abc import Awaitable, Callable
 
+import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 
-from rlbus.bus.errors import BusAuthError, BusConnectError
+from rlbus.bus.errors import BusAuthError, BusConnectError, BusTLSError
 from rlbus.configs.bus import BusConfig
+from rlbus.secrets import read_secret_file
 
 log = structlog.get_logger()
 
 
+class ServerWithoutTLS(nats.errors.Error):
+    """The server's INFO offers no TLS although the client requires it (a nats error, so nats-py
+    treats it as a failed connection attempt when it reconnects)."""
+
+
+class TlsOnlyClient(NATS):
+    """A nats-py client that refuses a server without TLS before sending CONNECT.
+
+    Overrides nats-py's private `_process_info` (2.16: called with the first INFO of every
+    connection, before the TLS upgrade decision), the one hook between INFO and CONNECT."""
+
+    async def _process_info(self, info: dict, initial_connection: bool = False) -> None:
+        if initial_connection and not info.get("tls_required"):
+            raise ServerWithoutTLS("the server offers no TLS")
+        await super()._process_info(info, initial_connection)
+
+
 def tls_context(config: BusConfig) -> ssl.SSLContext | None:
-    """Client TLS context from `bus.tls_ca` / `bus.tls_cert` / `bus.tls_key` (None without TLS)."""
-    if not (config.tls_ca or config.tls_cert):
+    """Client TLS context from `bus.tls_ca` / `bus.tls_cert` / `bus.tls_key` (None without TLS;
+    a tls:// URL without a CA verifies against the system's CAs)."""
+    if not config.wants_tls:
         return None
     context = ssl.create_default_context(cafile=config.tls_ca)
     if config.tls_cert:
         context.load_cert_chain(config.tls_cert, config.tls_key)
     return context
+
+
+def auth_options(config: BusConfig) -> dict:
+    """Credential keywords for `nats.connect`; secrets are read here, never stored in options
+    that a log could print. Credential files must be 0600 (`rlbus.secrets`)."""
+    options: dict = {}
+    if token := config.secret_token():
+        options["token"] = token
+    if config.user:
+        password = config.secret_password()
+        if password is None:
+            raise ValueError(
+                f"bus.user={config.user} has no password: set bus.password_file (a 0600 file) "
+                "or export RLBUS_BUS_PASSWORD"
+            )
+        options["user"], options["password"] = config.user, password
+    if config.creds_file:
+        read_secret_file(config.creds_file, field="bus.creds_file")  # owner-only, like a seed
+        options["user_credentials"] = config.creds_file
+    if config.nkey_seed_file:
+        seed = read_secret_file(config.nkey_seed_file, field="bus.nkey_seed_file")
+        options["nkeys_seed_str"] = seed
+    return options
 
 
 def connect_options(config: BusConfig, *, name: str) -> dict:
@@ -46,17 +97,38 @@ def connect_options(config: BusConfig, *, name: str) -> dict:
         ping_interval=config.ping_interval_s,
         max_outstanding_pings=3,
     )
-    if config.token:
-        options["token"] = config.token
-    if config.user:
-        options["user"] = config.user
-        options["password"] = config.password
-    if config.creds_file:
-        options["user_credentials"] = config.creds_file
+    options |= auth_options(config)
     tls = tls_context(config)
     if tls is not None:
         options["tls"] = tls
     return options
+
+
+def tls_failure(config: BusConfig, error: BaseException) -> str | None:
+    """What to check when `error` is a TLS problem no retry fixes (None: not a TLS problem)."""
+    url = config.url
+    if isinstance(error, ServerWithoutTLS):
+        return (
+            f"NATS at {url} offers no TLS but this client requires it (bus.tls_ca or a tls:// "
+            "URL); refusing plaintext: point bus.url at the TLS listener or configure TLS on the server"
+        )
+    if not isinstance(error, ssl.SSLError):
+        return None
+    if not config.wants_tls:  # nats-py upgraded on its own (the server's INFO asked for TLS)
+        return (
+            f"NATS at {url} requires TLS: use a tls:// URL and set bus.tls_ca to the CA that "
+            "signed the server's certificate"
+        )
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (
+            f"NATS at {url}: the server's certificate is not trusted ({error.verify_message}); "
+            "check that bus.tls_ca is the CA that signed it and the URL's host is one of its names"
+        )
+    return (
+        f"NATS at {url}: TLS handshake failed ({error.reason or error}); check that the server "
+        "serves TLS on this port and bus.tls_ca / bus.tls_cert / bus.tls_key"
+    )
+    return None
 
 
 def is_auth_error(error: BaseException) -> bool:
@@ -97,7 +169,7 @@ async def open_connection(
 
     deadline = time.monotonic() + config.connect_retry_s
     while True:
-        nc = NATS()
+        nc = TlsOnlyClient() if config.wants_tls else NATS()
         try:
             await nc.connect(
                 **options,
@@ -110,11 +182,15 @@ async def open_connection(
             log.info("nats_connected", url=url, name=name, max_payload=nc.max_payload)
             return nc
         except Exception as error:  # nats-py raises several unrelated types here
+            if (tls_problem := tls_failure(config, error)) is not None:
+                await _close_quietly(nc)
+                raise BusTLSError(tls_problem) from error
             if auth_failed or is_auth_error(error):
                 await _close_quietly(nc)
                 raise BusAuthError(
                     f"NATS at {url} refused the credentials ({auth_failed[0] if auth_failed else error}); "
-                    "check bus.token / bus.user + bus.password / bus.creds_file"
+                    "check bus.token_file (RLBUS_BUS_TOKEN) / bus.user + bus.password_file "
+                    "(RLBUS_BUS_PASSWORD) / bus.creds_file / bus.nkey_seed_file"
                 ) from error
             if time.monotonic() > deadline:
                 await _close_quietly(nc)
@@ -132,8 +208,13 @@ def enable_reconnect_forever(nc: NATS) -> None:
     nc.options["max_reconnect_attempts"] = -1
 
 
+CLOSE_TIMEOUT_S = 1.0
+"""Longest wait for a failed connection to close: after a failed TLS upgrade, asyncio's stream
+never reports the socket closed, and nats-py's close() waits for that forever."""
+
+
 async def _close_quietly(nc: NATS) -> None:
     try:
-        await nc.close()
+        await asyncio.wait_for(nc.close(), CLOSE_TIMEOUT_S)
     except Exception:
         pass

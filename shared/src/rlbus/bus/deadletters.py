@@ -26,6 +26,7 @@ from rlbus.bus.core import DeadLetter
 from rlbus.bus.errors import BusError
 from rlbus.bus.server import NatsServer
 from rlbus.configs.bus import BusConfig
+from rlbus.secrets import SecretError
 
 PROG = "rl dead-letters"
 EXIT_OK = 0
@@ -164,7 +165,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("run_dir", nargs="?", type=Path, help="the run directory")
     parser.add_argument("--bus.url", dest="url", help="a live bus (instead of a run directory)")
-    parser.add_argument("--bus.token", dest="token", help="auth token of that bus")
+    parser.add_argument("--bus.token-file", dest="token_file", help="0600 file with its token")
+    parser.add_argument("--bus.user", dest="user", help="user on that bus (e.g. admin)")
+    parser.add_argument("--bus.password-file", dest="password_file", help="0600 file, its password")
+    parser.add_argument("--bus.tls-ca", dest="tls_ca", help="CA of a TLS bus")
     parser.add_argument("--run-id", help="the run id on that bus (with --bus.url)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
@@ -185,9 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_dir is not None:
             letters = asyncio.run(read_run_dir(args.run_dir))
         else:
-            config = BusConfig(url=args.url, token=args.token, connect_retry_s=CONNECT_RETRY_S)
+            config = BusConfig(
+                url=args.url,
+                token_file=args.token_file,
+                user=args.user,
+                password_file=args.password_file,
+                tls_ca=args.tls_ca,
+                connect_retry_s=CONNECT_RETRY_S,
+            )
             letters = asyncio.run(read_dead_letters(config, args.run_id))
-    except DeadLettersError as error:
+    except (DeadLettersError, SecretError) as error:
         print(f"dead-letters: {error}", file=sys.stderr)
         return EXIT_USAGE
     except BusError as error:

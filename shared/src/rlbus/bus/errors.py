@@ -13,6 +13,11 @@ class BusConnectError(BusError):
     """No NATS server answered at the configured URL."""
 
 
+class BusTLSError(BusConnectError):
+    """TLS could not be set up with the server (it offers none, or its certificate is not trusted);
+    never retried and never downgraded to plaintext."""
+
+
 class ClaimCheckError(BusError):
     """A claim-check payload is missing or does not match its recorded size/sha256."""
 

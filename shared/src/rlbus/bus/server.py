@@ -14,7 +14,6 @@ Run standalone for development: `uv run rlbus-nats --store /tmp/nats`.
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -29,6 +28,7 @@ import structlog
 
 from rlbus.netutil import free_ports
 from rlbus.runtime import Terminated, raise_terminated
+from rlbus.secrets import resolve_secret, write_secret_file
 
 if TYPE_CHECKING:
     from rlbus.configs.bus import BusConfig
@@ -73,8 +73,14 @@ class NatsServer:
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         tls_ca: str | Path | None = None,
+        security_dir: str | Path | None = None,
+        users: list[dict] | None = None,
+        http_host: str | None = None,
     ):
-        assert not (token and user), "token and user/password auth are exclusive"
+        """`security_dir` (rlbus.bus.natsauth): per-role users with subject permissions and TLS
+        with its server certificate; `users`: nats-server `authorization.users` entries as they
+        are (e.g. `{"nkey": "U..."}`); `http_host`: where monitoring listens (default `host`)."""
+        assert sum(map(bool, (token, user, security_dir, users))) <= 1, "one kind of auth"
         self.store_dir = Path(store_dir)
         self.host = host
         picked = free_ports(2, host)
@@ -87,7 +93,12 @@ class NatsServer:
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.lame_duck_s = lame_duck_s
         self.sync_always = sync_always
+        self.security_dir = Path(security_dir) if security_dir else None
+        self.users = users
+        if self.security_dir is not None:
+            tls_cert, tls_key = self.security_dir / "server.pem", self.security_dir / "server.key"
         self.tls_cert, self.tls_key, self.tls_ca = tls_cert, tls_key, tls_ca
+        self.http_host = http_host or host
         self.process: subprocess.Popen | None = None
 
     @classmethod
@@ -96,9 +107,9 @@ class NatsServer:
         return cls(
             store_dir,
             max_payload_mb=config.max_payload_mb,
-            token=config.token,
+            token=config.secret_token(),
             user=config.user,
-            password=config.password,
+            password=config.secret_password() if config.user else None,
             sync_always=config.fsync_always,
             **kwargs,
         )
@@ -109,7 +120,7 @@ class NatsServer:
 
     @property
     def monitor_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://{self.http_host}:{self.http_port}"
 
     @property
     def local_host(self) -> str:
@@ -122,18 +133,20 @@ class NatsServer:
 
     @property
     def local_monitor_url(self) -> str:
-        return f"http://{self.local_host}:{self.http_port}"
+        host = "127.0.0.1" if self.http_host in ("0.0.0.0", "::", "") else self.http_host
+        return f"http://{host}:{self.http_port}"
 
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
     def config_text(self) -> str:
-        """nats-server configuration (JSON is valid nats-server config syntax)."""
+        """nats-server configuration (JSON is valid nats-server config syntax). It holds the
+        credentials, so it is only ever written with mode 0600."""
         config: dict = {
             "host": self.host,
             "port": self.port,
-            "http_port": self.http_port,
+            "http": f"{self.http_host}:{self.http_port}",
             "max_payload": self.max_payload_mb * 1024 * 1024,
             # Outbound buffer per client before the server cuts it off as a slow consumer: a pull
             # fetch of 64 messages of 1 MiB would already exceed the 64 MiB default.
@@ -151,7 +164,15 @@ class NatsServer:
             if self.tls_ca:  # clients must present a certificate signed by this CA (mutual TLS)
                 tls |= {"ca_file": str(self.tls_ca), "verify": True}
             config["tls"] = tls
-        if self.token:
+        if self.security_dir is not None:
+            from rlbus.bus.natsauth import nats_users
+
+            config["authorization"] = {"users": nats_users(self.security_dir)}
+            # a client that never finishes its handshake is dropped within the 10 s budget
+            config["tls"]["timeout"] = 5
+        elif self.users:
+            config["authorization"] = {"users": self.users}
+        elif self.token:
             config["authorization"] = {"token": self.token}
         elif self.user:
             config["authorization"] = {"user": self.user, "password": self.password or ""}
@@ -161,8 +182,7 @@ class NatsServer:
         """Start the process and wait until JetStream reports healthy."""
         assert self.process is None or self.process.poll() is not None, "server already running"
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        config_path = self.store_dir / "nats-server.conf"
-        config_path.write_text(self.config_text())
+        config_path = write_secret_file(self.store_dir / "nats-server.conf", self.config_text())
         with open(self.log_file, "ab") as log_out:
             self.process = subprocess.Popen(
                 [nats_server_binary(), "-c", str(config_path)],
@@ -246,15 +266,29 @@ def client_count(server: NatsServer) -> int:
         return int(json.load(resp)["num_connections"])
 
 
+def admin_config(server: NatsServer, token: str | None) -> "BusConfig":
+    """How the sidecar itself connects to its server: as `admin` with a security directory,
+    else with the server's token (in memory only)."""
+    from rlbus.configs.bus import BusConfig
+
+    if server.security_dir is None:
+        return BusConfig(url=server.local_url).with_secrets(token=token)
+    return BusConfig(
+        url=server.local_url,
+        user="admin",
+        password_file=str(server.security_dir / "admin.password"),
+        tls_ca=str(server.security_dir / "ca.pem"),
+    )
+
+
 async def serve_until_finished(
     server: NatsServer, run_id: str, token: str | None, linger_s: float
 ) -> int:
     """Serve until the run `run_id` is finished and every other client has disconnected (or
     `linger_s` passed), then stop the server: 0. The server's own exit code if it dies first."""
     from rlbus.bus.client import Bus
-    from rlbus.configs.bus import BusConfig
 
-    config = BusConfig(url=server.local_url, token=token)
+    config = admin_config(server, token)
     bus = await Bus.connect(config, run_id=run_id, name="rlbus-nats")
     finished = asyncio.create_task(bus.wait_finished())
     try:
@@ -276,6 +310,42 @@ async def serve_until_finished(
     return 0
 
 
+def server_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NatsServer:
+    """The server `rlbus-nats` runs: token auth, or a security directory (users + TLS)."""
+    from rlbus.configs.bus import TOKEN_ENV
+    from rlbus.secrets import SecretError
+
+    if args.security_dir and not (Path(args.security_dir) / "run_id").is_file():
+        parser.error(
+            f"--security-dir {args.security_dir} holds no users: make it with "
+            f"`rlbus-nats-config --dir {args.security_dir} --run-id RUN --host NAME`"
+        )
+    if args.security_dir and args.token_file:
+        parser.error("--security-dir brings per-role users: drop --token-file")
+    try:
+        # With a security directory an exported RLBUS_BUS_TOKEN (a submit shell's, inherited by
+        # the job) is not this server's: its users are.
+        env = None if args.security_dir else TOKEN_ENV
+        token = resolve_secret(field="--token-file", file=args.token_file, env=env)
+        if args.security_dir and args.tls_host:
+            from rlbus.bus.natsauth import write_server_cert
+
+            write_server_cert(Path(args.security_dir), [*args.tls_host, "localhost", "127.0.0.1"])
+    except (SecretError, OSError) as error:
+        parser.error(str(error))
+    return NatsServer(
+        args.store,
+        host=args.host,
+        port=args.port or None,
+        http_port=args.http_port or None,
+        max_payload_mb=args.max_payload_mb,
+        token=token,
+        security_dir=args.security_dir,
+        # monitoring (client names and addresses) stays on the node when the bus is secured
+        http_host="127.0.0.1" if args.security_dir else None,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """`rlbus-nats`: run a JetStream nats-server in the foreground for development."""
     parser = argparse.ArgumentParser(prog="rlbus-nats", description=main.__doc__)
@@ -287,7 +357,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--max-payload-mb", type=int, default=8, help="max message payload in MiB")
     parser.add_argument(
-        "--token", default=os.environ.get("RLBUS_NATS_TOKEN"), help="require this auth token"
+        "--token",
+        help="refused: a command line shows the token to every user (use --token-file or RLBUS_BUS_TOKEN)",
+    )
+    parser.add_argument(
+        "--token-file", help="require the auth token in this 0600 file (default: $RLBUS_BUS_TOKEN)"
+    )
+    parser.add_argument(
+        "--security-dir",
+        help="serve TLS with per-role users from this directory (rlbus-nats-config writes it)",
+    )
+    parser.add_argument(
+        "--tls-host",
+        action="append",
+        default=[],
+        help="with --security-dir: issue the server certificate for this name/address at start (repeat)",
     )
     parser.add_argument(
         "--run-id", help="the run whose end --exit-when-finished waits for (its run name)"
@@ -306,14 +390,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.exit_when_finished and not args.run_id:
         parser.error("--exit-when-finished needs --run-id RUN (the run name)")
-    server = NatsServer(
-        args.store,
-        host=args.host,
-        port=args.port or None,
-        http_port=args.http_port or None,
-        max_payload_mb=args.max_payload_mb,
-        token=args.token,
-    )
+    if args.token is not None:
+        parser.error(
+            "--token: a secret on a command line is visible to every user (ps); "
+            "write it to a 0600 file and pass --token-file PATH, or export RLBUS_BUS_TOKEN"
+        )
+    server = server_from_args(args, parser)
 
     # The server runs in its own session (a terminal's Ctrl-C reaches only us): SIGTERM and
     # SIGINT stop it gracefully, so it never outlives this command, and we exit 0.
@@ -326,7 +408,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         assert server.process is not None
         if args.exit_when_finished:
-            code = asyncio.run(serve_until_finished(server, args.run_id, args.token, args.linger_s))
+            code = asyncio.run(
+                serve_until_finished(server, args.run_id, server.token, args.linger_s)
+            )
             if code:
                 raise SystemExit(code)
         else:

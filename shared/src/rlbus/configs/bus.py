@@ -1,8 +1,19 @@
-"""NATS connection settings shared by every service."""
+"""NATS connection settings shared by every service.
 
-from pydantic import Field, model_validator
+Secrets (the token, the password) never live in a config: a config file or a command line is
+readable by others (`ps`, the run directory), so `bus.token` / `bus.password` refuse any value and
+the secret comes from a 0600 file (`token_file`, `password_file`) or an environment variable
+(RLBUS_BUS_TOKEN, RLBUS_BUS_PASSWORD). Code that already holds one uses `with_secrets()`, which
+keeps it out of every dump (docs/security.md, "The bus: authentication, TLS and permissions").
+"""
+
+from pydantic import Field, PrivateAttr, model_validator
 
 from rlbus.configs.base import BaseConfig
+from rlbus.secrets import resolve_secret
+
+TOKEN_ENV = "RLBUS_BUS_TOKEN"
+PASSWORD_ENV = "RLBUS_BUS_PASSWORD"
 
 
 class BusConfig(BaseConfig):
@@ -16,19 +27,31 @@ class BusConfig(BaseConfig):
     """Subject prefix of this run (`rlbus.<run_id>.`); defaults to the run name."""
 
     token: str | None = None
-    """Auth token."""
+    """Not accepted (a command line or config file shows it to others): put the token in a 0600
+    file and set `token_file`, or export RLBUS_BUS_TOKEN."""
+
+    token_file: str | None = None
+    """File holding the auth token (mode 0600). Unset: RLBUS_BUS_TOKEN, if set."""
 
     user: str | None = None
-    """User name (with `password`)."""
+    """User name; its password comes from `password_file` or RLBUS_BUS_PASSWORD."""
 
     password: str | None = None
-    """Password (with `user`)."""
+    """Not accepted (a command line or config file shows it to others): put the password in a
+    0600 file and set `password_file`, or export RLBUS_BUS_PASSWORD."""
+
+    password_file: str | None = None
+    """File holding the password of `user` (mode 0600). Unset: RLBUS_BUS_PASSWORD, if set."""
 
     creds_file: str | None = None
-    """NATS credentials file (JWT + nkey seed)."""
+    """NATS credentials file (user JWT + nkey seed, mode 0600)."""
+
+    nkey_seed_file: str | None = None
+    """File holding an nkey seed (`SU...`, mode 0600): nkey authentication without a JWT."""
 
     tls_ca: str | None = None
-    """CA certificate used to verify the server."""
+    """CA certificate used to verify the server. Set (or a tls:// URL): the connection is TLS or
+    nothing, never plaintext."""
 
     tls_cert: str | None = None
     """Client certificate (mutual TLS)."""
@@ -93,6 +116,47 @@ class BusConfig(BaseConfig):
     fsync_always: bool = False
     """Embedded server: fsync every write (safe against power loss, ~3-8x slower publishes)."""
 
+    _token: str | None = PrivateAttr(None)
+    _password: str | None = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_plain_secrets(cls, data):
+        """A before-validator, so the error's input is the whole block and the secret itself is
+        never echoed back in the message."""
+        for name, env in (("token", TOKEN_ENV), ("password", PASSWORD_ENV)):
+            if isinstance(data, dict) and data.get(name) not in (None, "None"):
+                raise ValueError(
+                    f"bus.{name}: a plain secret is not accepted (a command line or config file "
+                    f"shows it to others): export {env}=... or write it to a file with mode 0600 "
+                    f"and pass --bus.{name}-file PATH"
+                )
+        return data
+
+    def with_secrets(self, *, token: str | None = None, password: str | None = None) -> "BusConfig":
+        """A copy that carries `token` / `password` in memory only (never dumped or logged)."""
+        copy = self.model_copy(deep=True)
+        copy._token = token if token is not None else self._token
+        copy._password = password if password is not None else self._password
+        return copy
+
+    def secret_token(self) -> str | None:
+        """The token: `with_secrets`, else `token_file`, else RLBUS_BUS_TOKEN, else None."""
+        if self._token is not None:
+            return self._token
+        return resolve_secret(field="bus.token_file", file=self.token_file, env=TOKEN_ENV)
+
+    def secret_password(self) -> str | None:
+        """The password: `with_secrets`, else `password_file`, else RLBUS_BUS_PASSWORD, else None."""
+        if self._password is not None:
+            return self._password
+        return resolve_secret(field="bus.password_file", file=self.password_file, env=PASSWORD_ENV)
+
+    @property
+    def wants_tls(self) -> bool:
+        """TLS is configured: a tls:// URL or a CA / client certificate."""
+        return bool(self.tls_ca or self.tls_cert or (self.url or "").startswith("tls://"))
+
     @model_validator(mode="after")
     def _check_windows(self) -> "BusConfig":
         if self.duplicate_window_s > self.stream_max_age_s:
@@ -100,8 +164,8 @@ class BusConfig(BaseConfig):
                 f"bus.duplicate_window_s ({self.duplicate_window_s}) must not exceed bus.stream_max_age_s "
                 f"({self.stream_max_age_s}): JetStream rejects such streams"
             )
-        if (self.user is None) != (self.password is None):
-            raise ValueError("set both bus.user and bus.password (or neither)")
+        if self.password_file and not self.user:
+            raise ValueError("bus.password_file needs bus.user (the user that password belongs to)")
         if self.tls_key and not self.tls_cert:
             raise ValueError("bus.tls_key needs bus.tls_cert")
         return self

@@ -14,7 +14,9 @@
                       -m rlbus_trainer.entrypoint @ configs/trainer.toml
 
 Ports are picked here (free ports for the embedded server) and written into the configs, so the
-scripts in the run directory repeat this exact launch. Services are only ever named as modules in
+scripts in the run directory repeat this exact launch. A bus secret the launcher got from its
+environment (RLBUS_BUS_TOKEN, RLBUS_BUS_PASSWORD) goes into `<run_dir>/secrets/` (0600) and the
+configs name that file (`bus.token_file`): no secret in a config, a script or an argv. Services are only ever named as modules in
 argv lists: the launcher imports none of them.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from rlbus.configs import InferenceConfig, RLConfig
+from rlbus.configs.bus import BusConfig
 from rlbus.launch.cpus import (
     bind_inference_env,
     bind_trainer,
@@ -38,6 +41,8 @@ from rlbus.launch.supervisor import ServiceProcess
 from rlbus.obs.logging import log_file_path
 
 NATS_STORE_DIR = "nats"
+SECRETS_DIR = "secrets"
+"""Run-directory folder of the 0600 secret files the launcher writes for its children."""
 
 
 @dataclass
@@ -49,7 +54,10 @@ class Launch:
     configs: dict[str, BaseModel] = field(default_factory=dict)
     processes: list[ServiceProcess] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
-    """Other files for `configs/` (name with suffix -> text), e.g. `nats.conf`."""
+    """Other files for `configs/` (name with suffix -> text), e.g. `nats.conf`; written 0600
+    (the embedded server's config holds its credentials)."""
+    secret_files: dict[Path, str] = field(default_factory=dict)
+    """0600 files (absolute path -> secret) the children read their bus credentials from."""
     config_files: list[Path] = field(default_factory=list)
     """Written by `write_launch`: configs/*.toml and the extra files."""
     script_files: list[Path] = field(default_factory=list)
@@ -73,13 +81,7 @@ def embedded_nats(config: RLConfig, run_dir: Path) -> tuple[str, ServiceProcess,
     """(url, process, config text) of the embedded nats-server whose store is in the run dir."""
     from rlbus.bus.server import NatsServer, nats_server_binary
 
-    server = NatsServer(
-        run_dir.absolute() / NATS_STORE_DIR,
-        max_payload_mb=config.bus.max_payload_mb,
-        token=config.bus.token,
-        user=config.bus.user,
-        password=config.bus.password,
-    )
+    server = NatsServer.for_config(config.bus, run_dir.absolute() / NATS_STORE_DIR)
     conf = config_path(run_dir, "nats").with_suffix(".conf")
     process = ServiceProcess(
         name="nats",
@@ -92,12 +94,30 @@ def embedded_nats(config: RLConfig, run_dir: Path) -> tuple[str, ServiceProcess,
 
 def monitor_argv(config: RLConfig, run_dir: Path) -> list[str]:
     """The monitor reads the launcher's rl.toml, which keeps only explicit values (no embedded
-    server URL), so the resolved bus URL and credentials go on its command line."""
+    server URL), so the resolved bus URL and the paths of its secret files go on its command line
+    (paths only: never a secret)."""
     argv = [sys.executable, "-m", "rlbus.monitors", "@", str(config_path(run_dir, "rl").absolute())]
     argv += ["--bus.url", str(config.bus.url)]
-    if config.bus.token is not None:
-        argv += ["--bus.token", config.bus.token]
+    if config.bus.token_file is not None:
+        argv += ["--bus.token-file", config.bus.token_file]
+    if config.bus.password_file is not None:
+        argv += ["--bus.password-file", config.bus.password_file]
     return argv
+
+
+def bus_secret_files(bus: BusConfig, run_dir: Path) -> dict[Path, str]:
+    """The secrets `bus` resolves from the launcher's environment (or memory), to be written as
+    0600 files in the run directory; `bus` is pointed at those files. Secrets already in a file
+    stay there (the config names it)."""
+    files: dict[Path, str] = {}
+    folder = run_dir.absolute() / SECRETS_DIR
+    if bus.token_file is None and (token := bus.secret_token()) is not None:
+        files[folder / "bus.token"] = token
+        bus.token_file = str(folder / "bus.token")
+    if bus.user and bus.password_file is None and (password := bus.secret_password()) is not None:
+        files[folder / "bus.password"] = password
+        bus.password_file = str(folder / "bus.password")
+    return files
 
 
 def pick_free_inference_ports(replica: InferenceConfig, user: InferenceConfig) -> None:
@@ -155,9 +175,12 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
         config.bus.url = url
         processes.append(nats)
         files["nats.conf"] = nats_conf
+    # after the embedded server took the secrets from the environment: from here on the
+    # services read them from the run directory's 0600 files
+    secret_files = bus_secret_files(config.bus, run_dir)
     config.push_shared_values_down()
 
-    launch = Launch(config=resolved_rl, run_dir=run_dir, files=files)
+    launch = Launch(config=resolved_rl, run_dir=run_dir, files=files, secret_files=secret_files)
     launch.configs["rl"] = resolved_rl
     services = service_configs(config)
     launch.configs.update(services)

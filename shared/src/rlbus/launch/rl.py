@@ -48,6 +48,7 @@ from rlbus.runtime import (
     errors_in_one_line,
     raise_terminated,
 )
+from rlbus.secrets import SecretError
 
 log = structlog.get_logger()
 
@@ -95,9 +96,12 @@ def prepare_rl(config: RLConfig) -> tuple[RLConfig, RunPlan]:
 def plan_rl(config: RLConfig, command: str = "rl") -> Launch:
     """Steps 1-3 for an already parsed config: returns the written launch."""
     config, run = prepare_rl(config)
-    launch = build_rl_launch(config, run.run_dir)
+    try:
+        launch = build_rl_launch(config, run.run_dir)
+    except SecretError as error:  # a token/password file that is missing or readable by others
+        exit_with_config_error(str(error))
     launch.config_files, launch.script_files = write_launch(
-        run.run_dir, launch.configs, launch.processes, command, launch.files
+        run.run_dir, launch.configs, launch.processes, command, launch.files, launch.secret_files
     )
     return launch
 

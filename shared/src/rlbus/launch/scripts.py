@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from rlbus.configs.base import config_to_toml
 from rlbus.launch.supervisor import ServiceProcess
+from rlbus.secrets import write_secret_file
 
 CONFIGS_DIR = "configs"
 SCRIPTS_DIR = "scripts"
@@ -133,11 +134,14 @@ def write_launch(
     processes: list[ServiceProcess],
     command: str,
     files: dict[str, str] | None = None,
+    secret_files: dict[Path, str] | None = None,
 ) -> tuple[list[Path], list[Path]]:
-    """Write the configs (plus extra files such as `nats.conf`) and the scripts of one launch."""
+    """Write the configs (plus extra files such as `nats.conf`, 0600: a server config holds its
+    credentials), the 0600 secret files and the scripts of one launch."""
     written = write_configs(run_dir, configs)
     for name, text in (files or {}).items():
-        path = run_dir / CONFIGS_DIR / name
-        path.write_text(text)
-        written.append(path)
+        written.append(write_secret_file(run_dir / CONFIGS_DIR / name, text))
+    for path, secret in (secret_files or {}).items():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_secret_file(path, secret)
     return written, write_scripts(run_dir, processes, command)

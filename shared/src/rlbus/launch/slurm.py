@@ -16,6 +16,11 @@ workers and trainer, up to `grace_s`; then inference and the monitor; NATS last.
 the same script again: same run directory, same NATS store, and the services resume by themselves
 (docs/run-directories.md, "Restarts without --resume"). The run-directory rules are applied once,
 here, at submit time: the script never creates or checks the NATS store itself.
+
+The sidecar is authenticated and encrypted: at submit time `<run_dir>/secrets/nats/` (0700) gets
+a CA, one password per role and the permissions (rlbus.bus.natsauth); at job start the sidecar
+issues its server certificate for the first node's address, serves TLS only, and every service
+connects as its own user (`--bus.user ROLE --bus.password-file ...`: paths, never a secret).
 """
 
 import shlex
@@ -29,11 +34,19 @@ from pathlib import Path
 import structlog
 from pydantic import BaseModel
 
+from rlbus.bus.natsauth import client_flags, write_security_dir
 from rlbus.configs import InferenceConfig, RLConfig, SFTConfig, SlurmConfig
 from rlbus.configs.base import parse_cli
-from rlbus.launch.plan import NATS_STORE_DIR, build_rl_launch, python_module_argv, torchrun_argv
+from rlbus.launch.plan import (
+    NATS_STORE_DIR,
+    SECRETS_DIR,
+    build_rl_launch,
+    python_module_argv,
+    torchrun_argv,
+)
 from rlbus.launch.scripts import config_path, write_configs
 from rlbus.runs import run_id_of
+from rlbus.secrets import write_secret_file
 
 log = structlog.get_logger()
 
@@ -75,6 +88,11 @@ class Job:
     bus_url: str | None = None
     """A bus.url given by the user (then no sidecar)."""
     nats_http_port: int | None = None
+    security_dir: Path | None = None
+    """The sidecar's users, permissions and CA (written at submit time)."""
+    run_id: str | None = None
+    secret_files: dict[Path, str] = field(default_factory=dict)
+    """0600 files with the credentials of a given bus.url (rlbus.launch.plan.bus_secret_files)."""
     node_lines: list[str] = field(default_factory=list)
     """Bash lines that name the nodes of each role (multi-node jobs)."""
 
@@ -217,7 +235,7 @@ def bus_lines(job: Job) -> list[str]:
     port = job.slurm.nats_port
     return [
         'HEAD_ADDR=$(node_addr "${NODES[0]}")',
-        f'BUS_URL="nats://$HEAD_ADDR:{port}"',
+        f'BUS_URL="tls://$HEAD_ADDR:{port}"',
         f"start {STOP_LAST} nats {job.nats}",
         f'wait_for_nats "http://127.0.0.1:{job.nats_http_port}/healthz?js-enabled-only=true"'
         " || { stop_all; exit 1; }",
@@ -322,9 +340,14 @@ def node_split(slurm: SlurmConfig) -> tuple[int, int]:
     return slurm.inference_nodes, trainers
 
 
+def security_dir_of(run_dir: Path) -> Path:
+    return run_dir.absolute() / SECRETS_DIR / "nats"
+
+
 def nats_command(run_dir: Path, config: RLConfig, slurm: SlurmConfig) -> str:
     """`rlbus-nats` on every interface of the first node, store in `<run_dir>/nats` (it creates
-    the store itself; a requeued job reopens it), exiting once the run is finished."""
+    the store itself; a requeued job reopens it), exiting once the run is finished. TLS with
+    per-role users; the server certificate is issued at start for the node's address."""
     argv = [
         str(Path(sys.executable).parent / "rlbus-nats"),
         "--store", str(run_dir.absolute() / NATS_STORE_DIR),
@@ -333,10 +356,15 @@ def nats_command(run_dir: Path, config: RLConfig, slurm: SlurmConfig) -> str:
         "--max-payload-mb", str(config.bus.max_payload_mb),
         "--run-id", str(run_id_of(config.bus.run_id, config.run.name)),
         "--exit-when-finished",
+        "--security-dir", str(security_dir_of(run_dir)),
     ]  # fmt: skip
-    if config.bus.token is not None:
-        argv += ["--token", config.bus.token]
-    return shlex.join(argv)
+    return shlex.join(argv) + ' --tls-host "$HEAD_ADDR" --tls-host "${NODES[0]}"'
+
+
+def bus_flags(job: Job, role: str) -> list[str]:
+    """How a step connects: as `role` of the sidecar (paths only), or as the user configured
+    for a given bus.url (from the resolved config)."""
+    return client_flags(job.security_dir, role) if job.security_dir is not None else []
 
 
 def service_command(argv: list[str], extra: list[str] | None = None) -> str:
@@ -384,9 +412,12 @@ def rl_job(config: RLConfig, run_dir: Path) -> tuple[Job, dict[str, BaseModel]]:
         orchestrator.num_train_ranks = train_nodes * dep.num_train_gpus
 
     job = Job(name="rl", run_dir=run_dir, slurm=slurm, bus_url=user_bus)
+    job.secret_files = launch.secret_files
     if user_bus is None:
         job.nats = nats_command(run_dir, config, slurm)
         job.nats_http_port = slurm.nats_http_port
+        job.security_dir = security_dir_of(run_dir)
+        job.run_id = run_id_of(config.bus.run_id, config.run.name)
     monitor = [
         sys.executable,
         "-m",
@@ -394,36 +425,35 @@ def rl_job(config: RLConfig, run_dir: Path) -> tuple[Job, dict[str, BaseModel]]:
         "@",
         str(config_path(run_dir, "rl").absolute()),
     ]
-    monitor += ["--exit-when-finished"]
-    if config.bus.token is not None:
-        monitor += ["--bus.token", config.bus.token]
+    monitor += ["--exit-when-finished", *bus_flags(job, "monitor")]
     job.steps.append(Step("monitor", service_command(monitor), STOP_SECOND))
     for name, devices in zip(replicas, infer_devices, strict=True):
         argv = python_module_argv(
             "rlbus_inference.entrypoint", config_path(run_dir, name).absolute()
         )
-        text = with_devices(service_command(argv), devices)
+        text = with_devices(service_command(argv, bus_flags(job, "inference")), devices)
         if multi:
             text = f"{srun_on('INFER_NODES', str(infer_nodes), slurm)} {text}"
         job.steps.append(Step(name, text, STOP_SECOND))
     orch_argv = python_module_argv(
         "rlbus_orchestrator.entrypoint", config_path(run_dir, "orchestrator").absolute()
     )
-    job.steps.append(Step("orchestrator", service_command(orch_argv), STOP_FIRST))
+    orch_flags = bus_flags(job, "orchestrator")
+    job.steps.append(Step("orchestrator", service_command(orch_argv, orch_flags), STOP_FIRST))
     for i in range(dep.num_rollout_workers):
-        job.steps.append(
-            Step(f"worker-{i}", service_command(orch_argv, ["--role", "worker"]), STOP_FIRST)
-        )
+        worker_flags = ["--role", "worker", *bus_flags(job, "worker")]
+        job.steps.append(Step(f"worker-{i}", service_command(orch_argv, worker_flags), STOP_FIRST))
     trainer_config = config_path(run_dir, "trainer").absolute()
     if multi:
         torchrun = multi_node_torchrun(
             train_nodes, dep.num_train_gpus, "rlbus_trainer.entrypoint", trainer_config,
             slurm.rdzv_port,
         )  # fmt: skip
-        text = f"{srun_on('TRAIN_NODES', str(train_nodes), slurm)} {torchrun} --bus.url {BUS_URL}"
+        flags = shlex.join(bus_flags(job, "trainer"))
+        text = f"{srun_on('TRAIN_NODES', str(train_nodes), slurm)} {torchrun} {flags} --bus.url {BUS_URL}"
     else:
         argv = torchrun_argv(dep.num_train_gpus, "rlbus_trainer.entrypoint", trainer_config)
-        text = with_devices(service_command(argv), train_devices)
+        text = with_devices(service_command(argv, bus_flags(job, "trainer")), train_devices)
     job.steps.append(Step("trainer", text, STOP_FIRST, main=True))
     if multi:
         job.node_lines = [
@@ -477,6 +507,10 @@ def write_job(job: Job, command: str, configs: dict[str, BaseModel]) -> Path:
     """Write the resolved configs (without their `[slurm]`, so a service never resubmits) and
     the sbatch script; returns the script's path."""
     write_configs(job.run_dir, configs)
+    for secret_path, secret in job.secret_files.items():
+        write_secret_file(secret_path, secret)
+    if job.security_dir is not None:  # the node's address goes in at job start (--tls-host)
+        write_security_dir(job.security_dir, job.run_id or job.name, ["localhost", "127.0.0.1"])
     path = job.script_path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render_script(job, command))
