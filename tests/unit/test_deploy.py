@@ -134,3 +134,19 @@ def test_dockerfile_targets_and_build_args():
 
 def test_podman_setup_script_parses():
     assert subprocess.run(["bash", "-n", DEPLOY / "podman" / "setup.sh"]).returncode == 0
+
+
+def test_each_compose_service_mounts_only_its_own_password():
+    """A container sees ca.pem and its own role's password, never another role's: the per-role
+    subject permissions would mean nothing if a worker could log in as the trainer."""
+    services = compose_services()
+    shared = services["nats-secrets"]["command"]
+    for name, service in services.items():
+        user = service.get("command", [])
+        if "--bus.user" not in user:
+            continue
+        role = user[user.index("--bus.user") + 1]
+        secret_mounts = [v for v in service["volumes"] if v.endswith(":/secrets:ro")]
+        assert secret_mounts == [f"secrets-{role}:/secrets:ro"], name
+        assert f"{role}=/share/{role}" in shared
+        assert f"secrets-{role}:/share/{role}" in services["nats-secrets"]["volumes"]

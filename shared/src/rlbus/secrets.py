@@ -2,7 +2,8 @@
 
 A secret comes from an environment variable or from a file that only its owner can read
 (mode 0600 or stricter); never from a command line, where `ps` shows it to every user of the
-host. Everything that writes a config or a log line shows `REDACTED` in its place.
+host, nor from a config file. Configs and scripts carry the secret file's path, so there is no
+value to leave out of a dump or a log line (docs/security.md).
 
     resolve_secret(field="bus.token", file=config.token_file, env="RLBUS_BUS_TOKEN")
 """
@@ -10,8 +11,6 @@ host. Everything that writes a config or a log line shows `REDACTED` in its plac
 import os
 import stat
 from pathlib import Path
-
-REDACTED = "<redacted>"
 
 
 class SecretError(ValueError):

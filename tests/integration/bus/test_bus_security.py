@@ -498,3 +498,26 @@ async def test_a_creds_file_authenticates_against_an_operator_mode_server(tmp_pa
     finally:
         process.terminate()
         process.wait(10)
+
+
+async def test_a_role_share_holds_only_that_roles_password_and_logs_in(
+    secured_server, security_dir, tmp_path
+):
+    """`rlbus-nats-config --share worker=DIR` (compose mounts DIR into the worker only)."""
+    share = tmp_path / "share-worker"
+    done = subprocess.run(
+        [sys.executable, "-m", "rlbus.bus.natsauth", "--dir", str(security_dir), "--run-id", RUN,
+         "--share", f"worker={share}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in share.iterdir()) == ["ca.pem", "worker.password"]
+    assert stat.S_IMODE((share / "worker.password").stat().st_mode) == 0o600
+    worker = await Bus.connect(role_config(secured_server, share, "worker"), run_id=RUN)
+    await worker.close()
+    bad = subprocess.run(
+        [sys.executable, "-m", "rlbus.bus.natsauth", "--dir", str(security_dir), "--run-id", RUN,
+         "--share", f"pilot={share}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--share 'pilot=" in bad.stderr and "Traceback" not in bad.stderr

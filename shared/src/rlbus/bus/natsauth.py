@@ -16,7 +16,9 @@ and its clients need, once:
                             `include` it, as deploy/nats.conf does)
 
 `rlbus-nats --security-dir DIR` serves with it; services connect with `--bus.user ROLE
---bus.password-file DIR/ROLE.password --bus.tls-ca DIR/ca.pem` and a tls:// URL. TLS material is
+--bus.password-file DIR/ROLE.password --bus.tls-ca DIR/ca.pem` and a tls:// URL.
+`share_role(dir, role, target)` (`--share ROLE=TARGET`) copies only `ca.pem` and that role's
+password into a directory of its own, for a container that must not read the other passwords. TLS material is
 made with the `cryptography` package (a declared dependency: no openssl binary needed, and the
 same code on every host). Run `rlbus-nats-config --dir DIR --run-id RUN --host nats` to make one.
 """
@@ -211,6 +213,23 @@ def write_security_dir(security_dir: Path, run_id: str, hosts: list[str]) -> Pat
     return security_dir
 
 
+def share_role(security_dir: Path, role: str, target: Path) -> Path:
+    """Copy what a service of `role` needs, and nothing else, into `target`: `ca.pem` and its own
+    `<role>.password` (0600). A container that mounts only its share cannot read another role's
+    password, so a compromised rollout worker cannot log in as the trainer to publish weights."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+    target.mkdir(parents=True, exist_ok=True)
+    target.chmod(0o700)
+    for stale in target.glob("*.password"):
+        if stale.name != f"{role}.password":
+            stale.unlink()
+    password = read_secret_file(security_dir / f"{role}.password", field=f"{role} password")
+    write_secret_file(target / f"{role}.password", password)
+    (target / "ca.pem").write_bytes((security_dir / "ca.pem").read_bytes())
+    return target
+
+
 def auth_conf_text(security_dir: Path) -> str:
     """Top-level `authorization` and `tls` blocks (JSON values are nats-server config syntax)."""
     tls = {
@@ -247,12 +266,36 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="issue a new server certificate even if one exists (new --host names, or rotation)",
     )
+    parser.add_argument(
+        "--share",
+        action="append",
+        default=[],
+        metavar="ROLE=DIR",
+        help="also copy ca.pem and ROLE's password (only) into DIR, for one service to mount (repeat)",
+    )
     args = parser.parse_args(argv)
     hosts = [*args.host, "localhost", "127.0.0.1"]
+    shares = []
+    for share in args.share:
+        role, sep, target = share.partition("=")
+        if not sep or role not in ROLES or not target:
+            parser.error(
+                f"--share {share!r}: expected ROLE=DIR with ROLE one of {', '.join(ROLES)}"
+            )
+        shares.append((role, Path(target)))
     try:
         write_security_dir(args.dir, args.run_id, hosts)
         if args.reissue_server_cert:
             write_server_cert(args.dir, hosts)
     except (OSError, ValueError) as error:  # unwritable --dir, a CA key readable by others
         parser.error(f"--dir {args.dir}: {error}")
+    for role, target in shares:
+        try:
+            share_role(args.dir, role, target)
+        except (OSError, ValueError) as error:
+            parser.error(f"--share {role}={target}: {error}")
     print(f"NATS security directory ready: {args.dir} (users: {', '.join(ROLES)})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
