@@ -187,7 +187,12 @@ CONFIG_CASES = [
     Case("port-too-big", RL, ["--inference.server.port", "70000"], ["--inference.server.port"]),
     Case("port-negative", INFER, ["--backend-port", "-1"], ["--backend-port", "'-1'"]),
     Case("payload-too-big", RL, ["--bus.max-payload-mb", "100"], ["--bus.max-payload-mb", "'100'"]),
-    Case("bus-user-no-password", RL, ["--bus.user", "u"], ["bus.user and bus.password"]),
+    Case(
+        "bus-password-no-user",
+        RL,
+        ["--bus.password-file", "p"],
+        ["bus.password_file needs bus.user"],
+    ),
     Case("bus-key-no-cert", ORCH, ["--bus.tls-key", "k.pem"], ["bus.tls_key needs bus.tls_cert"]),
     Case(
         "bus-dedup-window",
