@@ -165,6 +165,10 @@ def published_versions(run_dir: Path) -> list[int]:
     return [event["version"] for event in trainer_events(run_dir, "weights_published")]
 
 
+MAX_SKIPS = 10
+"""Tries to find a live process of a kind before the monkey gives that kind up."""
+
+
 @dataclass
 class ChaosMonkey:
     """SIGKILLs `num_kills` processes of a live run (see the module docstring)."""
@@ -190,6 +194,7 @@ class ChaosMonkey:
         rng = random.Random(self.seed)
         self.say(f"chaos: seed {self.seed}, {self.num_kills} kills over {', '.join(self.kinds)}")
         schedule: list[str] = []
+        skips: dict[str, int] = {}
         while len(self.kills) < self.num_kills and procs.alive(self.launcher_pid):
             if not schedule:
                 schedule = list(self.kinds)
@@ -204,7 +209,15 @@ class ChaosMonkey:
             by_kind = processes_by_kind(self.launcher_pid)
             kind = schedule.pop(0)
             if not by_kind.get(kind):
-                self.say(f"chaos: no live {kind} process now; skipped")
+                # Absent for now (e.g. the router while its replica restarts): try it again after
+                # the rest of this round, so that every kind is still hit; give up on a kind only
+                # after MAX_SKIPS misses (one the run does not have).
+                skips[kind] = skips.get(kind, 0) + 1
+                if skips[kind] < MAX_SKIPS:
+                    schedule.append(kind)
+                    self.say(f"chaos: no live {kind} process now; retried later")
+                else:
+                    self.say(f"chaos: no live {kind} process in {MAX_SKIPS} tries; skipped")
                 continue
             pid = rng.choice(by_kind[kind])
             self._kill(kind, pid)
