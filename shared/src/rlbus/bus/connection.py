@@ -128,7 +128,6 @@ def tls_failure(config: BusConfig, error: BaseException) -> str | None:
         f"NATS at {url}: TLS handshake failed ({error.reason or error}); check that the server "
         "serves TLS on this port and bus.tls_ca / bus.tls_cert / bus.tls_key"
     )
-    return None
 
 
 def is_auth_error(error: BaseException) -> bool:
