@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from bus_factories import make_batch, make_task, wait_for
 
+from rlbus.bus.claimcheck import CLAIM_HEADER
 from rlbus.bus.errors import PoisonBatch
 from rlbus.wire import rollouts, tasks, weights
 
@@ -137,7 +138,7 @@ async def test_an_undecodable_claim_check_is_quarantined_at_once(make_bus):
     s = bus.subjects
     reason = await quarantined_reason(
         bus, s.tasks_stream, s.tasks_durable, s.tasks, tasks.decoder, b"\x93junk", make_task(1),
-        headers={"Rlbus-Claim-Check": "1"},
+        headers={CLAIM_HEADER: "1"},
     )  # fmt: skip
     assert "undecodable claim check" in reason
 

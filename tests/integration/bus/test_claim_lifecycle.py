@@ -3,6 +3,7 @@ a dead letter or a resumable step may still need them, and forged paths never re
 
 from bus_factories import make_batch, make_task, wait_for
 
+from rlbus.bus.claimcheck import CLAIM_HEADER
 from rlbus.wire import tasks
 from rlbus.wire.claims import ClaimCheck
 from rlbus.wire.claims import encoder as claim_encoder
@@ -49,7 +50,7 @@ async def test_a_forged_claim_path_is_quarantined_without_being_read(make_bus, t
     s = bus.subjects
     forged = ClaimCheck(path="claims/../configs/rl.toml", size=secret.stat().st_size, sha256="0")
     await bus.publish(
-        s.tasks, claim_encoder.encode(forged), msg_id="forged", headers={"Rlbus-Claim-Check": "1"}
+        s.tasks, claim_encoder.encode(forged), msg_id="forged", headers={CLAIM_HEADER: "1"}
     )
     await bus.publish(s.tasks, make_task(1), msg_id="0-1")
     seen = []

@@ -257,7 +257,8 @@ class Consumer(Generic[T]):
         max_deliver = self.bus.config.max_deliver
         try:
             claim = self.bus.claim_of(msg.data, headers)
-            data = self.decoder.decode(self.bus.decode_payload(msg.data, headers))
+            payload = msg.data if claim is None else claimcheck.load(self.bus.storage_dir, claim)
+            data = self.decoder.decode(payload)
         except (msgspec.DecodeError, ClaimCheckError) as error:
             await self._dead_letter(msg, f"{type(error).__name__}: {error}")
             return
