@@ -216,6 +216,15 @@ def job_output(run_dir: Path, job_id: str) -> str:
     return path.read_text() if path.exists() else "(no job output)"
 
 
+def log_tails(run_dir: Path, lines: int = 12) -> str:
+    """The last lines of every service log: what a failed assertion shows besides the job output."""
+    parts = []
+    for path in sorted((run_dir / "logs").glob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {path.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
 def test_rl_slurm_job_completes_the_run_with_rising_reward(slurm, tmp_path, starting_model):
     job_id, run_dir = submit(slurm, tmp_path, "slurm-e2e", "--model.name", str(starting_model.path))
     job = slurm.wait_job(job_id)
@@ -257,7 +266,7 @@ def test_scancel_batch_term_drains_the_job(slurm, tmp_path, starting_model):
     job = slurm.wait_job(job_id, timeout_s=240)
     output = job_output(run_dir, job_id)
     assert "SIGTERM: draining" in output and "drained" in output, output
-    assert "SIGKILL" not in output, output
+    assert "SIGKILL" not in output, output + log_tails(run_dir)
     assert job["ExitCode"] == "143:0", (job, output)  # the script's own exit after the drain
     for service in ("orchestrator", "inference", "monitor"):
         requests = service_events(run_dir, service, "service_stop_requested")

@@ -49,6 +49,17 @@ def test_drain_then_stop_escalates_and_a_stop_wakes_a_paused_service():
     assert woken == ["draining"]  # listeners hear the first request only
 
 
+def test_the_drain_budget_counts_from_the_first_request_and_a_stop_does_not_renew_it():
+    state = ServiceState("orchestrator")
+    assert state.left_of(25.0) == 25.0  # running: the whole budget is ahead
+    state.drain("user")
+    time.sleep(0.2)
+    state.stop("later")
+    left = state.left_of(25.0)
+    assert 24.0 < left <= 24.8
+    assert state.left_of(0.1) == 0.0  # spent: never negative
+
+
 async def boom():
     await asyncio.sleep(0)
     raise RuntimeError("disk full")

@@ -25,6 +25,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -212,6 +213,12 @@ def errors_in_one_line(command: str, *, logged: bool = False, inputs: str = "") 
 
 # ---- what the service was asked to do ------------------------------------------------------
 
+DRAIN_BUDGET_S = 25.0
+"""A service asked to drain has exited within this many seconds: every wait of its shutdown (the
+work in flight, the handlers of each consumer) takes its deadline from this one budget
+(`ServiceState.left_of`). Launchers give a drain more before they signal (`rl`: DRAIN_WAIT_S,
+SLURM: `slurm.grace_s`)."""
+
 
 class ServiceState:
     """Run, pause, drain or stop: set by signals and control requests, read by the service.
@@ -231,6 +238,8 @@ class ServiceState:
         self.unpaused.set()
         self.listeners: list[Callable[[], None]] = []
         """Called once when a drain or stop is first requested (e.g. to wake threads)."""
+        self.ending_since: float | None = None
+        """`time.monotonic()` when the first drain or stop was requested."""
 
     @property
     def ending(self) -> bool:
@@ -239,6 +248,14 @@ class ServiceState:
     @property
     def stop_now(self) -> bool:
         return self.mode == "stopping"
+
+    def left_of(self, budget_s: float) -> float:
+        """Seconds left of a `budget_s` that started with the drain or stop request (all of it
+        while running): every wait of a shutdown takes its deadline from one budget, so the
+        waits together stay inside the grace the launcher gives before it signals again."""
+        if self.ending_since is None:
+            return budget_s
+        return max(0.0, self.ending_since + budget_s - time.monotonic())
 
     def drain(self, reason: str) -> None:
         if not self.ending:
@@ -250,6 +267,8 @@ class ServiceState:
 
     def _end(self, mode: Mode, reason: str) -> None:
         first = not self.ending
+        if first:
+            self.ending_since = time.monotonic()
         self.mode, self.reason = mode, reason
         self.unpaused.set()  # a paused service must see the stop
         self.stop_requested.set()

@@ -149,3 +149,42 @@ async def test_stop_returns_at_once_and_leaves_in_flight_tasks_for_the_next_coor
     await asyncio.wait_for(service, 5)
     saved = await saved_state(bus)
     assert saved["next_step"] == 1 and len(saved["outstanding"]) == TASKS_PER_STEP
+
+
+async def test_a_drain_ends_coordinator_and_workers_within_the_budget_even_if_inference_hangs(
+    nats_server, tmp_path, monkeypatch
+):
+    """Inference accepts the workers' requests and never answers (an engine stuck under load):
+    the drain still ends the whole service within the drain budget, so a launcher's SIGKILL
+    after its grace never comes; the abandoned tasks stay in the stream for the next run."""
+    from rlbus_orchestrator import coordinator as coordinator_module
+    from rlbus_orchestrator import worker as worker_module
+
+    budget_s = 4.0
+    monkeypatch.setattr(coordinator_module, "DRAIN_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(coordinator_module, "DRAIN_BUDGET_S", budget_s)
+    monkeypatch.setattr(worker_module, "DRAIN_BUDGET_S", budget_s)
+    requests = []
+
+    async def never_answer(reader, writer):
+        requests.append(await reader.read(100))
+        await asyncio.Event().wait()
+
+    stuck = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = stuck.sockets[0].getsockname()[1]
+    run_id = f"ctl_{uuid.uuid4().hex[:8]}"
+    config = make_config(nats_server, run_id, tmp_path)
+    config.role = "all"
+    config.inference_urls = [f"http://127.0.0.1:{port}/v1"]
+    state = ServiceState("orchestrator")
+    service = asyncio.create_task(serve(config, state))
+    try:
+        await wait_for(lambda: len(requests) >= GROUP_SIZE, 30)  # the workers are stuck in HTTP
+        state.drain("test")
+        started = time.monotonic()
+        await asyncio.wait_for(service, budget_s + 5)
+        assert time.monotonic() - started < budget_s + 2
+    finally:
+        service.cancel()
+        await asyncio.gather(service, return_exceptions=True)
+        stuck.close()

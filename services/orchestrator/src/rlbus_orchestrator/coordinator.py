@@ -70,7 +70,7 @@ from rlbus.bus.core import retry_transient
 from rlbus.bus.kv import KV
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
-from rlbus.runtime import ServiceState, TaskSupervisor
+from rlbus.runtime import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
 from rlbus.wire import rollouts as rollouts_wire
 from rlbus.wire.batches import TrainBatch
 from rlbus.wire.events import StepMetrics
@@ -92,8 +92,8 @@ log = structlog.get_logger()
 STATE_KEY = "orchestrator"
 WEIGHTS_POLL_S = 1.0
 DRAIN_TIMEOUT_S = 20.0
-"""How long a drain waits for the rollouts in flight (less than the 30 s the `rl` launcher gives
-a drain before it signals)."""
+"""How long a drain waits for the rollouts in flight, counted from the drain request; the rest of
+rlbus.runtime.DRAIN_BUDGET_S is left to the consumers' handlers and the workers."""
 DRAIN_POLL_S = 0.2
 DROP_REASONS = ("invalid", "stale", "zero_advantage", "error", "timeout")
 """Why an issued training task ended without being trained (counted in the state and metrics)."""
@@ -706,9 +706,8 @@ class Coordinator:
     async def drain(self) -> None:
         """Let the rollouts in flight come back (issue_tasks issues nothing while draining)."""
         log.info("coordinator_draining", in_flight=self.num_in_flight())
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while self.num_in_flight() > 0 and not self.done.is_set() and not self.service.stop_now:
-            if time.monotonic() > deadline:
+            if self.service.left_of(DRAIN_TIMEOUT_S) <= 0:
                 log.warning("coordinator_drain_timeout", in_flight=self.num_in_flight())
                 return
             await self.tasks.wait(self.done, timeout_s=DRAIN_POLL_S)
@@ -738,8 +737,10 @@ class Coordinator:
                 await self.tasks.wait(self.service.stop_requested, self.done)
                 if self.service.mode == "draining":
                     await self.drain()
-                if self.service.stop_now:
-                    await consumer.stop(timeout_s=0)
+                # pooled rollouts stay unacked (redelivered); a handler past the budget too
+                await consumer.stop(
+                    timeout_s=0 if self.service.stop_now else self.service.left_of(DRAIN_BUDGET_S)
+                )
         finally:
             self.done.set()
             self.changed.set()

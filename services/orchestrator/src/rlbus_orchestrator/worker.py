@@ -21,7 +21,8 @@ A background loop refreshes the replica registry (bus KV `replicas`, or `inferen
 second, and at once when a replica is backed off.
 
 On `stop` the workers stop fetching; the episodes in flight finish and are published (drain),
-unless the service was asked to `Stop`: then they are abandoned at once and redelivered.
+unless the service was asked to `Stop`, or the drain budget (rlbus.runtime.DRAIN_BUDGET_S, from
+the drain request) runs out: then they are abandoned and redelivered.
 """
 
 import asyncio
@@ -36,7 +37,7 @@ from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
 from rlbus.configs.orchestrator import InferenceHttpConfig
 from rlbus.obs import tracing
-from rlbus.runtime import ServiceState, TaskSupervisor
+from rlbus.runtime import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
 from rlbus.wire import tasks as tasks_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus.wire.tasks import Task
@@ -144,8 +145,10 @@ class RolloutWorker:
                 "rollout_worker_started", worker_id=self.worker_id, tasks_in_flight=self.num_tasks
             )
             await stop.wait()
-            if service is not None and service.stop_now:
-                await consumer.stop(timeout_s=0)
+            if service is not None:  # a group past the drain budget is redelivered elsewhere
+                await consumer.stop(
+                    timeout_s=0 if service.stop_now else service.left_of(DRAIN_BUDGET_S)
+                )
         log.info("rollout_worker_stopped", worker_id=self.worker_id, num_rollouts=self.num_rollouts)
 
     async def handle(self, delivery: Delivery[Task]) -> None:

@@ -42,6 +42,7 @@ from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import setup_logging
 from rlbus.runs import RunPlan, prepare_run_dir_or_exit, resolve_run_dir, rl_run_name, run_id_of
 from rlbus.runtime import (
+    DRAIN_BUDGET_S,
     EXIT_SIGNAL_BASE,
     Terminated,
     config_inputs,
@@ -154,8 +155,13 @@ def drain_over_bus(
     return asyncio.run(drain_all())
 
 
+DRAIN_WAIT_S = DRAIN_BUDGET_S + 5.0
+"""How long a drained service may take to exit by itself: its own budget plus the margin of a
+loaded machine."""
+
+
 def drain_and_wait(
-    launch: Launch, supervisor: Supervisor, skip: str | None = None, wait_s: float = 30.0
+    launch: Launch, supervisor: Supervisor, skip: str | None = None, wait_s: float = DRAIN_WAIT_S
 ) -> None:
     """Drain the running orchestrator/trainer over the bus and give them `wait_s` to exit by
     themselves (the trainer finishes its step); `stop_all` then signals whatever is left.
