@@ -132,7 +132,11 @@ def test_full_pool_becomes_one_batch_and_acks_after_publishing():
     asyncio.run(feed())
     subject, batch, msg_id = next(p for p in c.bus.published if p[0] == c.bus.subjects.batch(1))
     assert msg_id == "batch-1" and batch.step == 1 and batch.task_ids == ["train-0", "train-2"]
-    assert batch.metrics["dropped/zero_advantage"] == 1 and batch.metrics["reward/mean"] == 0.45
+    assert batch.metrics["dropped/zero_advantage"] == 1
+    # the flat group was sampled, so it counts in the sampled mean, not in the trained one
+    assert batch.metrics["reward/mean"] == pytest.approx((0.0 + 1.0 + 0.3 + 0.3 + 0.2 + 0.6) / 6)
+    assert batch.metrics["reward/trained_mean"] == pytest.approx(0.45)
+    assert batch.metrics["reward/num_samples"] == 6
     assert len(batch.micro_batches) == 2
     assert all(d.acked for d in deliveries)
     assert c.state.next_step == 2 and c.state.outstanding == {}

@@ -171,6 +171,9 @@ class StepStats:
         self.wait_weights_s = 0.0
         self.own_s = 0.0
         self.completion_tokens = 0
+        self.no_signal_samples: list = []
+        """Samples of the groups dropped for zero advantage: sampled but never trained, they
+        still count in the step's sampled reward (`reward/mean`)."""
 
 
 class Coordinator:
@@ -492,6 +495,8 @@ class Coordinator:
             self.pool[rollout.task_id].delivery = delivery
             return
         reason = self.drop_reason(rollout)
+        if reason == "zero_advantage":
+            self.stats.no_signal_samples += rollout.samples
         if reason is not None:
             self.drop(rollout.task_id, reason)
             await self.save_state()
@@ -610,8 +615,13 @@ class Coordinator:
         )
 
     def step_metrics(self, step: int, samples, *, num_groups: int = 0) -> dict[str, float]:
-        """The step's metrics; the task counts include the `num_groups` groups of this batch."""
-        rewards = [s.reward for s in samples]
+        """The step's metrics; the task counts include the `num_groups` groups of this batch.
+
+        `reward/*` describe every sample of the step: the batch's plus those of the groups
+        dropped for zero advantage since the last batch (what other tools call the mean reward);
+        `reward/trained_mean` is the batch's alone (docs/orchestrator.md, "Metrics")."""
+        sampled = [*samples, *self.stats.no_signal_samples]
+        rewards = [s.reward for s in sampled]
         lengths = [len(s.completion_token_ids) for s in samples]
         elapsed = max(time.monotonic() - self.stats.started, 1e-9)
         m: dict[str, float] = {
@@ -619,6 +629,8 @@ class Coordinator:
             "reward/std": statistics.pstdev(rewards),
             "reward/min": min(rewards),
             "reward/max": max(rewards),
+            "reward/trained_mean": statistics.fmean(s.reward for s in samples),
+            "reward/num_samples": float(len(rewards)),
             "completion_len/mean": statistics.fmean(lengths),
             "completion_len/max": float(max(lengths)),
             "truncated/rate": sum(s.is_truncated for s in samples) / len(samples),
@@ -632,9 +644,9 @@ class Coordinator:
             ),
             "weights/applied_version": float(self.applied_version),
         }
-        for name in {k for s in samples for k in s.reward_components}:
+        for name in {k for s in sampled for k in s.reward_components}:
             m[f"reward/{name}/mean"] = statistics.fmean(
-                s.reward_components.get(name, 0.0) for s in samples
+                s.reward_components.get(name, 0.0) for s in sampled
             )
         for lag, count in Counter(off_policy_lag(step, s.policy_version) for s in samples).items():
             m[f"off_policy_lag/{lag}"] = float(count)
