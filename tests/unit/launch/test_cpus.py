@@ -28,3 +28,29 @@ def test_trainer_runs_under_taskset_with_one_thread_per_core_share():
     plan = plan_cpus([0, 1, 2, 3], num_replicas=1, num_train_ranks=1)
     argv, env = bind_trainer(["python", "-m", "x"], plan)
     assert argv[1:] == ["-c", "2,3", "python", "-m", "x"] and env == {"OMP_NUM_THREADS": "2"}
+
+
+def orchestrator_argvs(monkeypatch, tmp_path, where: str) -> dict[str, list[str]]:
+    import shutil
+
+    from rlbus.configs import RLConfig
+    from rlbus.launch import plan
+
+    monkeypatch.setattr(plan, "usable_cores", lambda: [0, 1])
+    monkeypatch.setattr(plan, "host_has_gpus", lambda: False)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    config = RLConfig(
+        deployment={"orchestrator_cpus": where, "num_rollout_workers": 1}
+    ).with_run_name("r")
+    launch = plan.build_rl_launch(config, tmp_path)
+    return {p.name: p.argv for p in launch.processes}
+
+
+def test_orchestrator_and_its_workers_are_pinned_where_configured(monkeypatch, tmp_path):
+    for where, cores in (("inference", "0"), ("trainer", "1")):
+        argvs = orchestrator_argvs(monkeypatch, tmp_path / where, where)
+        for name in ("orchestrator", "worker-0"):
+            assert argvs[name][:3] == ["/usr/bin/taskset", "-c", cores], (where, argvs[name])
+        assert argvs["worker-0"][-2:] == ["--role", "worker"]
+    argvs = orchestrator_argvs(monkeypatch, tmp_path / "os", "os")
+    assert "taskset" not in argvs["orchestrator"][0] and "taskset" not in argvs["worker-0"][0]

@@ -140,6 +140,12 @@ class DeploymentConfig(BaseConfig):
     overlap instead of fighting over the same cores (docs/launcher.md). `threads`: pin only vLLM's
     compute threads and the trainer. `off`: leave placement to the OS."""
 
+    orchestrator_cpus: Literal["os", "inference", "trainer"] = "os"
+    """Where the orchestrator and its rollout-worker processes run when cores are split
+    (`cpu_binding` `auto` or `threads`): `os` leaves them to the OS, `inference` / `trainer` pins
+    them to that half (the first replica's cores for `inference`; docs/benchmarks.md has the
+    measurement behind the default)."""
+
 
 class SupervisionConfig(BaseConfig):
     """How `rl` heals a run: a service that exits unexpectedly is restarted alone, with its

@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from rlbus.configs import InferenceConfig, RLConfig
 from rlbus.configs.bus import BusConfig
 from rlbus.launch.cpus import (
+    CpuPlan,
     bind_inference_env,
     bind_trainer,
     host_has_gpus,
@@ -159,6 +160,14 @@ def service_configs(config: RLConfig) -> dict[str, BaseModel]:
     return {**inference_replicas(config), "orchestrator": orchestrator, "trainer": trainer}
 
 
+def orchestrator_cores(config: RLConfig, cpus: CpuPlan) -> list[int] | None:
+    """The cores `deployment.orchestrator_cpus` pins the orchestrator and its workers to."""
+    where = config.deployment.orchestrator_cpus
+    if where == "inference":
+        return cpus.inference[0]
+    return cpus.trainer if where == "trainer" else None
+
+
 def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     """Resolve the bus, the service configs and the argv of every process of an RL run."""
     assert config.run.name is not None, "name the run (RLConfig.with_run_name) before planning it"
@@ -207,6 +216,8 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
                 argv, env = bind_trainer(argv, cpus)
         elif name == "orchestrator":
             argv = python_module_argv("rlbus_orchestrator.entrypoint", path)
+            if cpus is not None and (cores := orchestrator_cores(config, cpus)) is not None:
+                argv = under_taskset(argv, cores)
             for i in range(config.deployment.num_rollout_workers):
                 processes.append(
                     ServiceProcess(
