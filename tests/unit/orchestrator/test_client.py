@@ -255,3 +255,21 @@ def test_chat_is_a_one_choice_request():
     client, _ = make_client(handler, [make_replica("a")])
     turn = asyncio.run(client.chat([], SamplingArgs()))
     assert bodies[0]["n"] == 1 and turn.completion_token_ids == [5, 6]
+
+
+def test_greedy_chat_n_asks_for_one_completion_and_copies_it():
+    """vLLM refuses n > 1 with temperature 0 (HTTP 400); every greedy sample is the same."""
+    bodies = []
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        if bodies[-1]["n"] > 1:
+            return httpx.Response(400, json={"error": "n must be 1 when using greedy sampling"})
+        return httpx.Response(200, json=completion_json())
+
+    client, _ = make_client(handler, [make_replica("a")])
+    turns = asyncio.run(client.chat_n([], SamplingArgs(temperature=0.0), 3))
+    assert [b["n"] for b in bodies] == [1]
+    assert [t.completion_token_ids for t in turns] == [[5, 6]] * 3
+    turns[0].completion_token_ids.append(7)  # copies, not one shared turn
+    assert turns[1].completion_token_ids == [5, 6]

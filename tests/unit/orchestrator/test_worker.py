@@ -207,6 +207,13 @@ def test_worker_plays_one_episode_per_sample_when_the_env_has_no_run_group(per_e
     assert len(rollout.samples) == 3 and rollout.error is None
 
 
+def test_group_requests_off_plays_one_episode_per_sample():
+    client = EchoClient()
+    worker = RolloutWorker(FakeBus(), client, max_concurrency=4, group_size=3, group_requests=False)
+    asyncio.run(worker.handle(FakeDelivery(make_task(group_size=3))))
+    assert client.requests == [("chat", 1)] * 3
+
+
 class PeakClient(EchoClient):
     """Records the most samples in flight at once over concurrent requests."""
 

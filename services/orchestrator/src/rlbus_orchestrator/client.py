@@ -7,7 +7,9 @@ prompt token ids, each choice's own completion token ids and per-token logprobs,
 version from the `X-Rlbus-Weights-Version` header (falling back to the registry's version);
 `chat` is `chat_n` with n=1. One request for a whole group lets vLLM schedule its samples together
 and share the prompt's prefix; with a `seed`, vLLM seeds choice `i` with `seed + i`
-(vllm/v1/engine/parallel_sampling.py), so the choices still differ.
+(vllm/v1/engine/parallel_sampling.py), so the choices still differ. Greedy sampling (temperature
+0) with n > 1 is refused by vLLM (`n must be 1 when using greedy sampling`, HTTP 400); every
+greedy sample is the same completion, so `chat_n` asks for one and copies it.
 
 Deadlines and back-off (`OrchestratorConfig.http`): every call has a connect and a read timeout
 (`make_http_client`). A replica that fails (connection refused, timeout, 5xx, a 200 that is not a usable
@@ -21,6 +23,7 @@ and the worker waits for a replica, then naks the task for later.
 """
 
 import asyncio
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +38,10 @@ from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
 from rlbus_orchestrator.envs.base import ChatTurn
 
 log = structlog.get_logger()
+
+
+GREEDY_TEMPERATURE = 1e-5
+"""vLLM samples greedily below this temperature (`vllm.sampling_params._SAMPLING_EPS`)."""
 
 
 class NoReplicaError(RuntimeError):
@@ -233,8 +240,18 @@ class InferenceClient:
     async def chat_n(
         self, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int
     ) -> list[ChatTurn]:
-        """`n` samples of one prompt from one request, retried on another replica on failure
-        (module docstring); a 4xx is raised as is."""
+        """`n` samples of one prompt from one request (greedy: one sample, copied; module
+        docstring)."""
+        if n > 1 and sampling.temperature < GREEDY_TEMPERATURE:
+            (turn,) = await self.request(messages, sampling, 1)
+            return [turn] + [copy.deepcopy(turn) for _ in range(n - 1)]
+        return await self.request(messages, sampling, n)
+
+    async def request(
+        self, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int
+    ) -> list[ChatTurn]:
+        """One chat completion with `n` choices, retried on another replica on failure (module
+        docstring); a 4xx is raised as is."""
         tried: set[str] = set()
         for _ in range(self.max_attempts):
             replica = self.pool.pick(tried)

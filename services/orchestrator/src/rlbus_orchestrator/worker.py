@@ -155,8 +155,12 @@ class RolloutWorker:
         group_size: int,
         worker_id: str | None = None,
         no_replica_wait_s: float = 60.0,
+        group_requests: bool = True,
     ):
+        """`group_requests=False`: one request per sample even for a `GroupEnvironment` (the
+        baseline of benchmarks/orchestrator.py --group-compare)."""
         self.bus = bus
+        self.group_requests = group_requests
         self.client = client
         self.no_replica_wait_s = no_replica_wait_s
         self.envs = EnvCache()
@@ -249,9 +253,12 @@ class RolloutWorker:
             )
         return self.make_rollout(task, [s for part in parts for s in part], started=started)
 
+    def plays_groups(self, env: Environment) -> bool:
+        return self.group_requests and isinstance(env, GroupEnvironment)
+
     def request_sizes(self, env: Environment, group_size: int) -> list[int]:
         """Samples per inference request for one group (module docstring)."""
-        if not isinstance(env, GroupEnvironment):
+        if not self.plays_groups(env):
             return [1] * group_size
         full, rest = divmod(group_size, self.slots.capacity)
         return [self.slots.capacity] * full + ([rest] if rest else [])
@@ -259,7 +266,7 @@ class RolloutWorker:
     async def play(self, env: Environment, task: Task, n: int) -> list[RolloutSample]:
         """`n` samples of the task: one `run_group` call, or one episode."""
         async with self.slots.hold(n):
-            if not isinstance(env, GroupEnvironment):
+            if not self.plays_groups(env):
                 return [await env.run_episode(self.client, task.problem, task.sampling)]
             samples = await env.run_group(self.client, task.problem, task.sampling, n)
         if len(samples) != n:
