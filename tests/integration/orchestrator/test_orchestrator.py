@@ -302,11 +302,10 @@ async def test_a_group_request_returns_n_different_samples_with_their_own_tokens
         assert turn.completion_token_ids
         assert len(turn.completion_logprobs) == len(turn.completion_token_ids)
         assert all(math.isfinite(lp) and lp <= 0 for lp in turn.completion_logprobs)
-        # The random model emits random bytes: vLLM's text leaves out an unfinished UTF-8
-        # character at the end, which the tokenizer decodes as U+FFFD.
+        # The random model emits random bytes: vLLM's text holds back invalid UTF-8 at the end
+        # (it may still become a character), which the tokenizer decodes as U+FFFD.
         text = tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
-        tail = text[len(turn.text) :]
-        assert text.startswith(turn.text) and set(tail) <= {"\ufffd"} and len(tail) <= 3
+        assert text.startswith(turn.text) and set(text[len(turn.text) :]) <= {"\ufffd"}
     assert len({tuple(t.completion_token_ids) for t in turns}) == 8  # temperature 1: all differ
 
 
