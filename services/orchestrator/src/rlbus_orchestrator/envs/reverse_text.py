@@ -15,11 +15,9 @@ Reward: `difflib.SequenceMatcher(None, answer, reversed_text).ratio()` (in [0, 1
 import difflib
 import random
 import string
-import time
 
-from rlbus.wire.rollouts import RolloutSample
-from rlbus.wire.tasks import ChatMessage, Problem, SamplingArgs
-from rlbus_orchestrator.envs.base import ChatClient, Split, problem_messages, sample_from_turns
+from rlbus.wire.tasks import ChatMessage, Problem
+from rlbus_orchestrator.envs.base import ChatTurn, Score, SingleTurnEnv, Split
 
 SYSTEM_PROMPT = "Reverse the text character by character."
 DEFAULT_ALPHABET = string.ascii_lowercase
@@ -43,7 +41,7 @@ def reverse_reward(answer: str, text: str) -> float:
     return difflib.SequenceMatcher(None, answer, text[::-1]).ratio()
 
 
-class ReverseTextEnv:
+class ReverseTextEnv(SingleTurnEnv):
     """The reverse-text environment (see module docstring)."""
 
     env_id = "reverse-text"
@@ -81,18 +79,7 @@ class ReverseTextEnv:
         text = self.text(split, index)
         return Problem(messages=make_messages(text), answer=text[::-1], info={"text": text})
 
-    async def run_episode(
-        self, client: ChatClient, problem: Problem, sampling: SamplingArgs
-    ) -> RolloutSample:
-        turn = await client.chat(problem_messages(problem), sampling)
-        started = time.perf_counter()
+    async def score(self, problem: Problem, turn: ChatTurn) -> Score:
         answer = turn.text.strip()
         reward = reverse_reward(answer, problem.info["text"])
-        turn.timings["score"] = time.perf_counter() - started
-        return sample_from_turns(
-            [turn],
-            reward=reward,
-            reward_components={"lcs_ratio": reward},
-            sampling=sampling,
-            completion_text=answer,
-        )
+        return Score(reward=reward, components={"lcs_ratio": reward}, completion_text=answer)
