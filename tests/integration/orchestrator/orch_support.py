@@ -63,12 +63,20 @@ class AnsweringWorker:
 
 
 async def apply_weights_after_each_batch(
-    bus, stop: asyncio.Event, poll_s: float = 0.2, on_applied: Callable[[int], None] | None = None
+    bus,
+    stop: asyncio.Event,
+    poll_s: float = 0.2,
+    on_applied: Callable[[int], None] | None = None,
+    go: asyncio.Event | None = None,
 ) -> None:
     """The trainer + inference stand-in: once step N's batch is stored, version N is applied
-    (then `on_applied(N)`, e.g. to stall the bus right when the coordinator starts issuing)."""
+    (then `on_applied(N)`, e.g. to stall the bus right when the coordinator starts issuing).
+    While `go` is cleared nothing is applied, so the run cannot advance past async_level."""
     step = 1
     while not stop.is_set():
+        if go is not None and not go.is_set():
+            await asyncio.sleep(poll_s)
+            continue
         try:
             batch = await bus.step_log.read(step)
         except Exception:  # the bus may be stalled on purpose

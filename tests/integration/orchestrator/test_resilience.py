@@ -134,15 +134,18 @@ async def test_a_second_coordinator_is_a_standby_and_takes_over_when_the_first_i
     config = config.model_copy(update={"max_steps": 8})
     args = cli_args(config, tmp_path)
     worker = AnsweringWorker(bus)
-    stop = asyncio.Event()
+    stop, go = asyncio.Event(), asyncio.Event()
+    go.set()
     first = start(args, tmp_path / "coordinator1.log")
     second = None
     try:
         async with worker.consumer:
-            trainer = asyncio.create_task(apply_weights_after_each_batch(bus, stop))
+            trainer = asyncio.create_task(apply_weights_after_each_batch(bus, stop, go=go))
             await wait_for_batch(bus, 2, 60, [first])
+            go.clear()  # the run waits for weights: it cannot end before the second is standby
             second = start(args, tmp_path / "coordinator2.log")
             await wait_for_log(tmp_path / "coordinator2.log", "coordinator_standby", 60, second)
+            go.set()
             kill(first)
             await wait_for_batch(bus, 8, 120, [second])
             assert second.wait(30) == 0
