@@ -63,11 +63,16 @@ def local_host(host: str) -> str:
 
 
 def engine_url(config: InferenceConfig) -> str:
+    """The engine's admin port: ours, or the attached server's."""
+    if config.attach is not None:
+        return config.attach.admin_url
     return f"http://{local_host(config.admin.host)}:{config.backend_port}"
 
 
 def public_url(config: InferenceConfig) -> str:
-    """The public port (the gate in front of the router)."""
+    """The public port (the gate in front of the router): ours, or the attached server's."""
+    if config.attach is not None:
+        return config.attach.url
     return f"http://{local_host(config.server.host)}:{config.server.port}"
 
 

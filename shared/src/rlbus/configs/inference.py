@@ -1,8 +1,9 @@
 """Inference service config (`inference` command): vLLM engine behind a router."""
 
 from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import ByteSize, ConfigDict, Field, model_validator
+from pydantic import ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from rlbus.configs.base import BaseConfig, field_errors
 from rlbus.configs.common import ServiceConfig, WeightBroadcastConfig
@@ -94,6 +95,32 @@ class AdminConfig(BaseConfig):
     """Refuse a weight update holding NaN or infinite values (reads every tensor once more)."""
 
 
+def check_http_url(value: str) -> str:
+    """`value` without a trailing slash, if it is an http(s) URL with a host; else ValueError."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL: give e.g. http://127.0.0.1:8000")
+    return value.rstrip("/")
+
+
+class AttachConfig(BaseConfig):
+    """An already running `inference` server to use instead of starting vLLM (docs/inference.md,
+    "Attach to a running inference server"). The defaults are those of a plain `inference` on
+    this host: public port 8000, admin port 8100 on loopback."""
+
+    url: str = "http://127.0.0.1:8000"
+    """The server's public URL (OpenAI API under /v1), as the rollout clients reach it."""
+
+    admin_url: str = "http://127.0.0.1:8100"
+    """The server's engine (admin) port: /update_weights, /liveness. Its token, if it has one,
+    comes from admin.token_file or env RLBUS_ADMIN_TOKEN as for an owned replica."""
+
+    timeout_s: float = Field(10.0, gt=0)
+    """How long the attach checks wait for the server to answer before giving up."""
+
+    _urls = field_validator("url", "admin_url")(check_http_url)
+
+
 class InferenceConfig(ServiceConfig):
     """The inference service: one vLLM engine, its router, its weight agent and replica lease.
     Without bus.url the weight agent and the lease are off."""
@@ -136,6 +163,24 @@ class InferenceConfig(ServiceConfig):
     """Deadline of one weights load (the engine's /update_weights or /load_lora_adapter call);
     a load that takes longer is reported as failed (`weights.failed`)."""
 
+    attach: AttachConfig | bool | str | None = None
+    """Attach to a running server instead of starting one (`rl` runs this process in the
+    replica's place): bare `--attach` (the defaults of AttachConfig), `--attach URL` (its public
+    URL) or an `[attach]` table. The process registers the server, resets its weights to the
+    run's start and applies the run's updates; the server outlives the run."""
+
+    @field_validator("attach", mode="before")
+    @classmethod
+    def _attach_spellings(cls, value: Any) -> Any:
+        """Bare flag / `true` -> the defaults, a string -> its public URL, `false` -> off."""
+        if value is True or value == "true":
+            return {}
+        if value is False or value in ("false", "None"):
+            return None
+        if isinstance(value, str):
+            return {"url": value}
+        return value
+
     def vllm_cli_args(self, *, on_cpu: bool = False) -> list[str]:
         """The vLLM server flags for the `vllm.*` options (known and pass-through). On CPU the KV
         cache is sized in bytes (`cpu_kv_cache_bytes`), on GPU by `gpu_memory_utilization`."""
@@ -170,4 +215,12 @@ class InferenceConfig(ServiceConfig):
                     "there; give the engine another port, or 0 for a free one",
                 ),
             )
+        return self
+
+    @model_validator(mode="after")
+    def _attach_alone(self) -> "InferenceConfig":
+        """An attached server is started elsewhere: it cannot also be submitted to SLURM."""
+        if self.attach is not None and self.slurm is not None:
+            why = "cannot be combined with slurm: drop one (attach uses a running server)"
+            raise field_errors(self, ("attach", why))
         return self

@@ -7,7 +7,8 @@
 
     nats          embedded nats-server (only without bus.url), store in <run_dir>/nats
     monitor       python -m rlbus.monitors @ configs/rl.toml --bus.url <url>  (metrics.jsonl)
-    inference     python -m rlbus_inference.entrypoint @ configs/inference.toml   (per replica)
+    inference     python -m rlbus_inference.entrypoint @ configs/inference.toml   (per replica;
+                      with inference.attach one attach process, no vLLM, no ports picked)
     orchestrator  python -m rlbus_orchestrator.entrypoint @ configs/orchestrator.toml
     worker-<i>    the same with --role worker (deployment.num_rollout_workers, default none)
     trainer       python -m torch.distributed.run --standalone --nproc-per-node N
@@ -136,6 +137,8 @@ def inference_replicas(config: RLConfig) -> dict[str, InferenceConfig]:
     """One inference config per replica; replica i serves on port + i and backend_port + i
     (each a free port when the user set none)."""
     count = config.deployment.num_infer_replicas
+    if config.inference.attach is not None:  # a running server: no vLLM, no ports of our own
+        return {"inference": config.inference.model_copy(deep=True)}
     if count == 1:
         replica = config.inference.model_copy(deep=True)
         pick_free_inference_ports(replica, config.inference)
@@ -218,7 +221,7 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
                 )
         else:
             argv = python_module_argv("rlbus_inference.entrypoint", path)
-            if cpus is not None:
+            if cpus is not None and config.inference.attach is None:  # attach: no vLLM here
                 env = bind_inference_env(cpus.inference[replica_index])
                 if config.deployment.cpu_binding == "auto":
                     argv = under_taskset(argv, cpus.inference[replica_index])

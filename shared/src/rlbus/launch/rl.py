@@ -1,7 +1,8 @@
 """`rl`: one RL run = embedded NATS + inference + orchestrator + trainer, as subprocesses.
 
     rl @ examples/reverse-text/rl.toml [--flags]
-      1. parse RLConfig (defaults < @ files < flags), name the run (`<envs>--<model>--<id>`)
+      1. parse RLConfig (defaults < @ files < flags), name the run (`<envs>--<model>--<id>`);
+       `--inference.attach [URL]` uses a running `inference` instead of starting vLLM
       2. apply the run-directory rules (rlbus.runs): fresh, --resume or --clean
       3. plan the processes (rlbus.launch.plan) and write configs/ and scripts/ into the run dir
       4. --dry-run: print where they are and stop; otherwise start them (rlbus.launch.supervisor)
@@ -394,6 +395,16 @@ SUBCOMMANDS = {"dead-letters": "rlbus.bus.deadletters"}
 """`rl <subcommand> ...`: tools about a run, each a module with `main(argv) -> exit code`."""
 
 
+def refuse_attach_with_replicas(config: RLConfig) -> None:
+    """`--inference.attach` uses one running server: more replicas would be started by nobody."""
+    count = config.deployment.num_infer_replicas
+    if config.inference.attach is not None and count != 1:
+        exit_with_config_error(
+            f"--inference.attach uses one running server, but deployment.num_infer_replicas is "
+            f"{count}: drop --deployment.num-infer-replicas, or drop --inference.attach"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in SUBCOMMANDS:
@@ -401,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(importlib.import_module(SUBCOMMANDS[args[0]]).main(args[1:]))
     config = parse_cli(RLConfig, argv, prog="rl")
+    refuse_attach_with_replicas(config)
     # A dry run or a SLURM job only plans here: relative paths may be built before they run.
     exit_if_paths_missing(config, strict=not config.dry_run and config.slurm is None)
     check_sinks_installed(config.monitors)
