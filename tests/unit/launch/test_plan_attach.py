@@ -32,6 +32,21 @@ def test_attach_spellings(args, url):
     assert config.inference.attach.admin_url == "http://127.0.0.1:8100"
 
 
+def test_an_attach_url_and_an_admin_url_side_by_side_both_count():
+    """The loader alone would let `--inference.attach URL` drop the admin URL silently."""
+    from rlbus.configs.inference import attach_url_flags
+
+    for args in (
+        ["--inference.attach", "http://h:1", "--inference.attach.admin-url", "http://h:2"],
+        ["--inference.attach.admin-url", "http://h:2", "--inference.attach", "http://h:1"],
+    ):
+        flags = attach_url_flags(["@", DEBUG_RL, *args], "--inference.attach")
+        attach = parse_cli(RLConfig, flags).inference.attach
+        assert (attach.url, attach.admin_url) == ("http://h:1", "http://h:2")
+    bare = attach_url_flags(["--inference.attach", "--max-steps", "3"], "--inference.attach")
+    assert bare[0] == "--inference.attach"
+
+
 def test_no_attach_by_default_and_no_flag_turns_it_off():
     assert parse_cli(RLConfig, ["@", DEBUG_RL]).inference.attach is None
     off = parse_cli(RLConfig, ["@", DEBUG_RL, "--inference.attach", "--no-inference.attach"])

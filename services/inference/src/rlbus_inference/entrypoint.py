@@ -20,6 +20,7 @@ from pathlib import Path
 from rlbus import runtime
 from rlbus.configs import InferenceConfig
 from rlbus.configs.base import parse_cli
+from rlbus.configs.inference import attach_url_flags
 from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.runs import run_id_of, slug
 
@@ -54,7 +55,7 @@ def rl_file_index(args: list[str]) -> int | None:
 def parse_args(argv: list[str] | None) -> InferenceConfig:
     """The config of `argv`; an `rl` config file stands for its resolved `inference` part (as the
     launcher would write it, without `attach`: this process is the server)."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = attach_url_flags(list(sys.argv[1:] if argv is None else argv), "--attach")
     index = rl_file_index(args)
     if index is None:
         return parse_cli(InferenceConfig, args, prog="inference")

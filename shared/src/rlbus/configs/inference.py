@@ -121,6 +121,16 @@ class AttachConfig(BaseConfig):
     _urls = field_validator("url", "admin_url")(check_http_url)
 
 
+def attach_url_flags(args: list[str], flag: str) -> list[str]:
+    """`<flag> URL` -> `<flag>.url URL` (flag: `--attach` or `--inference.attach`): given as a
+    value, the URL would replace the table that `<flag>.admin-url` next to it fills."""
+    out = list(args)
+    for i, token in enumerate(out[:-1]):
+        if token == flag and not out[i + 1].startswith(("--", "@")):
+            out[i] = flag + ".url"
+    return out
+
+
 class InferenceConfig(ServiceConfig):
     """The inference service: one vLLM engine, its router, its weight agent and replica lease.
     Without bus.url the weight agent and the lease are off."""

@@ -24,6 +24,7 @@ import structlog
 
 from rlbus.configs import RLConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
+from rlbus.configs.inference import attach_url_flags
 from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.launch.lock import refusal, remove_lock, write_lock
 from rlbus.launch.plan import Launch, build_rl_launch
@@ -411,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         import importlib
 
         sys.exit(importlib.import_module(SUBCOMMANDS[args[0]]).main(args[1:]))
-    config = parse_cli(RLConfig, argv, prog="rl")
+    config = parse_cli(RLConfig, attach_url_flags(args, "--inference.attach"), prog="rl")
     refuse_attach_with_replicas(config)
     # A dry run or a SLURM job only plans here: relative paths may be built before they run.
     exit_if_paths_missing(config, strict=not config.dry_run and config.slurm is None)
