@@ -29,7 +29,8 @@ EXAMPLE_RL = str(ROOT / "examples" / "reverse-text" / "rl.toml")
 def test_attach_spellings(args, url):
     config = parse_cli(RLConfig, ["@", DEBUG_RL, *args])
     assert config.inference.attach.url == url
-    assert config.inference.attach.admin_url == "http://127.0.0.1:8100"
+    host = url.rsplit(":", 1)[0]
+    assert config.inference.attach.admin_url == f"{host}:8100"  # the server's default admin port
 
 
 def test_an_attach_url_and_an_admin_url_side_by_side_both_count():

@@ -10,6 +10,11 @@
        agent (watch the weights KV key, apply each new version, report applied/failed);
     4. serve until SIGTERM/SIGINT or until a child dies.
 
+With `attach` (a server started elsewhere, `rl --inference.attach`) steps 1-2 are replaced by
+the checks and weight reset of `rlbus_inference.attached`, step 3 is the same code
+(`spawn_replica_tasks`), and step 4 probes that server's /health (`serve_attached`); the server
+is never stopped.
+
 Signals come from the service shell (rlbus.runtime): the first SIGTERM/SIGINT stops the replica in
 the order below (also during start-up: the engine is stopped and the exit is 0), a second one
 exits at once (143/130). The bus tasks are supervised: a lease or weight agent that raises ends

@@ -95,6 +95,9 @@ class AdminConfig(BaseConfig):
     """Refuse a weight update holding NaN or infinite values (reads every tensor once more)."""
 
 
+DEFAULT_BACKEND_PORT = 8100
+
+
 def check_http_url(value: str) -> str:
     """`value` without a trailing slash, if it is an http(s) URL with a host; else ValueError."""
     parts = urlsplit(value)
@@ -111,14 +114,22 @@ class AttachConfig(BaseConfig):
     url: str = "http://127.0.0.1:8000"
     """The server's public URL (OpenAI API under /v1), as the rollout clients reach it."""
 
-    admin_url: str = "http://127.0.0.1:8100"
-    """The server's engine (admin) port: /update_weights, /liveness. Its token, if it has one,
-    comes from admin.token_file or env RLBUS_ADMIN_TOKEN as for an owned replica."""
+    admin_url: str | None = None
+    """The server's engine (admin) port: /update_weights, /liveness (default: port 8100 on the
+    host of `url`). Its token, if it has one, comes from admin.token_file or env
+    RLBUS_ADMIN_TOKEN, as for an owned replica."""
 
     timeout_s: float = Field(10.0, gt=0)
     """How long the attach checks wait for the server to answer before giving up."""
 
-    _urls = field_validator("url", "admin_url")(check_http_url)
+    _urls = field_validator("url", "admin_url")(lambda value: value and check_http_url(value))
+
+    @model_validator(mode="after")
+    def _default_admin_url(self) -> "AttachConfig":
+        if self.admin_url is None:
+            parts = urlsplit(self.url)
+            self.admin_url = f"{parts.scheme}://{parts.hostname}:{DEFAULT_BACKEND_PORT}"
+        return self
 
 
 def attach_url_flags(args: list[str], flag: str) -> list[str]:
@@ -140,7 +151,7 @@ class InferenceConfig(ServiceConfig):
     server: ServerConfig = ServerConfig()
     """Router."""
 
-    backend_port: int = Field(8100, ge=0, le=65535)
+    backend_port: int = Field(DEFAULT_BACKEND_PORT, ge=0, le=65535)
     """Engine port; admin endpoints (/update_weights, ...) live here only."""
 
     vllm: VLLMConfig = VLLMConfig()
