@@ -196,7 +196,7 @@ def test_attach_to_nothing_names_the_url_within_the_timeout_and_exits_4(
         assert attach.proc.wait(60) == 4
     finally:
         attach.stop()
-    assert time.monotonic() - start < 30  # 3 s of retries plus the process start
+    assert time.monotonic() - start < 10  # 3 s of retries plus the process start
     last = attach.output().strip().splitlines()[-1]
     assert url in last and "uv run inference @" in last, last
     assert "Traceback" not in attach.output()

@@ -119,8 +119,9 @@ class AttachConfig(BaseConfig):
     host of `url`). Its token, if it has one, comes from admin.token_file or env
     RLBUS_ADMIN_TOKEN, as for an owned replica."""
 
-    timeout_s: float = Field(10.0, gt=0)
-    """How long the attach checks wait for the server to answer before giving up."""
+    timeout_s: float = Field(5.0, gt=0)
+    """How long the attach checks wait for the server to answer before giving up (short: an
+    unreachable URL is reported within 10 s of the start, process start-up included)."""
 
     _urls = field_validator("url", "admin_url")(lambda value: value and check_http_url(value))
 
