@@ -44,6 +44,12 @@ PLUGIN_NAME = "rlbus"
 _PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins", "vllm.io_processor_plugins")
 
 
+def quiet_http_log() -> None:
+    """httpx logs every request at INFO: one line per health probe every interval_s would drown
+    the replica's log. Failed probes have their own line (`*_health_failed`)."""
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
 class ChildExited(RuntimeError):
     """A child process ended while we waited for it to become healthy (or while serving)."""
 
@@ -436,9 +442,7 @@ class ChildWatch:
         self.timeout_s = config.health.timeout_s
         self.failures_allowed = config.health.failures
         self.failures = 0
-        # httpx logs every request at INFO: one line per probe every interval_s would drown the
-        # replica's log. Failed probes have their own line (engine_health_failed).
-        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+        quiet_http_log()
         engine, _ = children["engine"]
         self.engine_core = find_engine_core(engine.pid)
         if self.engine_core is None:

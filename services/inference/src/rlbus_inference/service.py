@@ -282,14 +282,17 @@ async def watch_attached(config: InferenceConfig, state: ServiceState, tasks: Ta
     request; ChildExited when it failed `health.failures` probes in a row."""
     url = processes.public_url(config) + "/health"
     failures = 0
+    processes.quiet_http_log()
     async with httpx.AsyncClient() as http:
         while not state.ending:
             try:
                 response = await http.get(url, timeout=config.health.timeout_s)
-                healthy = response.status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            failures = 0 if healthy else failures + 1
+                why = None if response.status_code == 200 else f"answered {response.status_code}"
+            except httpx.HTTPError as error:
+                why = type(error).__name__
+            failures = 0 if why is None else failures + 1
+            if why is not None:
+                log.warning("attached_health_failed", url=url, failures=failures, reason=why)
             if failures >= config.health.failures:
                 raise processes.ChildExited(
                     f"the attached server at {config.attach.url} failed {failures} health "
