@@ -27,7 +27,9 @@ EXAMPLE_RL = str(ROOT / "examples" / "reverse-text" / "rl.toml")
     ],
 )
 def test_attach_spellings(args, url):
-    config = parse_cli(RLConfig, ["@", DEBUG_RL, *args])
+    from rlbus.configs.inference import attach_url_flags
+
+    config = parse_cli(RLConfig, attach_url_flags(["@", DEBUG_RL, *args], "--inference.attach"))
     assert config.inference.attach.url == url
     host = url.rsplit(":", 1)[0]
     assert config.inference.attach.admin_url == f"{host}:8100"  # the server's default admin port
@@ -46,6 +48,17 @@ def test_an_attach_url_and_an_admin_url_side_by_side_both_count():
         assert (attach.url, attach.admin_url) == ("http://h:1", "http://h:2")
     bare = attach_url_flags(["--inference.attach", "--max-steps", "3"], "--inference.attach")
     assert bare[0] == "--inference.attach"
+
+
+@pytest.mark.parametrize(
+    ("line", "url"),
+    [("attach = true", "http://127.0.0.1:8000"), ('attach = "http://h:5"', "http://h:5")],
+)
+def test_attach_in_a_toml_file(tmp_path, line, url):
+    file = tmp_path / "attach.toml"
+    file.write_text(f"[inference]\n{line}\n")
+    attach = parse_cli(RLConfig, ["@", DEBUG_RL, "@", str(file)]).inference.attach
+    assert attach.url == url
 
 
 def test_no_attach_by_default_and_no_flag_turns_it_off():

@@ -185,10 +185,10 @@ class InferenceConfig(ServiceConfig):
     """Deadline of one weights load (the engine's /update_weights or /load_lora_adapter call);
     a load that takes longer is reported as failed (`weights.failed`)."""
 
-    attach: AttachConfig | bool | str | None = None
+    attach: AttachConfig | None = None
     """Attach to a running server instead of starting one (`rl` runs this process in the
     replica's place): bare `--attach` (the defaults of AttachConfig), `--attach URL` (its public
-    URL) or an `[attach]` table. The process registers the server, resets its weights to the
+    URL; `attach_url_flags`), an `[attach]` table, or `attach = true` / `attach = "URL"`. The process registers the server, resets its weights to the
     run's start and applies the run's updates; the server outlives the run."""
 
     @field_validator("attach", mode="before")
