@@ -61,7 +61,7 @@ def replica_id(config: InferenceConfig) -> str:
         raw = config.replica_id
     elif config.attach is not None:
         url = urlsplit(config.attach.url)
-        raw = f"{url.hostname}-{url.port or 80}"
+        raw = f"{url.hostname}-{url.port or (443 if url.scheme == 'https' else 80)}"
     else:
         raw = f"{socket.gethostname()}-{config.server.port}"
     return re.sub(r"[^A-Za-z0-9_=/.-]", "-", raw)

@@ -123,7 +123,10 @@ class AttachConfig(BaseConfig):
     """How long the attach checks wait for the server to answer before giving up (short: an
     unreachable URL is reported within 10 s of the start, process start-up included)."""
 
-    _urls = field_validator("url", "admin_url")(lambda value: value and check_http_url(value))
+    @field_validator("url", "admin_url")
+    @classmethod
+    def _http_urls(cls, value: str | None) -> str | None:
+        return None if value is None else check_http_url(value)
 
     @model_validator(mode="after")
     def _default_admin_url(self) -> "AttachConfig":
@@ -188,8 +191,9 @@ class InferenceConfig(ServiceConfig):
     attach: AttachConfig | None = None
     """Attach to a running server instead of starting one (`rl` runs this process in the
     replica's place): bare `--attach` (the defaults of AttachConfig), `--attach URL` (its public
-    URL; `attach_url_flags`), an `[attach]` table, or `attach = true` / `attach = "URL"`. The process registers the server, resets its weights to the
-    run's start and applies the run's updates; the server outlives the run."""
+    URL; `attach_url_flags`), an `[attach]` table, or `attach = true` / `attach = "URL"`. The
+    process registers the server, resets its weights to the run's start and applies the run's
+    updates; the server outlives the run."""
 
     @field_validator("attach", mode="before")
     @classmethod

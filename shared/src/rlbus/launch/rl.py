@@ -2,7 +2,7 @@
 
     rl @ examples/reverse-text/rl.toml [--flags]
       1. parse RLConfig (defaults < @ files < flags), name the run (`<envs>--<model>--<id>`);
-       `--inference.attach [URL]` uses a running `inference` instead of starting vLLM
+         `--inference.attach [URL]` uses a running `inference` instead of starting vLLM
       2. apply the run-directory rules (rlbus.runs): fresh, --resume or --clean
       3. plan the processes (rlbus.launch.plan) and write configs/ and scripts/ into the run dir
       4. --dry-run: print where they are and stop; otherwise start them (rlbus.launch.supervisor)
