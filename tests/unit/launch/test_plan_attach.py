@@ -1,6 +1,6 @@
 """`rl --inference.attach`: the plan starts the attach process in the inference replica's place
-(no vLLM argv, no ports picked, no CPU binding), the flag's spellings, the refusals; and
-`inference @ rl.toml` serves what the rl config's replica would."""
+(no vLLM argv, no ports picked, no CPU binding; one per server, at the ports + i), the flag's
+spellings, the refusals; and `inference @ rl.toml` serves what the rl config's replica would."""
 
 from pathlib import Path
 
@@ -89,11 +89,37 @@ def test_the_plan_starts_the_attach_process_instead_of_vllm(tmp_path):
     assert resolved.bus.url == launch.configs["trainer"].bus.url is not None
 
 
-def test_attach_with_several_replicas_is_refused(capsys):
+def test_several_attached_servers_are_found_at_the_ports_plus_i(tmp_path):
+    args = ["@", DEBUG_RL, "--inference.attach", "--deployment.num-infer-replicas", "2"]
+    launch = build_rl_launch(parse_cli(RLConfig, args).with_run_name("r"), tmp_path)
+    names = [p.name for p in launch.processes]
+    assert names == ["nats", "monitor", "inference-0", "inference-1", "orchestrator", "trainer"]
+    urls = [(c.attach.url, c.attach.admin_url) for n, c in launch.configs.items() if "-" in n]
+    assert urls == [
+        ("http://127.0.0.1:8000", "http://127.0.0.1:8100"),
+        ("http://127.0.0.1:8001", "http://127.0.0.1:8101"),
+    ]
+    from rlbus_inference.replica import replica_id
+
+    ids = {replica_id(launch.configs[f"inference-{i}"]) for i in range(2)}
+    assert ids == {"127.0.0.1-8000", "127.0.0.1-8001"}
+
+
+def test_several_attached_servers_need_urls_with_ports(capsys):
     with pytest.raises(SystemExit) as exit_:
-        rl_main(["@", DEBUG_RL, "--inference.attach", "--deployment.num-infer-replicas", "2"])
+        rl_main(
+            [
+                "@",
+                DEBUG_RL,
+                "--inference.attach",
+                "http://gpu-3",
+                "--deployment.num-infer-replicas",
+                "2",
+            ]
+        )
     assert exit_.value.code == 2
-    assert "num_infer_replicas" in capsys.readouterr().err
+    words = " ".join(capsys.readouterr().err.replace("│", " ").split())  # the box wraps lines
+    assert "http://gpu-3 names no port" in words
 
 
 def test_inference_at_an_rl_config_serves_its_replica_without_attach(tmp_path):

@@ -135,6 +135,26 @@ class AttachConfig(BaseConfig):
             self.admin_url = f"{parts.scheme}://{parts.hostname}:{DEFAULT_BACKEND_PORT}"
         return self
 
+    def shifted(self, offset: int) -> "AttachConfig":
+        """The server `offset` ports up on both URLs: replica i of a run attaches to port + i
+        and admin port + i, the rule by which `rl` numbers the replicas it starts itself."""
+        return self.model_copy(
+            update={
+                "url": shift_port(self.url, offset),
+                "admin_url": shift_port(self.admin_url, offset),
+            }
+        )
+
+
+def shift_port(url: str, offset: int) -> str:
+    """`url` with its (explicit) port raised by `offset`."""
+    parts = urlsplit(url)
+    if parts.port is None:
+        raise ValueError(f"{url} names no port: give one (replica i attaches to port + i)")
+    if parts.port + offset > 65535:
+        raise ValueError(f"{url}: port + {offset} is past 65535 (replica i attaches to port + i)")
+    return parts._replace(netloc=f"{parts.hostname}:{parts.port + offset}").geturl()
+
 
 def attach_url_flags(args: list[str], flag: str) -> list[str]:
     """`<flag> URL` -> `<flag>.url URL` (flag: `--attach` or `--inference.attach`): given as a

@@ -396,14 +396,16 @@ SUBCOMMANDS = {"dead-letters": "rlbus.bus.deadletters"}
 """`rl <subcommand> ...`: tools about a run, each a module with `main(argv) -> exit code`."""
 
 
-def refuse_attach_with_replicas(config: RLConfig) -> None:
-    """`--inference.attach` uses one running server: more replicas would be started by nobody."""
-    count = config.deployment.num_infer_replicas
-    if config.inference.attach is not None and count != 1:
-        exit_with_config_error(
-            f"--inference.attach uses one running server, but deployment.num_infer_replicas is "
-            f"{count}: drop --deployment.num-infer-replicas, or drop --inference.attach"
-        )
+def check_attach_ports(config: RLConfig) -> None:
+    """Several attached servers are found by port (replica i at the attach ports + i): the
+    URLs must name their ports."""
+    attach = config.inference.attach
+    if attach is None or config.deployment.num_infer_replicas == 1:
+        return
+    try:
+        attach.shifted(config.deployment.num_infer_replicas - 1)
+    except ValueError as error:
+        exit_with_config_error(f"--inference.attach with deployment.num_infer_replicas: {error}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(importlib.import_module(SUBCOMMANDS[args[0]]).main(args[1:]))
     config = parse_cli(RLConfig, attach_url_flags(args, "--inference.attach"), prog="rl")
-    refuse_attach_with_replicas(config)
+    check_attach_ports(config)
     # A dry run or a SLURM job only plans here: relative paths may be built before they run.
     exit_if_paths_missing(config, strict=not config.dry_run and config.slurm is None)
     check_sinks_installed(config.monitors)
