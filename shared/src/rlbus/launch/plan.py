@@ -155,14 +155,15 @@ def inference_replicas(config: RLConfig) -> dict[str, InferenceConfig]:
 
 
 def attached_replicas(inference: InferenceConfig, count: int) -> dict[str, InferenceConfig]:
-    """One attach process per running server; server i on the attach URLs' ports + i (the
-    numbering of `inference_replicas`), each registered under its own URL."""
+    """One attach process per running server; server i on the attach URLs' ports + i and
+    replica id i (the numbering of `inference_replicas`: own logs, own registry entries)."""
     if count == 1:
         return {"inference": inference.model_copy(deep=True)}
     replicas = {}
     for i in range(count):
         replica = inference.model_copy(deep=True)
         replica.attach = inference.attach.shifted(i)
+        replica.replica_id = replica.replica_id or str(i)
         replicas[f"inference-{i}"] = replica
     return replicas
 
