@@ -178,3 +178,32 @@ def wait_until_healthy(replica: Replica, timeout_s: float) -> None:
             pass
         time.sleep(1)
     raise TimeoutError(f"inference not healthy after {timeout_s} s; see {replica.log_path}")
+
+
+def start_standalone(
+    model_dir: Path, log_path: Path, *, vllm_args: list[str] = VLLM_TEST_ARGS, timeout_s=300.0
+) -> Replica:
+    """A plain `inference` (no bus, no run directory: it accepts weights from any directory),
+    as a user starts it in a terminal for `rl --inference.attach`; waited until healthy."""
+    port, backend_port = free_ports(2)
+    command = replica_command(model_dir, port, backend_port, *vllm_args)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    replica = Replica(
+        proc,
+        f"http://127.0.0.1:{port}",
+        f"http://127.0.0.1:{backend_port}",
+        "standalone",
+        log_path,
+        (port, backend_port),
+    )
+    try:
+        wait_until_healthy(replica, timeout_s)
+    except BaseException:
+        replica.stop()
+        raise
+    return replica

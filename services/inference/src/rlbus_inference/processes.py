@@ -44,6 +44,12 @@ PLUGIN_NAME = "rlbus"
 _PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins", "vllm.io_processor_plugins")
 
 
+def quiet_http_log() -> None:
+    """httpx logs every request at INFO: one line per health probe every interval_s would drown
+    the replica's log. Failed probes have their own line (`*_health_failed`)."""
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
 class ChildExited(RuntimeError):
     """A child process ended while we waited for it to become healthy (or while serving)."""
 
@@ -63,11 +69,16 @@ def local_host(host: str) -> str:
 
 
 def engine_url(config: InferenceConfig) -> str:
+    """The engine's admin port: ours, or the attached server's."""
+    if config.attach is not None:
+        return config.attach.admin_url
     return f"http://{local_host(config.admin.host)}:{config.backend_port}"
 
 
 def public_url(config: InferenceConfig) -> str:
-    """The public port (the gate in front of the router)."""
+    """The public port (the gate in front of the router): ours, or the attached server's."""
+    if config.attach is not None:
+        return config.attach.url
     return f"http://{local_host(config.server.host)}:{config.server.port}"
 
 
@@ -431,9 +442,7 @@ class ChildWatch:
         self.timeout_s = config.health.timeout_s
         self.failures_allowed = config.health.failures
         self.failures = 0
-        # httpx logs every request at INFO: one line per probe every interval_s would drown the
-        # replica's log. Failed probes have their own line (engine_health_failed).
-        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+        quiet_http_log()
         engine, _ = children["engine"]
         self.engine_core = find_engine_core(engine.pid)
         if self.engine_core is None:

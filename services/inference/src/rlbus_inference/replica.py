@@ -28,6 +28,7 @@ import re
 import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -54,8 +55,15 @@ LEASE_RETRY_S = (1.0, 2.0, 5.0)
 
 
 def replica_id(config: InferenceConfig) -> str:
-    """Registry key of this replica: `config.replica_id` or `<hostname>-<port>` (KV-key safe)."""
-    raw = config.replica_id or f"{socket.gethostname()}-{config.server.port}"
+    """Registry key of this replica: `config.replica_id` or `<hostname>-<port>` (KV-key safe);
+    an attached server is named by its URL's host and port."""
+    if config.replica_id:
+        raw = config.replica_id
+    elif config.attach is not None:
+        url = urlsplit(config.attach.url)
+        raw = f"{url.hostname}-{url.port or (443 if url.scheme == 'https' else 80)}"
+    else:
+        raw = f"{socket.gethostname()}-{config.server.port}"
     return re.sub(r"[^A-Za-z0-9_=/.-]", "-", raw)
 
 
@@ -73,13 +81,25 @@ def public_host(host: str) -> str:
     return host
 
 
+def advertised_urls(config: InferenceConfig) -> tuple[str, str]:
+    """(public, admin) URLs other machines reach this replica at: an attached server's as
+    configured, else our ports on this host's name."""
+    if config.attach is not None:
+        return config.attach.url, config.attach.admin_url
+    return (
+        f"http://{public_host(config.server.host)}:{config.server.port}",
+        f"http://{public_host(config.admin.host)}:{config.backend_port}",
+    )
+
+
 def make_replica_info(
     config: InferenceConfig, *, version: int, status: str
 ) -> replicas.ReplicaInfo:
+    public, admin = advertised_urls(config)
     return replicas.ReplicaInfo(
         replica_id=replica_id(config),
-        base_url=f"http://{public_host(config.server.host)}:{config.server.port}/v1",
-        admin_url=f"http://{public_host(config.admin.host)}:{config.backend_port}",
+        base_url=f"{public}/v1",
+        admin_url=admin,
         model=served_model_name(config),
         weights_version=version,
         capacity=int((config.vllm.model_extra or {}).get("max_num_seqs", 256)),

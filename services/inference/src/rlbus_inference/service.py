@@ -10,6 +10,11 @@
        agent (watch the weights KV key, apply each new version, report applied/failed);
     4. serve until SIGTERM/SIGINT or until a child dies.
 
+With `attach` (a server started elsewhere, `rl --inference.attach`) steps 1-2 are replaced by
+the checks and weight reset of `rlbus_inference.attached`, step 3 is the same code
+(`spawn_replica_tasks`), and step 4 probes that server's /health (`serve_attached`); the server
+is never stopped.
+
 Signals come from the service shell (rlbus.runtime): the first SIGTERM/SIGINT stops the replica in
 the order below (also during start-up: the engine is stopped and the exit is 0), a second one
 exits at once (143/130). The bus tasks are supervised: a lease or weight agent that raises ends
@@ -107,12 +112,34 @@ def run(config: InferenceConfig) -> None:
     except (guards.AdminExposed, SecretError) as error:
         exit_with_config_error(str(error))
     try:
+        if config.attach is not None:
+            run_attached(config, token)
+            return
         config = claim_ports(config)
         run_service("inference", lambda state: serve(config, state, token))
     except PortInUse as error:
         sys.exit(f"inference: {error}")
     except (processes.EngineConfigError, processes.ChildExited, processes.StartupTimeout) as error:
         sys.exit(f"inference: {error}")
+
+
+def run_attached(config: InferenceConfig, token: str | None) -> None:
+    """Attach mode: check and reset the running server (`rlbus_inference.attached`: one line and
+    exit 2 or 4 when it cannot be used), then only the bus part of `serve` until stopped."""
+    from rlbus_inference import attached
+
+    if config.bus.url is None:  # `rl` always sets it (its bus, embedded or not)
+        exit_with_config_error(
+            "--attach registers a running server for a run: it needs --bus.url (the run's bus); "
+            "a plain server needs no --attach"
+        )
+    try:
+        attached.prepare(config, token)
+    except attached.AttachFailed as error:
+        log.error("attach_failed", url=config.attach.url, reason=str(error))
+        print(f"inference: {error}", file=sys.stderr, flush=True)
+        sys.exit(error.code)
+    run_service("inference", lambda state: serve_attached(config, state, token))
 
 
 def logs_dir(config: InferenceConfig) -> Path | None:
@@ -193,9 +220,7 @@ async def serve(config: InferenceConfig, state: ServiceState, token: str | None 
             engine_log=engine_log,
         )
         if config.bus.url:
-            from rlbus_inference.replica import run_replica_tasks
-
-            replica = tasks.spawn("replica_tasks", run_replica_tasks(config, state, token))
+            replica = spawn_replica_tasks(config, state, tasks, token)
         await wait_for_stop(state, watch, tasks, interval_s=config.health.interval_s)
         failed = False
     except processes.StopDuringStartup as stopped:
@@ -223,6 +248,57 @@ async def serve(config: InferenceConfig, state: ServiceState, token: str | None 
             await gate.aclose()
         await asyncio.to_thread(processes.end_marked, mark)
         log.info("inference_stopped")
+
+
+def spawn_replica_tasks(
+    config: InferenceConfig, state: ServiceState, tasks: TaskSupervisor, token: str | None
+) -> asyncio.Task:
+    """The bus part of a replica, owned or attached: weights, lease, applied/failed events."""
+    from rlbus_inference.replica import run_replica_tasks
+
+    return tasks.spawn("replica_tasks", run_replica_tasks(config, state, token))
+
+
+async def serve_attached(config: InferenceConfig, state: ServiceState, token: str | None) -> None:
+    """The bus part of `serve` for a server this process does not own: registered with its
+    URLs until a stop request (the lease is withdrawn first, as in `serve`) or until the server
+    stops answering /health `health.failures` times in a row (exit 1: the launcher restarts this
+    process, whose checks then wait for the server). The server itself is never stopped."""
+    tasks = TaskSupervisor()
+    replica = spawn_replica_tasks(config, state, tasks, token)
+    failed = True
+    try:
+        await watch_attached(config, state, tasks)
+        failed = False
+    finally:
+        state.drain("shutdown")
+        await finish(replica, timeout_s=FAILED_WITHDRAW_S if failed else 10.0)
+        await tasks.close()
+        log.info("inference_detached", url=config.attach.url)
+
+
+async def watch_attached(config: InferenceConfig, state: ServiceState, tasks: TaskSupervisor):
+    """Probe the attached server's public /health every `health.interval_s` until a stop
+    request; ChildExited when it failed `health.failures` probes in a row."""
+    url = processes.public_url(config) + "/health"
+    failures = 0
+    processes.quiet_http_log()
+    async with httpx.AsyncClient() as http:
+        while not state.ending:
+            try:
+                response = await http.get(url, timeout=config.health.timeout_s)
+                why = None if response.status_code == 200 else f"answered {response.status_code}"
+            except httpx.HTTPError as error:
+                why = type(error).__name__
+            failures = 0 if why is None else failures + 1
+            if why is not None:
+                log.warning("attached_health_failed", url=url, failures=failures, reason=why)
+            if failures >= config.health.failures:
+                raise processes.ChildExited(
+                    f"the attached server at {config.attach.url} failed {failures} health "
+                    "probes in a row (stopped or restarting?)"
+                )
+            await tasks.wait(state.stop_requested, timeout_s=config.health.interval_s)
 
 
 async def serve_gate(server, config: InferenceConfig) -> None:

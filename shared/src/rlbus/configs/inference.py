@@ -1,8 +1,9 @@
 """Inference service config (`inference` command): vLLM engine behind a router."""
 
 from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import ByteSize, ConfigDict, Field, model_validator
+from pydantic import ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from rlbus.configs.base import BaseConfig, field_errors
 from rlbus.configs.common import ServiceConfig, WeightBroadcastConfig
@@ -94,6 +95,77 @@ class AdminConfig(BaseConfig):
     """Refuse a weight update holding NaN or infinite values (reads every tensor once more)."""
 
 
+DEFAULT_BACKEND_PORT = 8100
+
+
+def check_http_url(value: str) -> str:
+    """`value` without a trailing slash, if it is an http(s) URL with a host; else ValueError."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL: give e.g. http://127.0.0.1:8000")
+    return value.rstrip("/")
+
+
+class AttachConfig(BaseConfig):
+    """An already running `inference` server to use instead of starting vLLM (docs/inference.md,
+    "Attach to a running inference server"). The defaults are those of a plain `inference` on
+    this host: public port 8000, admin port 8100 on loopback."""
+
+    url: str = "http://127.0.0.1:8000"
+    """The server's public URL (OpenAI API under /v1), as the rollout clients reach it."""
+
+    admin_url: str | None = None
+    """The server's engine (admin) port: /update_weights, /liveness (default: port 8100 on the
+    host of `url`). Its token, if it has one, comes from admin.token_file or env
+    RLBUS_ADMIN_TOKEN, as for an owned replica."""
+
+    timeout_s: float = Field(5.0, gt=0)
+    """How long the attach checks wait for the server to answer before giving up (short: an
+    unreachable URL is reported within 10 s of the start, process start-up included)."""
+
+    @field_validator("url", "admin_url")
+    @classmethod
+    def _http_urls(cls, value: str | None) -> str | None:
+        return None if value is None else check_http_url(value)
+
+    @model_validator(mode="after")
+    def _default_admin_url(self) -> "AttachConfig":
+        if self.admin_url is None:
+            parts = urlsplit(self.url)
+            self.admin_url = f"{parts.scheme}://{parts.hostname}:{DEFAULT_BACKEND_PORT}"
+        return self
+
+    def shifted(self, offset: int) -> "AttachConfig":
+        """The server `offset` ports up on both URLs: replica i of a run attaches to port + i
+        and admin port + i, the rule by which `rl` numbers the replicas it starts itself."""
+        return self.model_copy(
+            update={
+                "url": shift_port(self.url, offset),
+                "admin_url": shift_port(self.admin_url, offset),
+            }
+        )
+
+
+def shift_port(url: str, offset: int) -> str:
+    """`url` with its (explicit) port raised by `offset`."""
+    parts = urlsplit(url)
+    if parts.port is None:
+        raise ValueError(f"{url} names no port: give one (replica i attaches to port + i)")
+    if parts.port + offset > 65535:
+        raise ValueError(f"{url}: port + {offset} is past 65535 (replica i attaches to port + i)")
+    return parts._replace(netloc=f"{parts.hostname}:{parts.port + offset}").geturl()
+
+
+def attach_url_flags(args: list[str], flag: str) -> list[str]:
+    """`<flag> URL` -> `<flag>.url URL` (flag: `--attach` or `--inference.attach`): given as a
+    value, the URL would replace the table that `<flag>.admin-url` next to it fills."""
+    out = list(args)
+    for i, token in enumerate(out[:-1]):
+        if token == flag and not out[i + 1].startswith(("--", "@")):
+            out[i] = flag + ".url"
+    return out
+
+
 class InferenceConfig(ServiceConfig):
     """The inference service: one vLLM engine, its router, its weight agent and replica lease.
     Without bus.url the weight agent and the lease are off."""
@@ -103,7 +175,7 @@ class InferenceConfig(ServiceConfig):
     server: ServerConfig = ServerConfig()
     """Router."""
 
-    backend_port: int = Field(8100, ge=0, le=65535)
+    backend_port: int = Field(DEFAULT_BACKEND_PORT, ge=0, le=65535)
     """Engine port; admin endpoints (/update_weights, ...) live here only."""
 
     vllm: VLLMConfig = VLLMConfig()
@@ -135,6 +207,25 @@ class InferenceConfig(ServiceConfig):
     weights_apply_timeout_s: float = Field(600.0, gt=0)
     """Deadline of one weights load (the engine's /update_weights or /load_lora_adapter call);
     a load that takes longer is reported as failed (`weights.failed`)."""
+
+    attach: AttachConfig | None = None
+    """Attach to a running server instead of starting one (`rl` runs this process in the
+    replica's place): bare `--attach` (the defaults of AttachConfig), `--attach URL` (its public
+    URL; `attach_url_flags`), an `[attach]` table, or `attach = true` / `attach = "URL"`. The
+    process registers the server, resets its weights to the run's start and applies the run's
+    updates; the server outlives the run."""
+
+    @field_validator("attach", mode="before")
+    @classmethod
+    def _attach_spellings(cls, value: Any) -> Any:
+        """Bare flag / `true` -> the defaults, a string -> its public URL, `false` -> off."""
+        if value is True or value == "true":
+            return {}
+        if value is False or value in ("false", "None"):
+            return None
+        if isinstance(value, str):
+            return {"url": value}
+        return value
 
     def vllm_cli_args(self, *, on_cpu: bool = False) -> list[str]:
         """The vLLM server flags for the `vllm.*` options (known and pass-through). On CPU the KV
@@ -170,4 +261,12 @@ class InferenceConfig(ServiceConfig):
                     "there; give the engine another port, or 0 for a free one",
                 ),
             )
+        return self
+
+    @model_validator(mode="after")
+    def _attach_alone(self) -> "InferenceConfig":
+        """An attached server is started elsewhere: it cannot also be submitted to SLURM."""
+        if self.attach is not None and self.slurm is not None:
+            why = "cannot be combined with slurm: drop one (attach uses a running server)"
+            raise field_errors(self, ("attach", why))
         return self

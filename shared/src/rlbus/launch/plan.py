@@ -7,7 +7,8 @@
 
     nats          embedded nats-server (only without bus.url), store in <run_dir>/nats
     monitor       python -m rlbus.monitors @ configs/rl.toml --bus.url <url>  (metrics.jsonl)
-    inference     python -m rlbus_inference.entrypoint @ configs/inference.toml   (per replica)
+    inference     python -m rlbus_inference.entrypoint @ configs/inference.toml   (per replica;
+                      with inference.attach an attach process per server: no vLLM, no ports)
     orchestrator  python -m rlbus_orchestrator.entrypoint @ configs/orchestrator.toml
     worker-<i>    the same with --role worker (deployment.num_rollout_workers, default none)
     trainer       python -m torch.distributed.run --standalone --nproc-per-node N
@@ -137,6 +138,8 @@ def inference_replicas(config: RLConfig) -> dict[str, InferenceConfig]:
     """One inference config per replica; replica i serves on port + i and backend_port + i
     (each a free port when the user set none)."""
     count = config.deployment.num_infer_replicas
+    if config.inference.attach is not None:  # running servers: no vLLM, no ports of our own
+        return attached_replicas(config.inference, count)
     if count == 1:
         replica = config.inference.model_copy(deep=True)
         pick_free_inference_ports(replica, config.inference)
@@ -147,6 +150,20 @@ def inference_replicas(config: RLConfig) -> dict[str, InferenceConfig]:
         replica.server.port = config.inference.server.port + i
         replica.backend_port = config.inference.backend_port + i
         pick_free_inference_ports(replica, config.inference)
+        replica.replica_id = replica.replica_id or str(i)
+        replicas[f"inference-{i}"] = replica
+    return replicas
+
+
+def attached_replicas(inference: InferenceConfig, count: int) -> dict[str, InferenceConfig]:
+    """One attach process per running server; server i on the attach URLs' ports + i and
+    replica id i (the numbering of `inference_replicas`: own logs, own registry entries)."""
+    if count == 1:
+        return {"inference": inference.model_copy(deep=True)}
+    replicas = {}
+    for i in range(count):
+        replica = inference.model_copy(deep=True)
+        replica.attach = inference.attach.shifted(i)
         replica.replica_id = replica.replica_id or str(i)
         replicas[f"inference-{i}"] = replica
     return replicas
@@ -229,7 +246,7 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
                 )
         else:
             argv = python_module_argv("rlbus_inference.entrypoint", path)
-            if cpus is not None:
+            if cpus is not None and config.inference.attach is None:  # attach: no vLLM here
                 env = bind_inference_env(cpus.inference[replica_index])
                 if config.deployment.cpu_binding == "auto":
                     argv = under_taskset(argv, cpus.inference[replica_index])

@@ -1,7 +1,8 @@
 """`rl`: one RL run = embedded NATS + inference + orchestrator + trainer, as subprocesses.
 
     rl @ examples/reverse-text/rl.toml [--flags]
-      1. parse RLConfig (defaults < @ files < flags), name the run (`<envs>--<model>--<id>`)
+      1. parse RLConfig (defaults < @ files < flags), name the run (`<envs>--<model>--<id>`);
+         `--inference.attach [URL]` uses a running `inference` instead of starting vLLM
       2. apply the run-directory rules (rlbus.runs): fresh, --resume or --clean
       3. plan the processes (rlbus.launch.plan) and write configs/ and scripts/ into the run dir
       4. --dry-run: print where they are and stop; otherwise start them (rlbus.launch.supervisor)
@@ -23,6 +24,7 @@ import structlog
 
 from rlbus.configs import RLConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
+from rlbus.configs.inference import attach_url_flags
 from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.launch.lock import refusal, remove_lock, write_lock
 from rlbus.launch.plan import Launch, build_rl_launch
@@ -400,13 +402,26 @@ SUBCOMMANDS = {"dead-letters": "rlbus.bus.deadletters"}
 """`rl <subcommand> ...`: tools about a run, each a module with `main(argv) -> exit code`."""
 
 
+def check_attach_ports(config: RLConfig) -> None:
+    """Several attached servers are found by port (replica i at the attach ports + i): the
+    URLs must name their ports."""
+    attach = config.inference.attach
+    if attach is None or config.deployment.num_infer_replicas == 1:
+        return
+    try:
+        attach.shifted(config.deployment.num_infer_replicas - 1)
+    except ValueError as error:
+        exit_with_config_error(f"--inference.attach with deployment.num_infer_replicas: {error}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in SUBCOMMANDS:
         import importlib
 
         sys.exit(importlib.import_module(SUBCOMMANDS[args[0]]).main(args[1:]))
-    config = parse_cli(RLConfig, argv, prog="rl")
+    config = parse_cli(RLConfig, attach_url_flags(args, "--inference.attach"), prog="rl")
+    check_attach_ports(config)
     # A dry run or a SLURM job only plans here: relative paths may be built before they run.
     exit_if_paths_missing(config, strict=not config.dry_run and config.slurm is None)
     check_sinks_installed(config.monitors)
