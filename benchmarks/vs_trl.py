@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -394,6 +395,16 @@ def parse_args(argv: list[str] | None = None):
     return opts
 
 
+@contextmanager
+def announced(what: str):
+    """Print `what` with its wall time and the 1-minute load average before and after: numbers
+    from a busy machine are only comparable with the load they ran under."""
+    print(f"{what} ... (load {os.getloadavg()[0]:.1f})", flush=True)
+    started = time.monotonic()
+    yield
+    print(f"{what}: {time.monotonic() - started:.0f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+
+
 def main() -> None:
     opts = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the `finally`s that stop runs
@@ -410,12 +421,12 @@ def main() -> None:
     try:
         for pair in range(opts.pairs):
             if not opts.reuse:
-                print(f"pair {pair + 1}/{opts.pairs}: TRL ...", flush=True)
-                failed += [f"trl-{pair}"] if run_trl(work, f"trl-{pair}", python, job) else []
+                with announced(f"pair {pair + 1}/{opts.pairs}: TRL"):
+                    failed += [f"trl-{pair}"] if run_trl(work, f"trl-{pair}", python, job) else []
             trl.append(measure(read_trl(work, f"trl-{pair}"), opts))
             if not opts.reuse:
-                print(f"pair {pair + 1}/{opts.pairs}: rlbus ...", flush=True)
-                failed += [f"rlbus-{pair}"] if run_rlbus(opts, work, f"rlbus-{pair}") else []
+                with announced(f"pair {pair + 1}/{opts.pairs}: rlbus"):
+                    failed += [f"rlbus-{pair}"] if run_rlbus(opts, work, f"rlbus-{pair}") else []
             steps, key = read_rlbus(work, f"rlbus-{pair}")
             rlbus.append(measure(steps, opts))
     finally:
