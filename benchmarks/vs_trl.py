@@ -353,10 +353,12 @@ def ensure_trl_venv(venv: Path, reinstall: bool) -> tuple[Path, dict[str, str]]:
     uvw = str(REPO / "uvw")
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     print(f"vs_trl: making the TRL venv {venv} ({' '.join(wanted)})", flush=True)
-    subprocess.run([uvw, "venv", "--clear", "--python", py, str(venv)], check=True)
-    subprocess.run(
-        [uvw, "pip", "install", "--python", str(python), "--compile-bytecode", *wanted], check=True
-    )
+    for argv in (
+        [uvw, "venv", "--clear", "--python", py, str(venv)],
+        [uvw, "pip", "install", "--python", str(python), "--compile-bytecode", *wanted],
+    ):
+        if (code := subprocess.run(argv).returncode) != 0:
+            sys.exit(f"vs_trl: `{' '.join(argv[1:3])}` exited {code} making the TRL venv (above)")
     versions = venv_versions(python)
     if not versions:
         sys.exit(
