@@ -180,3 +180,11 @@ def test_stop_group_ends_the_whole_process_group():
             proc.wait()
         if not is_gone(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_venv_path_that_is_not_a_venv_is_refused_not_cleared(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as stop:
+        vs_trl.ensure_trl_venv(tmp_path, reinstall=False)
+    assert "--venv" in str(stop.value.code) and "not a venv" in str(stop.value.code)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
