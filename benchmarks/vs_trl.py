@@ -7,8 +7,8 @@ Each pair runs TRL, then rlbus, back to back (N pairs alternate the same way), f
 
 - rlbus: `rl @ CONFIG --max-steps S` as a subprocess in a fresh output dir (`rl_argv`). Per step:
   the metrics.jsonl row's `time` (the later of the orchestrator's and the trainer's event, i.e. the
-  trainer's step end) since `rl` was started, and the mean sampled reward: `reward/sampled_mean`
-  where the run writes it, else `reward/mean` (the output names the key).
+  trainer's step end) since `rl` was started, and the mean sampled reward `reward/mean` (the
+  output says when a kept run is older than that meaning: it then averaged the trained groups).
 - TRL: benchmarks/vs_trl_grpo.py in its own venv (`ensure_trl_venv`: trl, transformers,
   accelerate, datasets and the project's torch build, made once with uv and reused), on a job
   file written here: the config's model, the config's environment's first S x (batch/group)
@@ -61,20 +61,22 @@ class Step:
 
 
 def reward_key(rows: list[dict]) -> str:
-    """The metrics.jsonl key of the mean sampled reward (older runs only have `reward/mean`)."""
-    return "reward/sampled_mean" if any("reward/sampled_mean" in r for r in rows) else "reward/mean"
+    """How the run's `reward/mean` reads: every sample of the step (runs that also write
+    `reward/trained_mean`), or, in runs from before 2026-12-04, the trained groups alone."""
+    if any("reward/trained_mean" in r for r in rows):
+        return "reward/mean"
+    return "reward/mean (an older run: the trained groups' mean)"
 
 
 def rlbus_steps(rows: list[dict], t0: float) -> tuple[list[Step], str]:
     """Steps of metrics.jsonl rows (sorted, joined by step) that have both the trainer's part
     (`loss`) and the reward; returns them and the reward key read."""
-    key = reward_key(rows)
     steps = [
-        Step(int(r["step"]), float(r["time"]) - t0, float(r[key]))
+        Step(int(r["step"]), float(r["time"]) - t0, float(r["reward/mean"]))
         for r in rows
-        if "loss" in r and key in r and "time" in r
+        if "loss" in r and "reward/mean" in r and "time" in r
     ]
-    return steps, key
+    return steps, reward_key(rows)
 
 
 def trl_steps(text: str) -> list[Step]:

@@ -74,21 +74,21 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def test_rlbus_steps_read_the_sampled_mean_of_joined_rows(tmp_path):
     rows = [
-        {"step": 1, "reward/mean": 0.7, "reward/sampled_mean": 0.6, "time": 1000.0},
+        {"step": 1, "reward/mean": 0.6, "reward/trained_mean": 0.7, "time": 1000.0},
         {"step": 1, "loss": 0.1, "time": 1002.5},  # the trainer's part of the same step
-        {"step": 2, "reward/mean": 0.8, "reward/sampled_mean": 0.65, "time": 1003.0},
+        {"step": 2, "reward/mean": 0.65, "reward/trained_mean": 0.8, "time": 1003.0},
     ]
     metrics = read_metrics(write_jsonl(tmp_path / "metrics.jsonl", rows))
     steps, key = vs_trl.rlbus_steps(metrics, t0=990.0)
-    assert key == "reward/sampled_mean"
+    assert key == "reward/mean"
     assert steps == [Step(1, 12.5, 0.6)]  # step 2 has no trainer part yet
 
 
-def test_rlbus_steps_fall_back_to_reward_mean():
+def test_an_older_run_is_read_and_named_as_the_trained_mean():
     steps, key = vs_trl.rlbus_steps(
         [{"step": 1, "loss": 0.0, "reward/mean": 0.7, "time": 5.0}], 1.0
     )
-    assert key == "reward/mean"
+    assert key.startswith("reward/mean (an older run")
     assert steps == [Step(1, 4.0, 0.7)]
 
 
