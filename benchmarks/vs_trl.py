@@ -220,8 +220,8 @@ def run_process(argv: list[str], console: Path, env: dict | None = None) -> int:
 
 
 def rl_argv(config: Path, output_dir: Path, run_name: str, max_steps: int, extra: list[str]):
-    """The `rl` command of one rlbus run. `--attach` (rl against already running inference
-    replicas, built elsewhere) will add its flags here."""
+    """The `rl` command of one rlbus run. Against an already running server, pass
+    `-- --inference.attach` (started as `inference @ CONFIG`; docs/inference.md)."""
     return [
         str(BIN / "rl"),
         "@",

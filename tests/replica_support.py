@@ -142,18 +142,27 @@ def start_replica(
         *bus_args,
         *vllm_args,
     )
+    return launch(command, (port, backend_port), replica_id, log_path, timeout_s)
+
+
+def launch(
+    command: list[str], ports: tuple[int, int], replica_id: str, log_path: Path, timeout_s: float
+) -> Replica:
+    """Start `command` (an `inference` argv on `ports`) in its own session, logging to
+    `log_path`, and wait until it is healthy; stopped again if it never is."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+    port, backend_port = ports
     replica = Replica(
         proc,
         f"http://127.0.0.1:{port}",
         f"http://127.0.0.1:{backend_port}",
         replica_id,
         log_path,
-        (port, backend_port),
+        ports,
     )
     try:
         wait_until_healthy(replica, timeout_s)
@@ -187,23 +196,5 @@ def start_standalone(
     as a user starts it in a terminal for `rl --inference.attach`; waited until healthy."""
     port, backend_port = free_ports(2)
     command = replica_command(model_dir, port, backend_port, *vllm_args)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    replica = Replica(
-        proc,
-        f"http://127.0.0.1:{port}",
-        f"http://127.0.0.1:{backend_port}",
-        "standalone",
-        log_path,
-        (port, backend_port),
-    )
-    try:
-        wait_until_healthy(replica, timeout_s)
-    except BaseException:
-        replica.stop()
-        raise
-    return replica
+    return launch(command, (port, backend_port), "standalone", log_path, timeout_s)
