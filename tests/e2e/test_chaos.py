@@ -27,7 +27,10 @@ CHEAP = (
 )
 VLLM = ("engine-core", "api-server", "router", "inference-leader")
 KILLS = 22
-MAX_STEPS = 2 * KILLS + 8
+MAX_STEPS = 3 * KILLS + 8
+"""A kill waits for a step after the one before plus up to MAX_DELAY_S: at ~1 s per step one kill
+can take 3 steps, and the run must outlast all 22 (it once finished first, at 2 * KILLS + 8)."""
+MAX_DELAY_S = 2.0
 
 
 def test_twenty_sigkills_over_every_process_kind_and_the_run_heals(tmp_path, starting_model):
@@ -48,6 +51,7 @@ def test_twenty_sigkills_over_every_process_kind_and_the_run_heals(tmp_path, sta
         num_kills=KILLS,
         seed=seed,
         kinds=CHEAP * 3 + VLLM,
+        max_delay_s=MAX_DELAY_S,
         stop_at_step=MAX_STEPS - 3,
     )
     killer = threading.Thread(target=monkey.run, daemon=True)
