@@ -18,6 +18,8 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 STEPS = 3
+STOPPED_STEPS = 12
+"""At ~1 s per step a 3-step run can end before the Ctrl-C that should stop it mid-run."""
 
 
 def service_events(log: Path) -> list[str]:
@@ -45,12 +47,12 @@ def server(tmp_path_factory, starting_model):
         replica.stop()
 
 
-def attached_args(server, starting_model) -> list[str]:
+def attached_args(server, starting_model, steps: int = STEPS) -> list[str]:
     return [
         "--model.name",
         str(starting_model.path),
         "--max-steps",
-        str(STEPS),
+        str(steps),
         "--inference.attach",
         server.router_url,
         "--inference.attach.admin-url",
@@ -85,7 +87,7 @@ def test_two_runs_attach_to_one_server_and_leave_it_serving(server, starting_mod
 def test_a_run_stopped_with_ctrl_c_leaves_the_server_and_resumes_from_its_weights(
     server, starting_model, tmp_path
 ):
-    args = attached_args(server, starting_model)
+    args = attached_args(server, starting_model, STOPPED_STEPS)
     first = RlLaunch(tmp_path, "stopped", *args)
     try:
         wait_for(
@@ -106,7 +108,7 @@ def test_a_run_stopped_with_ctrl_c_leaves_the_server_and_resumes_from_its_weight
         assert resumed.wait() == 0, resumed.output()[-4000:]
     finally:
         resumed.kill()
-    assert steps_with(resumed.run_dir, "loss") == list(range(1, STEPS + 1))
+    assert steps_with(resumed.run_dir, "loss") == list(range(1, STOPPED_STEPS + 1))
     events = service_events(resumed.run_dir / "logs" / "inference.log")
     attach = events[len(events) - events[::-1].index("attached_weights_reset") - 1 :]
     # reset to the model, then the run's latest published version, before registering

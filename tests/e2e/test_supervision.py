@@ -101,7 +101,9 @@ def test_launcher_killed_mid_run_leaves_no_process_of_its_launch(tmp_path, start
     """Mid-run (one step trained, so vLLM's children and torchrun's ranks are up). Before the
     launcher is killed, the SIGKILL run also has its monitor killed and restarted, and the SIGHUP
     run refuses a second `rl` on its directory (one full start-up each instead of four)."""
-    launch = RlLaunch(tmp_path, "orphans", "--model.name", str(starting_model.path))
+    launch = RlLaunch(  # steps enough to be mid-run still after the monitor's restart
+        tmp_path, "orphans", "--model.name", str(starting_model.path), "--max-steps", "60"
+    )
     try:
         launch_id = started_mid_run(launch)
         marked_before = marked_alive(launch_id)
