@@ -31,7 +31,7 @@ services = [
                    log_path=run_dir / "logs" / f"{name}.log")
     for name in ("monitor", "trainer")
 ]
-signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's `rl ... &` starts: rl must still drain
 sys.exit(supervise(Launch(config=RLConfig(), run_dir=run_dir, processes=services), poll_s=0.05))
 """
 

@@ -308,6 +308,9 @@ def supervise(launch: Launch, poll_s: float = 0.5) -> int:
     progress = Progress(metrics, tty=sys.stdout.isatty(), services=names)
     policy = RestartPolicy(launch.config.supervision)
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    # Ctrl-C / SIGINT drains even when rl was started as a shell's background job (which inherits
+    # SIGINT ignored, so Python would never raise KeyboardInterrupt): `kill -INT` always works.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, raise_terminated)
     signal.signal(signal.SIGHUP, raise_stop_now)
     watchdog = start_watchdog(launch_id, launch.run_dir)
