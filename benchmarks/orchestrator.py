@@ -23,8 +23,6 @@ mean and median step time of each (step 0 of each, the warm-up, excluded) and th
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +31,7 @@ import time
 import uuid
 from pathlib import Path
 
+from rlbus import procs
 from rlbus.netutil import free_port
 
 
@@ -199,17 +198,6 @@ async def wait_healthy(url: str, engine: subprocess.Popen, timeout_s: float = 60
     raise SystemExit(f"--serve-model: the vLLM engine was not healthy within {timeout_s:.0f} s")
 
 
-def stop_engine(engine: subprocess.Popen) -> None:
-    """Stop the engine and the processes it spawned (its own process group)."""
-    if engine.poll() is None:
-        os.killpg(engine.pid, signal.SIGTERM)
-        try:
-            engine.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(engine.pid, signal.SIGKILL)
-            engine.wait()
-
-
 async def time_step(worker, tasks) -> float:
     """Seconds to roll out `tasks` concurrently through `worker` (what a step waits for)."""
     started = time.perf_counter()
@@ -304,7 +292,7 @@ async def run_group_compare(args) -> None:
         times = await group_compare(url, model, args)
     finally:
         if engine is not None:
-            stop_engine(engine)
+            procs.stop_group(engine)
     print_group_compare(times, url, args)
 
 

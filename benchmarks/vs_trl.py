@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+from rlbus import procs
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TRL_SCRIPT = Path(__file__).resolve().parent / "vs_trl_grpo.py"
@@ -192,20 +194,6 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 # ---- the two tools -------------------------------------------------------------------------
 
 
-def stop_group(proc: subprocess.Popen) -> None:
-    """Stop the process group we started: SIGTERM (rl stops its services), SIGKILL after a wait."""
-    for sig, wait_s in ((signal.SIGTERM, STOP_WAIT_S), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run_process(argv: list[str], console: Path, env: dict | None = None) -> int:
     """Run `argv` in its own process group, output to `console`; stopped if we are interrupted."""
     with open(console, "wb") as out:
@@ -216,7 +204,7 @@ def run_process(argv: list[str], console: Path, env: dict | None = None) -> int:
             return proc.wait()
         finally:
             if proc.poll() is None:
-                stop_group(proc)
+                procs.stop_group(proc, STOP_WAIT_S)
 
 
 def rl_argv(config: Path, output_dir: Path, run_name: str, max_steps: int, extra: list[str]):

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rlbus import procs
 from rlbus.plot import read_metrics
 from rlbus_orchestrator.envs.reverse_text import ReverseTextEnv
 
@@ -167,7 +168,7 @@ def test_stop_group_ends_the_whole_process_group():
     )
     child = int(proc.stdout.readline())
     try:
-        vs_trl.stop_group(proc)
+        procs.stop_group(proc, vs_trl.STOP_WAIT_S)
         assert proc.returncode is not None
         deadline = time.monotonic() + 10  # the child got the signal; give it time to exit
         while not is_gone(child) and time.monotonic() < deadline:

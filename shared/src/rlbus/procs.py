@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -164,3 +165,19 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """End the process group `proc` leads (started with `start_new_session`): SIGTERM, up to
+    `grace_s` for it to exit, then SIGKILL. For tools that start one whole process tree (a
+    benchmark's `rl`, a bare vLLM engine)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
