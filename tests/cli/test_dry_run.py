@@ -188,7 +188,8 @@ def test_dry_run_scripts_reproduce_the_launch(tmp_path):
         )
         assert printed.returncode == 0, printed.stderr
         assert tomli.loads(printed.stdout) == load_toml(run_dir / "configs" / f"{name}.toml")
-    assert "--nproc-per-node" in exec_argv(run_dir / "scripts" / "trainer.sh")
+    # One rank: the trainer module itself, no torchrun agent (docs/launcher.md)
+    assert "torch.distributed.run" not in exec_argv(run_dir / "scripts" / "trainer.sh")
 
     # The NATS script really starts the embedded server on the port written into the configs.
     port = json.loads((run_dir / "configs" / "nats.conf").read_text())["port"]

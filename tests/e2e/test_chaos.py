@@ -2,8 +2,10 @@
 
 The seed is printed (and can be fixed with RLBUS_CHAOS_SEED) so a failure can be replayed. vLLM's
 processes cost a minute or more to come back on 2 cores, so each vLLM kind is killed once per
-round and the cheap kinds (coordinator, rollout worker, trainer rank, torchrun agent, nats-server,
-monitor) several times: every kind is hit, the whole test stays inside the CI budget.
+round and the cheap kinds (coordinator, rollout worker, trainer, nats-server, monitor) several
+times: every kind is hit, the whole test stays inside the CI budget. The debug run's one trainer
+rank runs without torchrun (docs/launcher.md), so there is no agent to kill: a SIGKILLed agent is
+tests/integration/trainer/test_trainer_service.py's.
 """
 
 import os
@@ -21,7 +23,6 @@ CHEAP = (
     "coordinator",
     "rollout-worker",
     "trainer-rank",
-    "torchrun-agent",
     "nats-server",
     "monitor",
 )
@@ -67,10 +68,9 @@ def test_twenty_sigkills_over_every_process_kind_and_the_run_heals(tmp_path, sta
         if launch_id:
             procs.terminate(procs.marked_pids(launch_id), grace_s=2)
     kinds_hit = {kill.kind for kill in monkey.kills}
+    expected = set(CHEAP + VLLM)
     assert len(monkey.kills) >= 20, f"seed {seed}: only {len(monkey.kills)} kills happened"
-    assert kinds_hit == set(chaos.KINDS), (
-        f"seed {seed}: never killed {set(chaos.KINDS) - kinds_hit}"
-    )
+    assert kinds_hit == expected, f"seed {seed}: never killed {expected - kinds_hit}"
 
     # Steps consecutive, none trained twice: every step finished once, in order.
     trained = [step for step, _ in chaos.trained_steps(run.run_dir)]

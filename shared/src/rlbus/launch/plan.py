@@ -11,8 +11,9 @@
                       with inference.attach an attach process per server: no vLLM, no ports)
     orchestrator  python -m rlbus_orchestrator.entrypoint @ configs/orchestrator.toml
     worker-<i>    the same with --role worker (deployment.num_rollout_workers, default none)
-    trainer       python -m torch.distributed.run --standalone --nproc-per-node N
-                      -m rlbus_trainer.entrypoint @ configs/trainer.toml
+    trainer       python -m rlbus_trainer.entrypoint @ configs/trainer.toml   (one rank), or
+                  python -m torch.distributed.run --standalone --nproc-per-node N
+                      -m rlbus_trainer.entrypoint @ configs/trainer.toml   (N > 1 ranks)
 
 Ports are picked here (free ports for the embedded server) and written into the configs, so the
 scripts in the run directory repeat this exact launch. A bus secret the launcher got from its
@@ -43,6 +44,7 @@ from rlbus.launch.supervisor import ServiceProcess
 from rlbus.obs.logging import log_file_path
 
 NATS_STORE_DIR = "nats"
+TRAINER_MODULE = "rlbus_trainer.entrypoint"
 SECRETS_DIR = "secrets"
 """Run-directory folder of the 0600 secret files the launcher writes for its children."""
 
@@ -77,6 +79,15 @@ def torchrun_argv(num_procs: int, module: str, config_file: Path) -> list[str]:
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(num_procs), "-m", module, "@", str(config_file),
     ]  # fmt: skip
+
+
+def trainer_argv(num_procs: int, config_file: Path) -> list[str]:
+    """The RL trainer on one node: one rank is the module itself, whose 1-rank process group
+    needs no agent (torchrun's agent imports torch before it starts the rank: 1.3-1.7 s of a
+    start-up the attached run waits for, docs/benchmarks.md); more ranks go through torchrun."""
+    if num_procs == 1:
+        return python_module_argv(TRAINER_MODULE, config_file)
+    return torchrun_argv(num_procs, TRAINER_MODULE, config_file)
 
 
 def embedded_nats(config: RLConfig, run_dir: Path) -> tuple[str, ServiceProcess, str]:
@@ -228,7 +239,7 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
         path = config_path(run_dir, name).absolute()
         env: dict[str, str] = {}
         if name == "trainer":
-            argv = torchrun_argv(config.deployment.num_train_gpus, "rlbus_trainer.entrypoint", path)
+            argv = trainer_argv(config.deployment.num_train_gpus, path)
             if cpus is not None:
                 argv, env = bind_trainer(argv, cpus)
         elif name == "orchestrator":

@@ -43,6 +43,7 @@ from rlbus.launch.plan import (
     build_rl_launch,
     python_module_argv,
     torchrun_argv,
+    trainer_argv,
 )
 from rlbus.launch.scripts import config_path, write_configs
 from rlbus.runs import run_id_of
@@ -452,7 +453,7 @@ def rl_job(config: RLConfig, run_dir: Path) -> tuple[Job, dict[str, BaseModel]]:
         flags = shlex.join(bus_flags(job, "trainer"))
         text = f"{srun_on('TRAIN_NODES', str(train_nodes), slurm)} {torchrun} {flags} --bus.url {BUS_URL}"
     else:
-        argv = torchrun_argv(dep.num_train_gpus, "rlbus_trainer.entrypoint", trainer_config)
+        argv = trainer_argv(dep.num_train_gpus, trainer_config)
         text = with_devices(service_command(argv, bus_flags(job, "trainer")), train_devices)
     job.steps.append(Step("trainer", text, STOP_FIRST, main=True))
     if multi:
