@@ -47,3 +47,36 @@ def test_empty_batches_and_wrong_steps_are_named():
         setattr(no_tokens.micro_batches[0][0], field, [])
     assert "input_ids is empty" in batch_problem(no_tokens, 1, VOCAB)
     assert "stored as step 2" in batch_problem(make_train_batch(1), 2, VOCAB)
+
+
+def tree_parents(mb) -> list[int]:
+    """Valid `parent_ids` for `mb`: each sequence a chain (the plain layout, written out)."""
+    parents, start = [], 0
+    for n in mb.seq_lens:
+        parents += [-1, *range(start, start + n - 1)]
+        start += n
+    return parents
+
+
+@pytest.mark.parametrize(
+    ("mutate", "words"),
+    [
+        (lambda mb: None, None),
+        (lambda mb: mb.parent_ids.pop(), "parent_ids has"),
+        (lambda mb: mb.parent_ids.__setitem__(0, 0), "a sequence's first token has -1"),
+        (lambda mb: mb.parent_ids.__setitem__(2, 2), "not an earlier token"),
+        (lambda mb: mb.parent_ids.__setitem__(mb.seq_lens[0] + 1, 0), "not an earlier token"),
+    ],
+    ids=["sound", "short", "root", "self", "other-sequence"],
+)
+def test_shared_prefix_parents_must_stay_inside_their_sequence(mutate, words):
+    def with_parents(mb):
+        assert len(mb.seq_lens) >= 2 and mb.seq_lens[0] >= 3
+        mb.parent_ids = tree_parents(mb)
+        mutate(mb)
+
+    problem = edit(with_parents)
+    if words is None:
+        assert problem is None
+    else:
+        assert problem is not None and words in problem, problem

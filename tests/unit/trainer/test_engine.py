@@ -1,4 +1,5 @@
-"""The engine's step: stacking rows per forward pass and one-token padding rows change nothing."""
+"""The engine's step: stacking rows per forward pass, one-token padding rows and the shared-prefix
+layout change nothing."""
 
 import pytest
 import torch
@@ -59,3 +60,55 @@ def test_batch_packed_for_other_world_size_is_resplit_round_robin():
     assert rank_micro_batches(batch, 0, 2) == [flat[0], flat[2]]
     assert rank_micro_batches(batch, 1, 2) == [flat[1]]
     assert rank_micro_batches(batch, 2, 3) == [flat[2]]
+
+
+def reverse_text_like_groups(num_groups=3, group_size=4, seed=0):
+    """Groups of one prompt (12-20 tokens) and completions of 1-6 tokens, like reverse-text's."""
+    import random
+
+    from rlbus_orchestrator.packing import TrainSample
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(num_groups):
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randint(12, 20))]
+        samples = []
+        for _ in range(group_size):
+            completion = [rng.randrange(3, 200) for _ in range(rng.randint(1, 6))]
+            n, c = len(prompt), len(completion)
+            samples.append(
+                TrainSample(
+                    input_ids=prompt + completion,
+                    loss_mask=[0] * n + [1] * c,
+                    inference_logprobs=[0.0] * n + [rng.uniform(-6.0, -4.0) for _ in completion],
+                    advantage=rng.uniform(-1, 1),
+                    temperature=0.5 + 0.25 * g,
+                )
+            )
+        groups.append(samples)
+    return groups
+
+
+@pytest.mark.parametrize("seq_len", [64, 40], ids=["one-row-per-group", "prompts-repeated"])
+def test_shared_prefixes_give_the_loss_and_gradients_of_one_sequence_per_sample(
+    tiny_model, seq_len
+):
+    from rlbus_orchestrator.packing import group_sequences, pack
+
+    groups = reverse_text_like_groups()
+
+    def step(share: bool):
+        sequences = group_sequences(groups, seq_len, share_prefixes=share)
+        (micro_batches,) = pack(sequences, seq_len=seq_len, num_ranks=1)
+        tokens = sum(len(mb.input_ids) for mb in micro_batches)
+        return *first_step(tiny_model, 4096, micro_batches), tokens
+
+    plain, w_plain, plain_tokens = step(False)
+    shared, w_shared, shared_tokens = step(True)
+    assert shared_tokens < 0.6 * plain_tokens
+    assert shared.num_loss_tokens == plain.num_loss_tokens
+    assert shared.loss == pytest.approx(plain.loss, rel=1e-5, abs=1e-7)
+    for key in ("entropy", "mismatch_kl"):
+        assert shared.metrics[key] == pytest.approx(plain.metrics[key], rel=1e-5), key
+    for name in w_plain:
+        torch.testing.assert_close(w_shared[name], w_plain[name], atol=1e-6, rtol=1e-5, msg=name)

@@ -141,7 +141,10 @@ def test_array_like_message_with_trailing_extra_field_decodes():
 
 def test_array_like_message_missing_trailing_defaulted_fields_decodes():
     data = msgspec.to_builtins(make_micro_batch())
-    assert len(data) == 7
+    assert len(data) == 8
+    # a micro-batch from before the shared-prefix layout (7 fields) is a plain one
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(data[:7]), type=batches.MicroBatch)
+    assert old.parent_ids == [] and old.input_ids == data[0]
     sample = msgspec.to_builtins(make_sample())[:4]  # only the required fields
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(sample), type=rollouts.RolloutSample)
     assert decoded.reward == 0.0 and decoded.policy_version == 0

@@ -79,7 +79,7 @@ from rlbus.wire.tasks import SamplingArgs, Task
 from rlbus_orchestrator import validation
 from rlbus_orchestrator.advantages import group_advantages, has_signal
 from rlbus_orchestrator.envs import Environment, load_environment
-from rlbus_orchestrator.packing import make_train_sample, pack
+from rlbus_orchestrator.packing import group_sequences, make_train_sample, pack
 from rlbus_orchestrator.staleness import (
     is_stale,
     max_allowed_step,
@@ -597,17 +597,22 @@ class Coordinator:
     def make_batch(self, step: int, groups: list[PooledGroup]) -> TrainBatch:
         samples = [s for g in groups for s in g.rollout.samples]
         train = [
-            make_train_sample(s, a, self.config.seq_len)
+            [
+                make_train_sample(s, a, self.config.seq_len)
+                for s, a in zip(g.rollout.samples, g.advantages, strict=True)
+            ]
             for g in groups
-            for s, a in zip(g.rollout.samples, g.advantages, strict=True)
         ]
-        micro = pack(train, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
+        sequences = group_sequences(
+            train, self.config.seq_len, share_prefixes=self.config.share_prefixes
+        )
+        micro = pack(sequences, seq_len=self.config.seq_len, num_ranks=self.config.num_train_ranks)
         versions = [s.policy_version for s in samples]
         return TrainBatch(
             step=step,
             micro_batches=micro,
             num_samples=len(samples),
-            num_tokens=sum(len(t) for t in train),
+            num_tokens=sum(len(seq) for seq in sequences),
             min_policy_version=min(versions),
             max_policy_version=max(versions),
             task_ids=[g.rollout.task_id for g in groups],

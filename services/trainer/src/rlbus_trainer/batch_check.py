@@ -44,6 +44,8 @@ def micro_batch_problem(mb: MicroBatch, vocab_size: int) -> str | None:
             return f"{field} has {len(getattr(mb, field))} entries, input_ids has {n}"
     if sum(mb.seq_lens) != n or any(length <= 0 for length in mb.seq_lens):
         return f"seq_lens {mb.seq_lens[:8]} do not split the {n} tokens into non-empty sequences"
+    if mb.parent_ids and (problem := parent_ids_problem(mb)):
+        return problem
     low, high = min(mb.input_ids), max(mb.input_ids)
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
@@ -54,4 +56,24 @@ def micro_batch_problem(mb: MicroBatch, vocab_size: int) -> str | None:
         return "inference_logprobs are not all finite"
     if not all(math.isfinite(t) and t > 0 for t in mb.temperatures):
         return "temperatures are not all finite and > 0"
+    return None
+
+
+def parent_ids_problem(mb: MicroBatch) -> str | None:
+    """Why `parent_ids` is not a forest inside the sequences of `seq_lens`: each sequence's first
+    token has no parent (-1), every other token's parent is an earlier token of its sequence."""
+    n = len(mb.input_ids)
+    if len(mb.parent_ids) != n:
+        return f"parent_ids has {len(mb.parent_ids)} entries, input_ids has {n}"
+    start = 0
+    for length in mb.seq_lens:
+        if mb.parent_ids[start] != -1:
+            return f"parent_ids[{start}] is {mb.parent_ids[start]}, a sequence's first token has -1"
+        for i in range(start + 1, start + length):
+            if not start <= mb.parent_ids[i] < i:
+                return (
+                    f"parent_ids[{i}] is {mb.parent_ids[i]}: not an earlier token of its sequence "
+                    f"[{start}, {start + length})"
+                )
+        start += length
     return None

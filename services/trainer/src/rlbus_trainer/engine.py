@@ -6,7 +6,8 @@
     engine.full_state_dict()       the whole model on rank 0 (weight publishing, final SFT model)
 
 Micro-batches are `rlbus.wire.batches.MicroBatch` (packed: several sequences per row, a block-causal
-attention mask keeps them apart). Consecutive rows are stacked (padded) into one forward pass
+attention mask keeps them apart; in the shared-prefix layout, `parent_ids`, each token attends to
+its ancestors and reads its logprob from its parent's logits). Consecutive rows are stacked (padded) into one forward pass
 while rows x longest row <= `tokens_per_forward`, which matters for tiny models where per-call overhead dominates. Every rank runs
 the same number of forward/backward passes (FSDP2 collectives must match), so a rank with fewer
 rows runs empty-loss padding passes.
@@ -28,7 +29,12 @@ import torch.distributed as dist
 
 from rlbus.netutil import free_port
 from rlbus.wire.batches import MicroBatch
-from rlbus_trainer.loss import LossInputs, block_causal_mask, token_logprobs_and_entropy
+from rlbus_trainer.loss import (
+    LossInputs,
+    ancestor_mask,
+    block_causal_mask,
+    token_logprobs_and_entropy,
+)
 from rlbus_trainer.optim import (
     LRSchedule,
     Optimizers,
@@ -201,7 +207,10 @@ class Engine:
             n = len(mb.input_ids)
             ids[b, :n] = torch.tensor(mb.input_ids)
             pos[b, :n] = torch.tensor(mb.position_ids)
-            mask[b, 0, :n, :n] = block_causal_mask(mb.seq_lens)[0, 0]
+            if mb.parent_ids:
+                mask[b, 0, :n, :n] = ancestor_mask(mb.parent_ids)[0, 0]
+            else:
+                mask[b, 0, :n, :n] = block_causal_mask(mb.seq_lens)[0, 0]
         logits = self.model(
             input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev)
         ).logits
@@ -209,7 +218,8 @@ class Engine:
         for b, mb in enumerate(group):  # per row: [T_b] each, pads dropped
             n = len(mb.input_ids)
             temps = torch.tensor(mb.temperatures, dtype=torch.float32, device=dev)
-            lp, ent = token_logprobs_and_entropy(logits[b, :n], ids[b, :n].to(dev), temps)
+            parents = torch.tensor(mb.parent_ids, device=dev) if mb.parent_ids else None
+            lp, ent = token_logprobs_and_entropy(logits[b, :n], ids[b, :n].to(dev), temps, parents)
             logprobs.append(lp)
             entropies.append(ent)
 

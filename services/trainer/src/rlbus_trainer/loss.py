@@ -61,19 +61,48 @@ def block_causal_mask(seq_lens: list[int], device: torch.device | str = "cpu") -
     return (causal & (segments[:, None] == segments[None, :]))[None, None]
 
 
-def token_logprobs_and_entropy(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperatures: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob and entropy of each token under logits/temperature; [T] each, 0 at position 0.
+def ancestor_mask(parent_ids: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[1, 1, T, T] bool mask of the shared-prefix layout (`MicroBatch.parent_ids`): each token
+    attends to itself and its ancestors (parent, parent's parent, ... up to its sequence's first
+    token). Parents come before their children, so one pass row by row builds it."""
+    total = len(parent_ids)
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    for i, parent in enumerate(parent_ids):
+        if parent >= 0:
+            mask[i] = mask[parent]
+        mask[i, i] = True
+    return mask.to(device)[None, None]
 
-    logits: [T, V] (position i predicts token i+1); input_ids, temperatures: [T].
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperatures: torch.Tensor,
+    parents: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy of each token under its parent's logits / the token's temperature;
+    [T] each, 0 for a token without a parent (a sequence's first).
+
+    logits: [T, V]; input_ids, temperatures: [T]; parents: [T] long, index of the token whose
+    logits predict this one, -1 for none (None: token i follows token i - 1 for every i > 0, no
+    gather copy of the logits; packed plain sequences take this path, their first tokens are
+    outside the loss).
     """
-    scaled = logits[:-1].float() / temperatures[1:, None].clamp_min(1e-6)  # [T-1, V]
-    logp_all = torch.log_softmax(scaled, dim=-1)  # [T-1, V]
-    logprobs = logp_all.gather(-1, input_ids[1:, None]).squeeze(-1)  # [T-1]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [T-1]
-    zero = logprobs.new_zeros(1)
-    return torch.cat([zero, logprobs]), torch.cat([zero, entropy.detach()])
+    if parents is None:
+        scaled = logits[:-1].float() / temperatures[1:, None].clamp_min(1e-6)  # [T-1, V]
+        logp_all = torch.log_softmax(scaled, dim=-1)  # [T-1, V]
+        logprobs = logp_all.gather(-1, input_ids[1:, None]).squeeze(-1)  # [T-1]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [T-1]
+        zero = logprobs.new_zeros(1)
+        return torch.cat([zero, logprobs]), torch.cat([zero, entropy.detach()])
+    has_parent = parents >= 0
+    rows = parents.clamp_min(0)
+    scaled = logits[rows].float() / temperatures[:, None].clamp_min(1e-6)  # [T, V]
+    logp_all = torch.log_softmax(scaled, dim=-1)  # [T, V]
+    logprobs = logp_all.gather(-1, input_ids[:, None]).squeeze(-1)  # [T]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [T]
+    zero = torch.zeros_like(logprobs)
+    return torch.where(has_parent, logprobs, zero), torch.where(has_parent, entropy.detach(), zero)
 
 
 def default_loss(

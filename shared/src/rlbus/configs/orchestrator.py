@@ -136,6 +136,11 @@ class OrchestratorConfig(RunnableConfig):
     seq_len: int = Field(2048, ge=8)
     """Micro-batch row length (tokens) when packing for the trainer."""
 
+    share_prefixes: bool = True
+    """Pack a group's shared prompt once, followed by its samples' completions (same loss and
+    gradients on fewer trained tokens; docs/orchestrator.md "Packing"). False: one sequence per
+    sample."""
+
     num_train_ranks: int = Field(1, ge=1)
     """Trainer data-parallel ranks to pack for."""
 

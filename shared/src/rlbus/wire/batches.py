@@ -30,6 +30,13 @@ class MicroBatch(msgspec.Struct, kw_only=True, array_like=True):
     """Sampling temperature per token (logits are divided by it before the loss)."""
     seq_lens: list[int]
     """Length of each packed sequence."""
+    parent_ids: list[int] = []
+    """Empty: each sequence is one sample, every token follows the one before it. Otherwise one
+    entry per token (the shared-prefix layout, docs/orchestrator.md "Packing"): the index in this
+    micro-batch of the token before it in its own sample, -1 for a sequence's first token. A
+    sequence is then a group's shared prompt once, followed by the completions of several of its
+    samples, each completion's first token pointing at the prompt's last; a token attends to its
+    ancestors (and itself) only, and its logprob is read from its parent's logits."""
 
 
 class TrainBatch(Message, kw_only=True):
