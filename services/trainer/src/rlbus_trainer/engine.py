@@ -5,10 +5,11 @@
     engine.train_step(mbs, fn)     forward/backward every micro-batch of this rank, clip, step
     engine.full_state_dict()       the whole model on rank 0 (weight publishing, final SFT model)
 
-Micro-batches are `rlbus.wire.batches.MicroBatch` (packed: several sequences per row, a block-causal
-attention mask keeps them apart; in the shared-prefix layout, `parent_ids`, each token attends to
-its ancestors and reads its logprob from its parent's logits). Consecutive rows are stacked (padded) into one forward pass
-while rows x longest row <= `tokens_per_forward`, which matters for tiny models where per-call overhead dominates. Every rank runs
+Micro-batches are `rlbus.wire.batches.MicroBatch` (packed: several sequences per row, a
+block-causal attention mask keeps them apart; in the shared-prefix layout, `parent_ids`, each
+token attends to its ancestors and reads its logprob from its parent's logits). Consecutive rows
+are stacked (padded) into one forward pass while rows x longest row <= `tokens_per_forward`,
+which matters for tiny models where per-call overhead dominates. Every rank runs
 the same number of forward/backward passes (FSDP2 collectives must match), so a rank with fewer
 rows runs empty-loss padding passes.
 Loss terms are normalised by the step's global loss-token count; FSDP2 averages gradients over
