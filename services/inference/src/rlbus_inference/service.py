@@ -176,6 +176,7 @@ async def serve(config: InferenceConfig, state: ServiceState, token: str | None 
                 router_facing_port=router_facing_port,
                 mark=mark,
                 admin=guards.engine_env(config, token),
+                fast_start=config.fast_start,
             ),
             log_path=engine_log,
             parent_death_signal=signal.SIGTERM,

@@ -181,6 +181,12 @@ class InferenceConfig(ServiceConfig):
     vllm: VLLMConfig = VLLMConfig()
     """vLLM pass-through options."""
 
+    fast_start: bool = True
+    """On CPU, start vLLM faster: fork its EngineCore and worker from the API server instead of
+    spawning fresh interpreters that import vLLM and torch again, and run the sampler's logprob
+    rank count eagerly instead of compiling it at the first request (docs/inference.md,
+    "Start-up"). No effect on GPU. `--no-fast-start` restores vLLM's own behaviour."""
+
     replica_id: str | None = None
     """Replica id in the registry (default: host:port)."""
 
