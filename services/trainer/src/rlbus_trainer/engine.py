@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from rlbus.netutil import free_port
 from rlbus.wire.batches import MicroBatch
+from rlbus_trainer import qwen3
+from rlbus_trainer.hf_dir import local_model_dir
 from rlbus_trainer.loss import (
     LossInputs,
     ancestor_mask,
@@ -95,7 +97,22 @@ def teardown_distributed() -> None:
 
 
 def load_model(model_config, device: torch.device) -> torch.nn.Module:
-    """A causal LM from a local directory or HF id (Qwen3, Llama, ...), in the configured dtype."""
+    """A causal LM from a local directory or HF id (Qwen3, Llama, ...), in the configured dtype:
+    rlbus's own module where `model.impl` allows and it covers the model (`rlbus_trainer.qwen3`:
+    no transformers import), else transformers'."""
+    model = None
+    if getattr(model_config, "impl", "transformers") != "transformers":
+        model = load_native(model_config)
+        if model is None and model_config.impl == "rlbus":
+            raise ValueError(
+                f"model.impl = 'rlbus' covers local {qwen3.ARCHITECTURE} checkpoints with "
+                f"default RoPE and full attention; {model_config.name} is not one: use "
+                "model.impl = 'auto' or 'transformers'"
+            )
+    if model is not None:
+        model.activation_checkpointing = getattr(model_config, "activation_checkpointing", False)
+        log.info("model_loaded", impl="rlbus", architecture=qwen3.ARCHITECTURE)
+        return model.to(device)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -107,11 +124,25 @@ def load_model(model_config, device: torch.device) -> torch.nn.Module:
     if getattr(model_config, "activation_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    log.info("model_loaded", impl="transformers", architecture=type(model).__name__)
     return model.to(device)
 
 
+def load_native(model_config) -> torch.nn.Module | None:
+    """rlbus's module for the model, or None when it has none (or the files are not local)."""
+    if model_config.trust_remote_code:
+        return None
+    model_dir = local_model_dir(model_config.name)
+    return None if model_dir is None else qwen3.load(model_dir, DTYPES[model_config.dtype])
+
+
 def shard_model(model: torch.nn.Module, world: World) -> torch.nn.Module:
-    """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, tied head)."""
+    """FSDP2: one `fully_shard` unit per decoder layer, then the root (embeddings, norm, tied head).
+    One rank has nothing to shard: the model stays a plain module, which spares the start-up
+    importing FSDP and building DTensors (1.5 s of one core) and changes no number (the state
+    dict and checkpoint helpers take both; tests/unit/trainer/test_ckpt.py)."""
+    if world.world_size == 1:
+        return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -7,6 +7,7 @@ then the directory is renamed into place, so a reader never sees a half-written 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from functools import lru_cache
@@ -15,11 +16,42 @@ from pathlib import Path
 import torch
 
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+"""A sharded checkpoint's map of tensor names to shard files (read, never written here)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
+WEIGHT_INDEX_SUFFIX = ".index.json"
+
+
+def local_model_dir(name: str) -> Path | None:
+    """The directory holding model `name`'s files: `name` itself when it is a directory, else its
+    snapshot in the local HF cache; None when neither has its config.json."""
+    path = Path(name)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+    except Exception:  # not a repo id either (HFValidationError): transformers says why
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def is_weights_file(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES) or name.endswith(WEIGHT_INDEX_SUFFIX)
+
+
+def source_files(model_dir: Path) -> list[Path]:
+    """The files of a model directory besides its weights (config, generation config,
+    tokenizer, chat template, remote code): copied as they are into every written directory."""
+    return sorted(p for p in model_dir.iterdir() if p.is_file() and not is_weights_file(p.name))
 
 
 @lru_cache(maxsize=4)
-def _source_files(model_name: str, trust_remote_code: bool):
-    """Config, generation config and tokenizer of the source model (loaded once per process)."""
+def _loaded_source_files(model_name: str, trust_remote_code: bool):
+    """Config, generation config and tokenizer of a model that is not on local disk (loaded
+    once per process through transformers, which fetches them)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
@@ -29,6 +61,24 @@ def _source_files(model_name: str, trust_remote_code: bool):
     except OSError:
         generation = None
     return config, tokenizer, generation
+
+
+def write_source_files(model_name: str, trust_remote_code: bool, out_dir: Path) -> bool:
+    """The model's non-weight files into out_dir; whether its lm_head is tied to the embeddings.
+    A local model's files are copied (no transformers import); others come through transformers."""
+    model_dir = local_model_dir(model_name)
+    complete = model_dir is not None and any((model_dir / f).is_file() for f in TOKENIZER_FILES)
+    if complete:  # (a cache snapshot may hold the config without the tokenizer)
+        for file in source_files(model_dir):
+            shutil.copyfile(file, out_dir / file.name)
+        config = json.loads((model_dir / "config.json").read_text())
+        return bool(config.get("tie_word_embeddings", False))
+    config, tokenizer, generation = _loaded_source_files(model_name, trust_remote_code)
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    if generation is not None:
+        generation.save_pretrained(out_dir)
+    return bool(getattr(config, "tie_word_embeddings", False))
 
 
 def hf_tensors(
@@ -61,17 +111,12 @@ def write_hf_dir(
     """Atomically write `state_dict` as an HF model directory at out_dir (replacing it)."""
     from safetensors.torch import save_file
 
-    config, tokenizer, generation = _source_files(model_name, trust_remote_code)
     out_dir = Path(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tied = write_source_files(model_name, trust_remote_code, tmp)
     save_file(hf_tensors(state_dict, tied), tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-    config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if generation is not None:
-        generation.save_pretrained(tmp)
     for file in tmp.iterdir():
         with open(file, "rb") as f:
             os.fsync(f.fileno())

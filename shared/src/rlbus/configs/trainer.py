@@ -21,6 +21,13 @@ class FullOffloadConfig(BaseConfig):
 class TrainerModelConfig(ModelConfig):
     """The trained model and where its state lives."""
 
+    impl: Literal["auto", "rlbus", "transformers"] = "auto"
+    """Which implementation of the network trains. `rlbus`: the trainer's own torch module
+    (Qwen3ForCausalLM checkpoints on local disk or in the HF cache, default RoPE, full attention;
+    no transformers import: the trainer starts ~3 s sooner). `transformers`: AutoModelForCausalLM,
+    any architecture. `auto`: rlbus where it covers the model, else transformers. Both have the
+    same parameter names, so checkpoints and weight broadcasts do not depend on it."""
+
     activation_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
 
