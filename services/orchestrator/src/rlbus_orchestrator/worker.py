@@ -59,7 +59,10 @@ log = structlog.get_logger()
 
 NO_REPLICA_NAK_DELAY_S = 2.0
 REGISTRY_REFRESH_S = 1.0
-NO_REPLICA_POLL_S = 0.5
+NO_REPLICA_POLL_S = 0.1
+"""While a task waits for a replica, the registry is read again this often: a replica that
+registers is used within ~0.1 s (its first request is on a run's critical path at start-up).
+A read is the bucket's subject index plus one direct get per key (rlbus.bus.kv)."""
 
 
 class EnvCache:
