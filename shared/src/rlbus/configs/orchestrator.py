@@ -147,8 +147,10 @@ class OrchestratorConfig(RunnableConfig):
     num_workers: int = Field(1, ge=1)
     """In-process rollout workers (role `all`)."""
 
-    max_concurrency: int = Field(32, ge=1)
-    """Episodes in flight per worker."""
+    max_concurrency: int = Field(256, ge=1)
+    """Samples in flight per worker. vLLM generates faster the more sequences it can batch: the
+    reverse-text example stepped 12-15 % faster with 128-256 than with 32 (docs/orchestrator.md,
+    "Rollout workers")."""
 
     inference_urls: list[str] = []
     """Static OpenAI API roots (e.g. http://host:8000/v1) used instead of the replica registry."""
