@@ -149,7 +149,7 @@ class OrchestratorConfig(RunnableConfig):
 
     max_concurrency: int = Field(256, ge=1)
     """Samples in flight per worker. vLLM generates faster the more sequences it can batch: the
-    reverse-text example stepped 12-15 % faster with 128-256 than with 32 (docs/orchestrator.md,
+    reverse-text example stepped ~10 % faster with 256 than with 32 (docs/orchestrator.md,
     "Rollout workers")."""
 
     inference_urls: list[str] = []
