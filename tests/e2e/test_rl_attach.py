@@ -18,8 +18,8 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 STEPS = 3
-STOPPED_STEPS = 12
-"""At ~1 s per step a 3-step run can end before the Ctrl-C that should stop it mid-run."""
+STOPPED_STEPS = 20
+"""At ~0.5 s per step a 3-step run can end before the Ctrl-C that should stop it mid-run."""
 
 
 def service_events(log: Path) -> list[str]:

@@ -102,7 +102,7 @@ def test_launcher_killed_mid_run_leaves_no_process_of_its_launch(tmp_path, start
     launcher is killed, the SIGKILL run also has its monitor killed and restarted, and the SIGHUP
     run refuses a second `rl` on its directory (one full start-up each instead of four)."""
     launch = RlLaunch(  # steps enough to be mid-run still after the monitor's restart
-        tmp_path, "orphans", "--model.name", str(starting_model.path), "--max-steps", "60"
+        tmp_path, "orphans", "--model.name", str(starting_model.path), "--max-steps", "120"
     )
     try:
         launch_id = started_mid_run(launch)
