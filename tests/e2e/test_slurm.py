@@ -240,6 +240,32 @@ def test_rl_slurm_job_completes_the_run_with_rising_reward(slurm, tmp_path, star
     assert_bus_secured(run_dir)
 
 
+def test_a_two_node_rl_job_runs_inference_and_trainer_on_different_nodes(
+    slurm, tmp_path, starting_model
+):
+    """`--slurm.nodes 2` on the two node names of this host: NATS, inference, orchestrator and
+    monitor on n1, the trainer as a one-node multi-node torchrun on n2 (each its own srun step),
+    every service reaching the sidecar at n1's address."""
+    (rdzv_port,) = free_ports(1)
+    job_id, run_dir = submit(
+        slurm, tmp_path, "slurm-2n", "--model.name", str(starting_model.path),
+        "--slurm.nodes", "2", "--slurm.rdzv-port", str(rdzv_port), "--max-steps", "4",
+    )  # fmt: skip
+    step_nodes = set()  # the node list of every job step seen while the job runs
+    while slurm.job(job_id).get("JobState") in ("PENDING", "CONFIGURING", "RUNNING"):
+        listed = slurm.run("squeue", "--steps", "-h", "-j", job_id, "-o", "%N", check=False)
+        step_nodes.update(listed.stdout.split())
+        time.sleep(0.3)
+    job = slurm.wait_job(job_id)
+    output = job_output(run_dir, job_id)
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", output + log_tails(run_dir)
+    assert "inference on n1, trainer on n2" in output, output
+    assert {"n1", "n2"} <= step_nodes, step_nodes  # srun steps ran on each node
+    assert steps_with(run_dir, "loss") == [1, 2, 3, 4], output + log_tails(run_dir)
+    assert "SIGKILL" not in output, output
+    assert_bus_secured(run_dir)
+
+
 def assert_bus_secured(run_dir: Path) -> None:
     """The sidecar served TLS only, with one user per role (docs/security.md): every service
     connected over tls:// as itself, and no credential is readable by others."""
