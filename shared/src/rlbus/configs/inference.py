@@ -185,7 +185,7 @@ class InferenceConfig(ServiceConfig):
     """On CPU, start vLLM faster: fork its EngineCore and worker from the API server instead of
     spawning fresh interpreters that import vLLM and torch again, and run the sampler's logprob
     rank count eagerly instead of compiling it at the first request (docs/inference.md,
-    "Start-up"). No effect on GPU. `--no-fast-start` restores vLLM's own behaviour."""
+    "Start-up on CPU"). No effect on GPU. `--no-fast-start` restores vLLM's own behaviour."""
 
     replica_id: str | None = None
     """Replica id in the registry (default: host:port)."""
