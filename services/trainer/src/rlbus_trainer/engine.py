@@ -1,7 +1,7 @@
 """The training core shared by RL (`service.py`) and SFT (`sft.py`).
 
     setup_distributed()            torch.distributed from torchrun's env (or a 1-rank group), gloo on CPU
-    build_engine(config, world)    model (FSDP2 `fully_shard` per layer + root), optimizer, lr schedule
+    build_engine(config, world)    model (FSDP2 per layer + root on 2+ ranks), optimizer, lr schedule
     engine.train_step(mbs, fn)     forward/backward every micro-batch of this rank, clip, step
     engine.full_state_dict()       the whole model on rank 0 (weight publishing, final SFT model)
 
