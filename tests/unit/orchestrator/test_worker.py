@@ -2,6 +2,7 @@
 
 import asyncio
 
+import msgspec
 import pytest
 
 from rlbus.wire.replicas import ReplicaInfo
@@ -212,6 +213,47 @@ def test_group_requests_off_plays_one_episode_per_sample():
     worker = RolloutWorker(FakeBus(), client, max_concurrency=4, group_size=3, group_requests=False)
     asyncio.run(worker.handle(FakeDelivery(make_task(group_size=3))))
     assert client.requests == [("chat", 1)] * 3
+
+
+class SeedClient(EchoClient):
+    """Records the seed and sample count of every request."""
+
+    def __init__(self):
+        super().__init__()
+        self.seeds = []
+
+    async def chat(self, messages, sampling):
+        self.seeds.append((sampling.seed, 1))
+        return await super().chat(messages, sampling)
+
+    async def chat_n(self, messages, sampling, n):
+        self.seeds.append((sampling.seed, n))
+        return await super().chat_n(messages, sampling, n)
+
+
+def seeded_task(env_id="reverse-text", group_size=3, seed=7):
+    task = make_task(env_id=env_id, group_size=group_size)
+    return msgspec.structs.replace(task, sampling=SamplingArgs(seed=seed))
+
+
+@pytest.mark.parametrize(
+    ("grouped", "group_size", "seed", "expected"),
+    [
+        (False, 3, 7, [(7, 1), (8, 1), (9, 1)]),  # episode i: seed + i, as choice i of a group
+        (True, 10, 7, [(7, 4), (11, 4), (15, 2)]),  # a split group: each part from its first
+        (True, 3, 7, [(7, 3)]),
+        (False, 2, None, [(None, 1), (None, 1)]),  # unseeded stays unseeded
+    ],
+)
+def test_a_seeded_group_seeds_every_sample_differently_however_it_is_sent(
+    grouped, group_size, seed, expected
+):
+    client = SeedClient()
+    worker = RolloutWorker(
+        FakeBus(), client, max_concurrency=4, group_size=group_size, group_requests=grouped
+    )
+    asyncio.run(worker.handle(FakeDelivery(seeded_task(group_size=group_size, seed=seed))))
+    assert sorted(client.seeds, key=str) == sorted(expected, key=str)
 
 
 class PeakClient(EchoClient):

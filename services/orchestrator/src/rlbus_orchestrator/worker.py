@@ -36,6 +36,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import msgspec
 import structlog
 
 from rlbus.bus.client import Bus
@@ -45,7 +46,7 @@ from rlbus.obs import tracing
 from rlbus.runtime import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
 from rlbus.wire import tasks as tasks_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
-from rlbus.wire.tasks import Task
+from rlbus.wire.tasks import SamplingArgs, Task
 from rlbus_orchestrator.client import (
     InferenceClient,
     NoReplicaError,
@@ -247,8 +248,10 @@ class RolloutWorker:
         started = time.time()
         try:
             env = self.envs.get(task.env_id, task.env_args)
+            sizes = self.request_sizes(env, task.group_size)
+            firsts = [sum(sizes[:i]) for i in range(len(sizes))]
             parts = await gather_or_cancel(
-                *(self.play(env, task, n) for n in self.request_sizes(env, task.group_size))
+                *(self.play(env, task, n, first) for n, first in zip(sizes, firsts, strict=True))
             )
         except NoReplicaError:
             raise
@@ -269,12 +272,15 @@ class RolloutWorker:
         full, rest = divmod(group_size, self.slots.capacity)
         return [self.slots.capacity] * full + ([rest] if rest else [])
 
-    async def play(self, env: Environment, task: Task, n: int) -> list[RolloutSample]:
-        """`n` samples of the task: one `run_group` call, or one episode."""
+    async def play(self, env: Environment, task: Task, n: int, first: int) -> list[RolloutSample]:
+        """`n` samples of the task, from its sample number `first`: one `run_group` call, or one
+        episode. A seeded task's sample i is seeded `seed + i` however the group is split (vLLM
+        seeds choice j of a request with the request's seed + j), so no two samples repeat."""
+        sampling = sample_seeded(task.sampling, first)
         async with self.slots.hold(n):
             if not self.plays_groups(env):
-                return [await env.run_episode(self.client, task.problem, task.sampling)]
-            samples = await env.run_group(self.client, task.problem, task.sampling, n)
+                return [await env.run_episode(self.client, task.problem, sampling)]
+            samples = await env.run_group(self.client, task.problem, sampling, n)
         if len(samples) != n:
             raise ValueError(f"{env.env_id}: run_group returned {len(samples)} samples for n={n}")
         return samples
@@ -292,6 +298,13 @@ class RolloutWorker:
             error=error,
             metadata={"started_at": started},
         )
+
+
+def sample_seeded(sampling: SamplingArgs, first: int) -> SamplingArgs:
+    """The sampling args of a request whose first sample is the group's sample `first`."""
+    if sampling.seed is None or first == 0:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=sampling.seed + first)
 
 
 async def run_workers(
