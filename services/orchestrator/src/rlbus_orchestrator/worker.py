@@ -29,6 +29,7 @@ the drain request) runs out: then they are abandoned and redelivered.
 """
 
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -249,9 +250,9 @@ class RolloutWorker:
         try:
             env = self.envs.get(task.env_id, task.env_args)
             sizes = self.request_sizes(env, task.group_size)
-            firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+            firsts = itertools.accumulate(sizes, initial=0)  # each request's first sample (+ total)
             parts = await gather_or_cancel(
-                *(self.play(env, task, n, first) for n, first in zip(sizes, firsts, strict=True))
+                *(self.play(env, task, n, first) for n, first in zip(sizes, firsts, strict=False))
             )
         except NoReplicaError:
             raise

@@ -100,17 +100,15 @@ def load_model(model_config, device: torch.device) -> torch.nn.Module:
     """A causal LM from a local directory or HF id (Qwen3, Llama, ...), in the configured dtype:
     rlbus's own module where `model.impl` allows and it covers the model (`rlbus_trainer.qwen3`:
     no transformers import), else transformers'."""
-    model = None
-    if getattr(model_config, "impl", "transformers") != "transformers":
-        model = load_native(model_config)
-        if model is None and model_config.impl == "rlbus":
-            raise ValueError(
-                f"model.impl = 'rlbus' covers local {qwen3.ARCHITECTURE} checkpoints with "
-                f"default RoPE and full attention; {model_config.name} is not one: use "
-                "model.impl = 'auto' or 'transformers'"
-            )
+    model = load_native(model_config) if model_config.impl != "transformers" else None
+    if model is None and model_config.impl == "rlbus":
+        raise ValueError(
+            f"model.impl = 'rlbus' covers local {qwen3.ARCHITECTURE} checkpoints with "
+            f"default RoPE and full attention; {model_config.name} is not one: use "
+            "model.impl = 'auto' or 'transformers'"
+        )
     if model is not None:
-        model.activation_checkpointing = getattr(model_config, "activation_checkpointing", False)
+        model.activation_checkpointing = model_config.activation_checkpointing
         log.info("model_loaded", impl="rlbus", architecture=qwen3.ARCHITECTURE)
         return model.to(device)
     from transformers import AutoModelForCausalLM

@@ -28,7 +28,7 @@ def local_model_dir(name: str) -> Path | None:
     snapshot in the local HF cache; None when neither has its config.json."""
     path = Path(name)
     if path.is_dir():
-        return path
+        return path if (path / "config.json").is_file() else None
     try:
         from huggingface_hub import try_to_load_from_cache
 
