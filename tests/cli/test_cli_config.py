@@ -327,8 +327,13 @@ def test_root_file_after_a_plain_flag_is_still_a_root_file(tmp_path):
 
 
 def test_wandb_monitor_without_the_wandb_package_is_a_config_error(tmp_path):
+    # The dev tree has wandb (its tests run it offline): hide it as if it were not installed.
+    hide = tmp_path / "hide-wandb"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None\n")
+    env = {"PYTHONPATH": str(hide)}
     for command in ("rl", "sft"):
-        result = run_command(command, "--monitors.wandb", "--dry-run", cwd=tmp_path)
+        result = run_command(command, "--monitors.wandb", "--dry-run", cwd=tmp_path, env=env)
 
         assert result.returncode == 2, result.stderr
         assert "wandb is not installed" in error_text(result)

@@ -307,6 +307,7 @@ def test_relaunching_from_the_written_rl_config_repeats_the_run(tmp_path):
             if name == "inference":  # and for inference ports the user did not set
                 config["server"].pop("port")
                 config.pop("backend_port")
+            config["metrics"].pop("port")  # and for each process's /metrics (docs/metrics.md)
             config.pop("max_steps", None)
             config.pop("resume", None)  # the relaunch resumes
         assert first[name] == second[name], name
@@ -342,8 +343,13 @@ def test_rollout_worker_processes_run_the_orchestrator_config_as_workers(tmp_pat
     scripts = tmp_path / "outputs" / "w2" / "scripts"
     orchestrator = exec_argv(scripts / "orchestrator.sh")
     assert "--role" not in orchestrator
-    for i in range(2):
-        assert exec_argv(scripts / f"worker-{i}.sh") == [*orchestrator, "--role", "worker"]
+    ports = set()
+    for i in range(2):  # each with a /metrics port of its own (docs/metrics.md)
+        worker = exec_argv(scripts / f"worker-{i}.sh")
+        assert worker[: len(orchestrator)] == orchestrator and worker[-2:] == ["--role", "worker"]
+        assert worker[len(orchestrator) : -2][0] == "--metrics.port"
+        ports.add(worker[len(orchestrator) : -2][1])
+    assert len(ports) == 2
     assert not (scripts / "worker-2.sh").exists()
     launch = (scripts / "launch.sh").read_text()
     assert (

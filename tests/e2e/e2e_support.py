@@ -204,3 +204,34 @@ def marked_alive(launch_id: str) -> list[str]:
     return [
         f"{procs.describe(pid)} [{procs.service_of(pid)}]" for pid in procs.marked_pids(launch_id)
     ]
+
+
+def step_trace(spans: list[dict], step: int) -> list[dict]:
+    """The spans of step `step`'s trace (OTLP-JSON spans with `service`, as
+    `rlbus.obs.tracing.read_otlp_json` or the test OTLP receiver give them), checked to be one
+    connected tree under its `orchestrator.step` root."""
+    from rlbus.obs import tracing
+
+    roots = [
+        s
+        for s in spans
+        if s["name"] == tracing.STEP
+        and tracing.attribute_map(s.get("attributes", []))[tracing.STEP_ATTR] == str(step)
+    ]
+    assert len(roots) == 1, f"{len(roots)} root spans for step {step}"
+    trace = [s for s in spans if s["traceId"] == roots[0]["traceId"]]
+    ids = {s["spanId"] for s in trace}
+    orphans = [s["name"] for s in trace if s.get("parentSpanId") and s["parentSpanId"] not in ids]
+    assert not orphans, f"spans of step {step} whose parent is not in its trace: {orphans}"
+    assert [s["name"] for s in trace if not s.get("parentSpanId")] == [tracing.STEP]
+    return trace
+
+
+def spans_named(trace: list[dict], name: str) -> list[dict]:
+    return [s for s in trace if s["name"] == name]
+
+
+def attributes(span: dict) -> dict:
+    from rlbus.obs import tracing
+
+    return tracing.attribute_map(span.get("attributes", []))

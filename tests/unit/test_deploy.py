@@ -92,7 +92,7 @@ def test_slurm_script_parses_and_forwards_to_rl_slurm():
 
 def test_compose_names_its_images_and_every_service_ends_with_the_run():
     for name, service in compose_services().items():
-        if name == "otel-collector":
+        if service.get("profiles"):  # opt-in third-party tools (tracing, metrics)
             continue
         assert service["image"].startswith("rlbus-"), f"{name}: no rlbus image name (--no-build)"
         command = list(map(str, service.get("command", [])))
@@ -150,3 +150,14 @@ def test_each_compose_service_mounts_only_its_own_password():
         assert secret_mounts == [f"secrets-{role}:/secrets:ro"], name
         assert f"{role}=/share/{role}" in shared
         assert f"secrets-{role}:/share/{role}" in services["nats-secrets"]["volumes"]
+
+
+def test_the_tracing_profile_forwards_every_span_to_jaeger_and_a_file():
+    services = compose_services()
+    assert services["otel-collector"]["profiles"] == services["jaeger"]["profiles"] == ["tracing"]
+    assert services["jaeger"]["ports"] == ["127.0.0.1:16686:16686"]  # the UI, on the host only
+    collector = yaml.safe_load((DEPLOY / "otel-collector.yaml").read_text())
+    assert set(collector["receivers"]["otlp"]["protocols"]) == {"grpc", "http"}
+    (pipeline,) = collector["service"]["pipelines"].values()
+    assert set(pipeline["exporters"]) == {"otlp/jaeger", "file"}
+    assert collector["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"

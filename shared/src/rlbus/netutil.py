@@ -37,3 +37,32 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether `host` is a bind-to-every-interface address."""
+    return host in ("0.0.0.0", "::", "")
+
+
+def reachable_host() -> str:
+    """A name or address of this machine that other hosts can reach.
+
+    The host name when it resolves to a non-loopback address; else the address of the interface
+    that routes outward (a UDP `connect` sends nothing); else the host name. `socket.getfqdn()`
+    is not it: on hosts whose /etc/hosts maps the name to 127.0.0.1 it says `localhost`.
+    """
+    name = socket.gethostname()
+    try:
+        if not socket.gethostbyname(name).startswith("127."):
+            return name
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: any routable address will do
+            address = probe.getsockname()[0]
+        if not address.startswith(("127.", "0.")):
+            return address
+    except OSError:
+        pass
+    return name

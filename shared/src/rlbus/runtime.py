@@ -74,6 +74,7 @@ def setup_observability(
     a torchrun job traces: the other ranks would write the same spans again."""
     from rlbus.obs import tracing
     from rlbus.obs.logging import setup_logging
+    from rlbus.obs.metrics import serve_metrics
 
     setup_logging(
         service,
@@ -87,9 +88,11 @@ def setup_observability(
         service,
         run_dir=run_dir,
         endpoint=config.otel.endpoint,
+        protocol=config.otel.protocol,
         enabled=config.otel.enabled and not rank,
         run_id=run_id,
     )
+    serve_metrics(service, config.metrics, rank=rank)  # Prometheus /metrics (rank 0 only)
 
 
 def load_service_run(module: str, command: str) -> Callable[[Any], Any]:

@@ -1,5 +1,6 @@
 """The bus side of a replica (lease + weight agent) in the service shell, over a real
-nats-server and without an engine: a drain withdraws the lease and ends the tasks; a current
+nats-server and without an engine: a drain withdraws the lease and ends the tasks, with lifecycle
+events started / ready / draining / stopped (failed after a dead child); a current
 weights record that cannot apply is refused once and the replica still registers; a NATS outage
 (8 s here, 30 s in the slow tier) does not end the replica and its registry entry comes back."""
 
@@ -14,6 +15,8 @@ from rlbus.bus.errors import LeaseHeld
 from rlbus.configs.bus import BusConfig
 from rlbus.configs.inference import InferenceConfig
 from rlbus.runtime import ServiceState, TaskFailed
+from rlbus.wire import events
+from rlbus_inference.processes import FAILED_PREFIX
 from rlbus_inference.replica import run_replica_tasks
 
 
@@ -31,6 +34,7 @@ async def test_a_drain_withdraws_the_lease_and_ends_the_replica_tasks(nats_serve
         replica_id="replica-a",
         bus=BusConfig(url=nats_server.url, token=nats_server.token, run_id=run_id),
     )
+    lifecycle = await lifecycle_events(bus)
     state = ServiceState("inference")
     tasks = asyncio.create_task(run_replica_tasks(config, state))
     try:
@@ -38,12 +42,54 @@ async def test_a_drain_withdraws_the_lease_and_ends_the_replica_tasks(nats_serve
         assert not tasks.done(), tasks.exception()
         info = (await registered(bus))["replica-a"]
         assert info.status == "ready" and info.weights_version == 0
+        # Registered under an address other hosts reach (not `localhost`, the wildcard's fqdn
+        # on hosts that map their name to 127.0.0.1).
+        assert "localhost" not in info.base_url and "0.0.0.0" not in info.base_url
 
         state.drain("test")
         await asyncio.wait_for(tasks, 10)
         assert await registered(bus) == {}
+        await wait_for(has_states(lifecycle, 4))
+        assert [e.state for e in lifecycle] == ["started", "ready", "draining", "stopped"]
+        assert {(e.service, e.instance_id) for e in lifecycle} == {("inference", "replica-a")}
+        assert lifecycle[0].reason == f"serving {info.base_url.removesuffix('/v1')}"
+        assert lifecycle[-1].reason == "test"
     finally:
         tasks.cancel()
+
+
+async def test_a_replica_ended_by_a_dead_child_says_failed(nats_server, make_bus):
+    run_id = f"rep_{uuid.uuid4().hex[:8]}"
+    bus = await make_bus(run_id=run_id)
+    lifecycle = await lifecycle_events(bus)
+    state = ServiceState("inference")
+    tasks = asyncio.create_task(run_replica_tasks(replica_config(nats_server, run_id), state))
+    try:
+        await wait_for(lambda: has_lease(bus))
+        state.drain(f"{FAILED_PREFIX} a child process ended")  # what `serve` says then
+        await asyncio.wait_for(tasks, 10)
+        await wait_for(has_states(lifecycle, 4))
+        assert lifecycle[-1].state == "failed" and "child process" in lifecycle[-1].reason
+    finally:
+        tasks.cancel()
+
+
+async def lifecycle_events(bus) -> list:
+    """Inference lifecycle events published from now on, in order."""
+    received = []
+
+    async def on_event(event, headers) -> None:
+        received.append(event)
+
+    await bus.subscribe(bus.subjects.lifecycle("inference"), events.decoder, on_event)
+    return received
+
+
+def has_states(received: list, count: int):
+    async def check() -> bool:
+        return len(received) >= count
+
+    return check
 
 
 async def has_lease(bus) -> bool:

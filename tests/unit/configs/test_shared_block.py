@@ -34,6 +34,7 @@ FLAGS = {
     "bus": (["--bus.url", "nats://h:4222"], lambda c: c.bus.url == "nats://h:4222"),
     "log": (["--log.level", "debug"], lambda c: c.log.level == "debug"),
     "otel": (["--no-otel.enabled"], lambda c: c.otel.enabled is False),
+    "metrics": (["--metrics.port", "9100"], lambda c: c.metrics.port == 9100),
     "exit_when_finished": (["--exit-when-finished"], lambda c: c.exit_when_finished is True),
     "output_dir": (["--output-dir", "elsewhere"], lambda c: c.output_dir == "elsewhere"),
     "run": (["--run.name", "r1", "--run.dir", "d1"], lambda c: (c.run.name, c.run.dir) == ("r1", "d1")),

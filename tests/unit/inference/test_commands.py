@@ -68,6 +68,51 @@ def test_replica_info_points_at_router_and_engine():
     assert (info.model, info.weights_version) == ("policy", 3)
 
 
+def test_a_wildcard_bind_registers_an_address_other_hosts_reach(monkeypatch):
+    config = make_config(server={"port": 9000, "host": "0.0.0.0"})
+    monkeypatch.setattr(replica, "reachable_host", lambda: "node7")
+    assert replica.make_replica_info(config, version=0, status="ready").base_url == (
+        "http://node7:9000/v1"
+    )
+    advertised = make_config(server={"port": 9000, "host": "0.0.0.0", "advertise_host": "inf-a"})
+    assert replica.make_replica_info(advertised, version=0, status="ready").base_url == (
+        "http://inf-a:9000/v1"
+    )
+
+
+def test_reachable_host_is_never_loopback_when_the_host_has_an_address(monkeypatch):
+    from rlbus import netutil
+
+    monkeypatch.setattr(netutil.socket, "gethostname", lambda: "vm")
+    monkeypatch.setattr(netutil.socket, "gethostbyname", lambda name: "127.0.0.1")
+    host = netutil.reachable_host()  # the name maps to loopback: the outward interface instead
+    assert host == "vm" or not host.startswith("127.")
+    monkeypatch.setattr(netutil.socket, "gethostbyname", lambda name: "10.1.2.3")
+    assert netutil.reachable_host() == "vm"
+
+
+def test_vllm_traces_to_the_collector_rlbus_uses(monkeypatch):
+    from rlbus_inference import processes
+
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    assert processes.engine_tracing(make_config()) == ([], {})  # no collector: vLLM has no file
+    grpc = make_config(otel={"endpoint": "http://c:4317", "protocol": "grpc"})
+    assert processes.engine_tracing(grpc) == (
+        ["--otlp-traces-endpoint", "http://c:4317"],
+        {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_SERVICE_NAME": "inference"},
+    )
+    http = make_config(otel={"endpoint": "http://c:4318", "protocol": "http/protobuf"})
+    assert processes.engine_tracing(http)[0] == [
+        "--otlp-traces-endpoint",
+        "http://c:4318/v1/traces",
+    ]
+    own = make_config(
+        otel={"endpoint": "http://c:4318"}, vllm={"model": "/m", "otlp_traces_endpoint": "x"}
+    )
+    assert processes.engine_tracing(own) == ([], {})
+
+
 def flag_value(command: list[str], flag: str) -> str | None:
     return command[command.index(flag) + 1] if flag in command else None
 

@@ -20,6 +20,10 @@ import contextlib
 import json
 from http import HTTPStatus
 
+from opentelemetry.trace import SpanKind
+
+from rlbus.obs import tracing
+
 PUBLIC_EXACT = frozenset({"/health", "/metrics"})
 PUBLIC_PREFIX = "/v1/"
 NOT_PUBLIC = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
@@ -37,6 +41,8 @@ HOP_BY_HOP = frozenset(
         "host",
     }
 )
+TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+"""W3C trace context: replaced by the gate's own span when it records one."""
 CORS_METHODS = "GET, POST, OPTIONS"
 MAX_BODY_BYTES = 64 << 20
 """Largest request body passed on (a long multi-turn prompt is well under 1 MiB); more is 413,
@@ -130,8 +136,6 @@ class PublicGate:
         ]
 
     async def forward(self, scope, receive, send, cors: list) -> None:
-        import aiohttp
-
         body = bytearray()
         while True:
             message = await receive()
@@ -143,23 +147,41 @@ class PublicGate:
                 return
             if not message.get("more_body"):
                 break
-        query = scope["query_string"].decode("latin-1")
-        url = self.upstream + scope["path"] + ("?" + query if query else "")
         headers = [
             (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in scope["headers"]
             if k.decode("latin-1").lower() not in HOP_BY_HOP
         ]
+        # A request that carries a W3C traceparent (the orchestrator's) gets an
+        # `inference.http` SERVER span here, and the router and vLLM see this span as parent.
+        with tracing.span(
+            tracing.HTTP_SERVER,
+            context=tracing.extract_context(dict(headers)),
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": scope["method"], "url.path": scope["path"]},
+        ) as span:
+            if span.get_span_context().is_valid:
+                headers = [(k, v) for k, v in headers if k.lower() not in TRACE_HEADERS]
+                headers.extend(tracing.inject_headers({}).items())
+            status = await self.relay(scope, send, cors, headers, bytes(body))
+            span.set_attribute("http.response.status_code", status)
+
+    async def relay(self, scope, send, cors: list, headers: list, body: bytes) -> int:
+        """Send the request to the router and stream its answer back; returns the status."""
+        import aiohttp
+
+        query = scope["query_string"].decode("latin-1")
+        url = self.upstream + scope["path"] + ("?" + query if query else "")
         try:
             response = await self.client().request(
-                scope["method"], url, headers=headers, data=bytes(body), allow_redirects=False
+                scope["method"], url, headers=headers, data=body, allow_redirects=False
             )
         except (aiohttp.ClientError, OSError) as error:
             for message in json_response(
                 HTTPStatus.BAD_GATEWAY, {"error": f"router unreachable: {error!r}"}
             ):
                 await send(message)
-            return
+            return HTTPStatus.BAD_GATEWAY.value
         try:
             await send(
                 {
@@ -173,6 +195,7 @@ class PublicGate:
             await send({"type": "http.response.body", "body": b""})
         finally:
             response.release()
+        return response.status
 
     async def aclose(self) -> None:
         if self.session is not None:

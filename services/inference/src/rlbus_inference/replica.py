@@ -37,9 +37,11 @@ import structlog
 from rlbus.bus import Bus
 from rlbus.bus.errors import LeaseHeld
 from rlbus.configs.inference import InferenceConfig
+from rlbus.netutil import is_wildcard, reachable_host
+from rlbus.obs.metrics import record_weights_version, timed_transport
 from rlbus.runs import run_id_of
 from rlbus.runtime import ServiceState, TaskSupervisor, drain_when_finished
-from rlbus.wire import replicas, weights
+from rlbus.wire import events, replicas, weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_inference import processes
 
@@ -51,6 +53,9 @@ CURRENT_READ_S = 10.0
 WATCH_REFRESH_S = 15.0
 WATCH_RETRY_S = 2.0
 LEASE_RETRY_S = (1.0, 2.0, 5.0)
+LIFECYCLE_PUBLISH_S = 2.0
+"""Deadline of one lifecycle event's publish: a replica never waits long on a bus to say so."""
+
 """Waits between attempts to (re-)register while the bus does not answer (the last repeats)."""
 
 
@@ -74,21 +79,23 @@ def served_model_name(config: InferenceConfig) -> str:
     return name or config.vllm.model
 
 
-def public_host(host: str) -> str:
-    """Host other machines use to reach a port of this replica bound to `host`."""
-    if host in ("0.0.0.0", "::", ""):
-        return socket.getfqdn()
+def public_host(host: str, advertise: str | None = None) -> str:
+    """Host other machines use to reach a port of this replica bound to `host`: `advertise`
+    when set, `host` when it is one address, else `netutil.reachable_host()`."""
+    if is_wildcard(host):
+        return advertise or reachable_host()
     return host
 
 
 def advertised_urls(config: InferenceConfig) -> tuple[str, str]:
     """(public, admin) URLs other machines reach this replica at: an attached server's as
-    configured, else our ports on this host's name."""
+    configured, else our ports on the advertised host (`server.advertise_host`)."""
     if config.attach is not None:
         return config.attach.url, config.attach.admin_url
+    advertise = config.server.advertise_host
     return (
-        f"http://{public_host(config.server.host)}:{config.server.port}",
-        f"http://{public_host(config.admin.host)}:{config.backend_port}",
+        f"http://{public_host(config.server.host, advertise)}:{config.server.port}",
+        f"http://{public_host(config.admin.host, advertise)}:{config.backend_port}",
     )
 
 
@@ -127,6 +134,7 @@ class WeightAgent:
         self.replica_id = replica_id(config)
         self.engine_url = processes.engine_url(config)
         self.loaded_version = 0
+        record_weights_version(self.replica_id, 0)  # Prometheus (rlbus.obs.metrics)
         self.latest: weights.WeightsPublished | None = None
         self.new_version = asyncio.Event()
         self.broadcast_location: str | None = None
@@ -136,6 +144,9 @@ class WeightAgent:
         published again as a new record is."""
         self.undecodable: set[int | None] = set()
         """Revisions of `latest` that did not decode (logged once each)."""
+        self.trace_headers: dict[tuple, dict[str, str]] = {}
+        """`record_key` -> the trace context stored with that record (tracing on only): the
+        weight load joins the trace of the step that produced the weights."""
 
     async def run(self) -> None:
         """Watch and apply until cancelled (bus errors are ridden out; a bug still ends it)."""
@@ -161,6 +172,7 @@ class WeightAgent:
             return
         target = self.decode(entry.value, entry.revision)
         if target is not None and target.version > 0:
+            await self.remember_trace(kv, entry.revision, target)
             self.latest = target
             await self.apply_with_retry(target)
 
@@ -184,12 +196,27 @@ class WeightAgent:
                 async with asyncio.timeout(WATCH_REFRESH_S):
                     async for entry in kv.watch(WEIGHTS_LATEST_KEY):
                         if entry.value:
-                            self.offer(self.decode(entry.value, entry.revision))
+                            target = self.decode(entry.value, entry.revision)
+                            await self.remember_trace(kv, entry.revision, target)
+                            self.offer(target)
             except TimeoutError:
                 continue  # reopened: its first entry is the current value
             except Exception as error:
                 log.warning("weights_watch_failed", error=repr(error), retry_in_s=WATCH_RETRY_S)
                 await asyncio.sleep(WATCH_RETRY_S)
+
+    async def remember_trace(self, kv, revision: int, target) -> None:
+        """Keep the trace context stored with record `revision` (one read, only when tracing)."""
+        from rlbus.obs import tracing
+
+        if target is None or not tracing.enabled() or record_key(target) in self.trace_headers:
+            return
+        try:
+            self.trace_headers[record_key(target)] = await kv.headers_of(revision)
+        except Exception as error:  # a trace is not worth a failed weight load
+            log.debug("weights_trace_unread", revision=revision, error=repr(error))
+        for key in list(self.trace_headers)[:-4]:  # the newest few records are enough
+            del self.trace_headers[key]
 
     def offer(self, target: weights.WeightsPublished | None) -> None:
         if target is not None:
@@ -225,6 +252,23 @@ class WeightAgent:
         return None
 
     async def apply_with_retry(self, target: weights.WeightsPublished) -> None:
+        """Apply `target` with retries, inside an `inference.weights_load` span that is a child
+        of the trainer's publish (the record's trace context) when tracing is on."""
+        from rlbus.obs import tracing
+
+        headers = self.trace_headers.get(record_key(target))
+        with tracing.span(
+            tracing.WEIGHTS_LOAD,
+            context=tracing.extract_context(headers) if headers else None,
+            attributes={
+                tracing.VERSION: target.version,
+                tracing.REPLICA: self.replica_id,
+                "rlbus.weights.transport": target.transport,
+            },
+        ):
+            await self._apply_with_retry(target)
+
+    async def _apply_with_retry(self, target: weights.WeightsPublished) -> None:
         if record_key(target) in self.rejected:
             return
         if reason := self.refusal(target):
@@ -249,6 +293,7 @@ class WeightAgent:
                     return
                 continue
             self.loaded_version = target.version
+            record_weights_version(self.replica_id, target.version)
             await self.on_change(self.loaded_version, "ready")
             await self.publish_applied(target.version, duration)
             log.info("weights_applied", version=target.version, duration_s=round(duration, 3))
@@ -274,14 +319,6 @@ class WeightAgent:
         return self.latest is not None and self.latest.version > target.version
 
     async def apply(self, target: weights.WeightsPublished) -> float:
-        """Make the engine load `target` (inside a `weights_apply` span naming the version)."""
-        from rlbus.obs import tracing
-
-        attributes = {"weights.version": target.version, "replica_id": self.replica_id}
-        with tracing.tracer().start_as_current_span("weights_apply", attributes=attributes):
-            return await self._apply(target)
-
-    async def _apply(self, target: weights.WeightsPublished) -> float:
         """Make the engine load `target`; returns seconds taken."""
         start = time.perf_counter()
         log.info(
@@ -467,17 +504,57 @@ async def run_replica_tasks(
             except Exception as error:  # the heartbeat carries the new value once the bus is back
                 log.warning("replica_update_failed", status=status, error=repr(error))
 
+    lifecycle = Lifecycle(bus, replica_id(config))
+    final, stopped_reason = "stopped", "lease ended"
     try:
+        public, _ = advertised_urls(config)
+        await lifecycle.publish("started", reason=f"serving {public}")
         headers = {"Authorization": f"Bearer {token}"} if token else None
-        async with httpx.AsyncClient(headers=headers) as http, TaskSupervisor() as tasks:
+        http_client = httpx.AsyncClient(headers=headers, transport=timed_transport())
+        async with http_client as http, TaskSupervisor() as tasks:
             agent = WeightAgent(bus, config, http, on_change)
             await agent.load_current()  # before registering: never advertise stale weights
             lease = tasks.spawn("replica_lease", hold_lease(bus, config, state, stop))
             agent_task = tasks.spawn("weight_agent", agent.run())
             if config.exit_when_finished:
                 tasks.spawn("finish_watch", drain_when_finished(bus, service))
+            await lifecycle.publish("ready", reason=f"weights version {agent.loaded_version}")
             await tasks.wait(stop, lease)
+            if service.mode == "draining":
+                await lifecycle.publish("draining", reason=service.reason)
             agent_task.cancel()
             await lease  # withdraws the lease: stop is set or the lease ended by itself
+            stopped_reason = service.reason or stopped_reason
+            if stopped_reason.startswith(processes.FAILED_PREFIX):
+                final = "failed"
+    except Exception as error:
+        final, stopped_reason = "failed", f"{type(error).__name__}: {error}"
+        raise
+    except asyncio.CancelledError:
+        stopped_reason = "cancelled while stopping"
+        raise
     finally:
+        await lifecycle.publish(final, reason=stopped_reason)
         await bus.close()
+
+
+class Lifecycle:
+    """The replica's lifecycle events (`events.lifecycle.inference`, instance = replica id):
+    started (connected, `reason` = its public URL), ready (registered), draining, stopped,
+    failed. Weight loads have their own `weights.applied` events. A bus outage loses an event
+    with a line, never the replica."""
+
+    def __init__(self, bus: Bus, instance_id: str):
+        self.bus, self.instance_id = bus, instance_id
+
+    async def publish(self, state: str, reason: str | None = None) -> None:
+        message = events.Lifecycle(
+            service="inference", state=state, instance_id=self.instance_id, reason=reason
+        )
+        try:
+            await asyncio.wait_for(
+                self.bus.publish(self.bus.subjects.lifecycle("inference"), message),
+                LIFECYCLE_PUBLISH_S,
+            )
+        except Exception as error:
+            log.warning("lifecycle_event_unpublished", state=state, error=repr(error))

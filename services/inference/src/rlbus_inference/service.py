@@ -171,13 +171,16 @@ async def serve(config: InferenceConfig, state: ServiceState, token: str | None 
         engine = processes.start(
             "engine",
             processes.engine_command(config),
-            env=processes.engine_env(
-                initial_version=0,
-                router_facing_port=router_facing_port,
-                mark=mark,
-                admin=guards.engine_env(config, token),
-                fast_start=config.fast_start,
-            ),
+            env={
+                **processes.engine_env(
+                    initial_version=0,
+                    router_facing_port=router_facing_port,
+                    mark=mark,
+                    admin=guards.engine_env(config, token),
+                    fast_start=config.fast_start,
+                ),
+                **processes.engine_tracing(config)[1],
+            },
             log_path=engine_log,
             parent_death_signal=signal.SIGTERM,
         )
@@ -228,7 +231,8 @@ async def serve(config: InferenceConfig, state: ServiceState, token: str | None 
         log.info("inference_stop_during_startup", reason=str(stopped))
         failed = False
     finally:
-        state.drain("shutdown")  # the bus tasks see it: they withdraw the lease first
+        # The bus tasks see it: they withdraw the lease first, and say why in a lifecycle event.
+        state.drain(f"{processes.FAILED_PREFIX} a child process ended" if failed else "shutdown")
         if gate_server is not None:  # clients stop reaching the replica first
             gate_server.should_exit = True
         if failed:  # a child died: leave the registry and end the rest at once, side by side

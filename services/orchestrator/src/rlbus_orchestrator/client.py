@@ -30,8 +30,11 @@ from typing import Any
 
 import httpx
 import structlog
+from opentelemetry.trace import SpanKind
 
 from rlbus.configs.orchestrator import InferenceHttpConfig
+from rlbus.obs import tracing
+from rlbus.obs.metrics import timed_transport
 from rlbus.wire.replicas import ReplicaInfo
 from rlbus.wire.tasks import SamplingArgs
 from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
@@ -223,7 +226,9 @@ def make_http_client(config: InferenceHttpConfig, max_connections: int) -> httpx
         write=config.connect_timeout_s,
         pool=config.connect_timeout_s,
     )
-    return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=max_connections))
+    # timed: rlbus_http_client_request_seconds; a client given a transport ignores its `limits`
+    transport = timed_transport(httpx.Limits(max_connections=max_connections))
+    return httpx.AsyncClient(timeout=timeout, transport=transport)
 
 
 class InferenceClient:
@@ -276,12 +281,26 @@ class InferenceClient:
         replica.outstanding += 1
         replica.num_requests += 1
         started = time.perf_counter()
+        url = f"{replica.info.base_url}/chat/completions"
         try:
-            response = await self.http.post(
-                f"{replica.info.base_url}/chat/completions",
-                json=request_body(model, messages, sampling, n),
-            )
-            response.raise_for_status()
+            with tracing.span(
+                tracing.GENERATE,
+                kind=SpanKind.CLIENT,
+                attributes={
+                    "http.request.method": "POST",
+                    "url.full": url,
+                    tracing.REPLICA: replica.info.replica_id,
+                    "gen_ai.request.model": model,
+                    "rlbus.samples": n,
+                },
+            ) as span:
+                response = await self.http.post(
+                    url,
+                    json=request_body(model, messages, sampling, n),
+                    headers=tracing.inject_headers({}),  # W3C traceparent: vLLM's spans join
+                )
+                span.set_attribute("http.response.status_code", response.status_code)
+                response.raise_for_status()
         finally:
             replica.outstanding -= 1
         header = response.headers.get(WEIGHTS_VERSION_HEADER)

@@ -63,6 +63,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span
 
 from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
@@ -70,6 +73,7 @@ from rlbus.bus.core import retry_transient
 from rlbus.bus.kv import KV
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
+from rlbus.obs.metrics import count_dropped_task, record_batch
 from rlbus.runtime import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
 from rlbus.wire import rollouts as rollouts_wire
 from rlbus.wire.batches import TrainBatch
@@ -176,6 +180,36 @@ class StepStats:
         still count in the step's sampled reward (`reward/mean`)."""
 
 
+class StepTraces:
+    """One root span per step (`orchestrator.step`): the tasks issued for step N, their rollouts
+    and HTTP calls, batch N, the trainer's step N and the weight loads of version N all descend
+    from it (docs/observability.md). Opened at the first task issued for the step, ended once its
+    batch is on the bus."""
+
+    def __init__(self) -> None:
+        self.spans: dict[int, Span] = {}
+
+    def context(self, step: int) -> otel_context.Context | None:
+        """The context to issue step `step`'s work in (None when tracing is off)."""
+        if not tracing.enabled():
+            return None
+        span = self.spans.get(step)
+        if span is None:
+            span = tracing.tracer().start_span(
+                tracing.STEP, context=otel_context.Context(), attributes={tracing.STEP_ATTR: step}
+            )
+            self.spans[step] = span
+        return trace.set_span_in_context(span)
+
+    def end(self, step: int) -> None:
+        if (span := self.spans.pop(step, None)) is not None:
+            span.end()
+
+    def end_all(self) -> None:
+        for step in list(self.spans):
+            self.end(step)
+
+
 class Coordinator:
     """One per run (see module docstring)."""
 
@@ -202,6 +236,7 @@ class Coordinator:
         """task_id -> monotonic time it was issued (or the coordinator started, after a restart)."""
         self.tasks = TaskSupervisor()
         """issue_tasks, watch_weights and evaluation runs: one that raises ends the coordinator."""
+        self.traces = StepTraces()
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -295,11 +330,33 @@ class Coordinator:
         )
 
     async def publish_tasks(self, cursors: list[int]) -> None:
-        """Publish concurrently (one round trip, not one per task); ids make a retry a no-op."""
+        """Publish concurrently (one round trip, not one per task); ids make a retry a no-op.
+        Each task is published in the trace of the step its group is expected to land in."""
         tasks = [self.make_task(cursor) for cursor in cursors]
+
+        async def publish(task: Task, step: int) -> None:
+            with tracing.use_context(self.traces.context(step)):
+                await self.bus.publish(self.bus.subjects.tasks, task, msg_id=task.task_id)
+
         await asyncio.gather(
-            *(self.bus.publish(self.bus.subjects.tasks, t, msg_id=t.task_id) for t in tasks)
+            *(
+                publish(t, step)
+                for t, step in zip(tasks, self.expected_steps(len(tasks)), strict=True)
+            )
         )
+
+    def expected_steps(self, num_tasks: int) -> list[int]:
+        """The step each of `num_tasks` new groups should land in: batches take groups first in,
+        first out, after those pooled and in flight (a guess for tracing: a dropped group moves
+        the later ones one step on)."""
+        pooled = sum(len(g.rollout.samples) for g in self.pool.values())
+        in_flight = max(0, len(self.state.outstanding) - num_tasks - len(self.pool))
+        ahead = pooled + in_flight * self.config.group_size
+        size = self.config.batch_size
+        return [
+            self.state.next_step + (ahead + k * self.config.group_size) // size
+            for k in range(num_tasks)
+        ]
 
     def max_step(self) -> int:
         limit = max_allowed_step(self.applied_version, self.config.async_level)
@@ -485,6 +542,7 @@ class Coordinator:
         self.issued_at.pop(task_id, None)
         self.state.dropped[reason] = self.state.dropped.get(reason, 0) + 1
         self.stats.dropped[reason] += 1
+        count_dropped_task(reason)  # Prometheus (rlbus.obs.metrics)
 
     async def accept_rollout(self, delivery: Delivery[Rollout]) -> None:
         rollout = delivery.data
@@ -563,8 +621,11 @@ class Coordinator:
         step = self.state.next_step
         carriers = [{"traceparent": g.rollout.metadata.get("traceparent") or ""} for g in groups]
         links = [link for c in carriers if (link := tracing.link_from_headers(c)) is not None]
-        with tracing.tracer().start_as_current_span(
-            "batch", links=links, attributes={"step": step}
+        with tracing.span(
+            tracing.BATCH,
+            context=self.traces.context(step),
+            links=links,
+            attributes={tracing.STEP_ATTR: step, "rlbus.batch.groups": len(groups)},
         ):
             batch = self.make_batch(step, groups)
             await self.bus.publish(
@@ -579,8 +640,10 @@ class Coordinator:
         await self.save_state()
         for g in groups:
             await g.delivery.ack()
+        self.traces.end(step)
         await self.publish_metrics(step, batch.metrics)
         self.num_batches_published += 1
+        record_batch(step, batch.metrics)  # Prometheus (rlbus.obs.metrics)
         log.info(
             "batch_published",
             step=step,
@@ -761,6 +824,7 @@ class Coordinator:
         finally:
             self.done.set()
             self.changed.set()
+            self.traces.end_all()
         log.info(
             "coordinator_stopped",
             next_step=self.state.next_step,

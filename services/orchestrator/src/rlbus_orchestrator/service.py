@@ -54,6 +54,7 @@ def run(config: OrchestratorConfig) -> None:
 async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -> None:
     """The service body; without `state` (tests, benchmarks) it runs until `max_steps`."""
     from rlbus.bus.client import Bus
+    from rlbus.obs.metrics import poll_stream_stats
     from rlbus.wire.events import Lifecycle
     from rlbus_orchestrator.coordinator import Coordinator
     from rlbus_orchestrator.envs import load_environment
@@ -95,7 +96,8 @@ async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -
                         http_config=config.http,
                     ),
                 )
-            if has_coordinator:
+            if has_coordinator:  # queue depth and consumer lag for Prometheus (never raises)
+                watchers.append(tasks.spawn("stream_stats", poll_stream_stats(bus)))
                 leader = tasks.spawn(
                     "coordinator_leader", become_leader(bus, config.leader_ttl_s, state)
                 )

@@ -44,6 +44,7 @@ from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
 from rlbus.configs.orchestrator import InferenceHttpConfig
 from rlbus.obs import tracing
+from rlbus.obs.metrics import count_rollout
 from rlbus.runtime import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
 from rlbus.wire import tasks as tasks_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
@@ -198,8 +199,13 @@ class RolloutWorker:
 
     async def handle(self, delivery: Delivery[Task]) -> None:
         task = delivery.data
-        with tracing.tracer().start_as_current_span(
-            "rollout", attributes={"task_id": task.task_id, "step": task.step}
+        with tracing.span(
+            tracing.ROLLOUT,
+            attributes={
+                tracing.TASK_ID: task.task_id,
+                "rlbus.env_id": task.env_id,
+                "rlbus.group_size": task.group_size,
+            },
         ):
             rollout = await self.roll_out_when_a_replica_answers(task)
             if rollout is None:
@@ -211,6 +217,7 @@ class RolloutWorker:
             await self.bus.publish(self.bus.subjects.rollouts, rollout, msg_id=task.task_id)
         await delivery.ack()
         self.num_rollouts += 1
+        count_rollout(rollout)  # Prometheus (rlbus.obs.metrics)
 
     async def roll_out_when_a_replica_answers(self, task: Task) -> Rollout | None:
         """`roll_out`, again while no replica answers, for up to `no_replica_wait_s` (the

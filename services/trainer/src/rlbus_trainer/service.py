@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import structlog
@@ -230,6 +229,7 @@ async def connect_and_start(config, world, run_dir, run_id):
 async def run_async(config, stop: ServiceState | None = None) -> int:
     """The service body (see module docstring); returns the last trained step."""
     from rlbus.obs import tracing
+    from rlbus.obs.metrics import record_train_step
     from rlbus.runs import require_run_dir, run_id_of
     from rlbus_trainer import ckpt
     from rlbus_trainer.batch_check import batch_problem
@@ -297,70 +297,69 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
         skipped = agreed(arrival.problem is not None)
         if skipped and world.is_main:
             await quarantine(bus, step, arrival)
-        t0 = time.perf_counter()
-        result = None
-        if not skipped:
-            with (
-                tracing.consumer_span("train_step", headers=arrival.headers)
-                if tracing.enabled()
-                else nullcontext()
-            ):
+        # One span for the whole step: training, checkpoint and weights publish are its children,
+        # and it is a child of the batch's publish (the step's trace, docs/observability.md).
+        with tracing.consumer_span(
+            tracing.TRAIN_STEP,
+            headers=arrival.headers,
+            attributes={tracing.STEP_ATTR: step, "rlbus.skipped": skipped},
+        ):
+            t0 = time.perf_counter()
+            result = None
+            if not skipped:
                 result = await asyncio.to_thread(
                     engine.train_step,
                     rank_micro_batches(batch, world.rank, world.world_size),
                     loss_fn,
                 )
-        if agreed(stop.stop_now):
-            log.info("train_step_discarded_on_stop", step=step)
-            break
-        extra: dict[str, float] = {}
-        if config.ckpt is not None and (
-            step % config.ckpt.interval == 0 or step == config.max_steps
-        ):
-            c0 = time.perf_counter()
-            progress: dict = {"step": step}
-            if world.is_main:  # the step's metrics travel with the checkpoint (replayed on resume)
-                progress["metrics"] = (
-                    {"skipped": 1.0, "wait_s": arrival.wait_s}
-                    if result is None
-                    else step_metrics(result, batch, arrival.wait_s, c0 - t0, {})
-                )
-            await asyncio.to_thread(ckpt.save_checkpoint, engine, run_dir, step, progress)
-            if world.is_main:
-                ckpt.prune_checkpoints(run_dir, config.ckpt.keep_last, current_step=step)
-            extra["ckpt_s"] = time.perf_counter() - c0
-        if step <= published_through:  # the bus has this version already: never publish it again
-            extra["retrained"] = 1.0
-        else:
-            with (
-                tracing.tracer().start_as_current_span(
-                    "weights_publish", attributes={"weights.version": step}
-                )
-                if tracing.enabled()
-                else nullcontext()
+            if agreed(stop.stop_now):
+                log.info("train_step_discarded_on_stop", step=step)
+                break
+            extra: dict[str, float] = {}
+            if config.ckpt is not None and (
+                step % config.ckpt.interval == 0 or step == config.max_steps
             ):
-                extra.update(await publisher.publish(step, engine))
-        if world.is_main:
-            step_s = time.perf_counter() - t0
-            if result is None:
-                metrics = {"skipped": 1.0, "wait_s": arrival.wait_s, "step_s": step_s, **extra}
+                c0 = time.perf_counter()
+                progress: dict = {"step": step}
+                # the step's metrics travel with the checkpoint (replayed on resume)
+                if world.is_main:
+                    progress["metrics"] = (
+                        {"skipped": 1.0, "wait_s": arrival.wait_s}
+                        if result is None
+                        else step_metrics(result, batch, arrival.wait_s, c0 - t0, {})
+                    )
+                with tracing.span(tracing.CHECKPOINT):
+                    await asyncio.to_thread(ckpt.save_checkpoint, engine, run_dir, step, progress)
+                if world.is_main:
+                    ckpt.prune_checkpoints(run_dir, config.ckpt.keep_last, current_step=step)
+                extra["ckpt_s"] = time.perf_counter() - c0
+            if step <= published_through:  # the bus has this version: never publish it again
+                extra["retrained"] = 1.0
             else:
-                metrics = step_metrics(result, batch, arrival.wait_s, step_s, extra)
-            await publish_event(
-                bus, events.StepMetrics(service=SERVICE, step=step, metrics=metrics)
-            )
-            if result is not None:
-                log.info(
-                    "train_step",
-                    loss=round(result.loss, 4),
-                    grad_norm=round(result.grad_norm, 3),
-                    tokens_per_s=round(metrics["tokens_per_s"]),
-                    wait_s=round(arrival.wait_s, 3),
-                    retrained=bool(extra.get("retrained")),
+                with tracing.span(tracing.WEIGHTS_PUBLISH, attributes={tracing.VERSION: step}):
+                    extra.update(await publisher.publish(step, engine))
+            if world.is_main:
+                step_s = time.perf_counter() - t0
+                if result is None:
+                    metrics = {"skipped": 1.0, "wait_s": arrival.wait_s, "step_s": step_s, **extra}
+                else:
+                    metrics = step_metrics(result, batch, arrival.wait_s, step_s, extra)
+                await publish_event(
+                    bus, events.StepMetrics(service=SERVICE, step=step, metrics=metrics)
                 )
-            bus.step_log.discard_claims(
-                never_reread_through(run_dir, step, checkpointing=config.ckpt is not None)
-            )
+                record_train_step(step, metrics)  # Prometheus (rlbus.obs.metrics)
+                if result is not None:
+                    log.info(
+                        "train_step",
+                        loss=round(result.loss, 4),
+                        grad_norm=round(result.grad_norm, 3),
+                        tokens_per_s=round(metrics["tokens_per_s"]),
+                        wait_s=round(arrival.wait_s, 3),
+                        retrained=bool(extra.get("retrained")),
+                    )
+                bus.step_log.discard_claims(
+                    never_reread_through(run_dir, step, checkpointing=config.ckpt is not None)
+                )
         last_step = step
         step += 1
 

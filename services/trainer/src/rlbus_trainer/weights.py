@@ -41,6 +41,7 @@ from rlbus.bus.core import retry_transient
 from rlbus.bus.errors import CasMismatch
 from rlbus.checksums import weight_files
 from rlbus.netutil import free_port
+from rlbus.obs import tracing
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_trainer.hf_dir import hf_tensors, write_hf_dir
@@ -91,6 +92,8 @@ async def _announce(bus, message: weights.WeightsPublished) -> bool:
     False (nothing written) when the key already holds this version or a newer one."""
     payload = weights.encoder.encode(message)
     kv = bus.kv(bus.subjects.weights_bucket)
+    # The record carries the step's trace context: each replica's weight load joins the trace.
+    headers = tracing.inject_headers({}) or None
     while True:
         revision, current = await _latest_entry(bus)
         if current >= message.version:
@@ -98,11 +101,15 @@ async def _announce(bus, message: weights.WeightsPublished) -> bool:
             return False
         try:
             if revision is None:
-                await _retrying("create_latest", lambda: kv.create(WEIGHTS_LATEST_KEY, payload))
+                await _retrying(
+                    "create_latest", lambda: kv.create(WEIGHTS_LATEST_KEY, payload, headers=headers)
+                )
             else:
                 await _retrying(
                     "update_latest",
-                    lambda r=revision: kv.update(WEIGHTS_LATEST_KEY, payload, revision=r),
+                    lambda r=revision: kv.update(
+                        WEIGHTS_LATEST_KEY, payload, revision=r, headers=headers
+                    ),
                 )
             break
         except CasMismatch:  # written meanwhile (or a retried write landed): look again

@@ -141,7 +141,9 @@ class Bus(BusCore):
             try:
                 if tracing.enabled():
                     with tracing.consumer_span(
-                        f"notify {msg.subject}", headers=headers, subject=msg.subject
+                        f"notify {self.subjects.family(msg.subject)}",
+                        headers=headers,
+                        subject=msg.subject,
                     ):
                         await handler(message, headers)
                 else:
@@ -292,7 +294,7 @@ class Bus(BusCore):
                     ok=False, service=service, message=f"undecodable request: {error}"
                 )
             else:
-                with tracing.consumer_span(f"control {service}", headers=msg.headers):
+                with tracing.consumer_span("control", headers=msg.headers, subject=msg.subject):
                     reply = await handler(request)
             await msg.respond(encode(reply))
 

@@ -267,7 +267,9 @@ class Consumer(Generic[T]):
         try:
             if tracing.enabled():
                 with tracing.consumer_span(
-                    f"process {msg.subject}", headers=headers, subject=msg.subject
+                    f"process {self.bus.subjects.family(msg.subject)}",
+                    headers=headers,
+                    subject=msg.subject,
                 ):
                     await self.handler(delivery)
             else:

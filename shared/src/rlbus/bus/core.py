@@ -26,6 +26,7 @@ from rlbus.bus import claimcheck
 from rlbus.bus.errors import BusError, ClaimCheckError
 from rlbus.configs.bus import BusConfig
 from rlbus.obs import tracing
+from rlbus.obs.metrics import count_dead_letter
 from rlbus.wire import claims
 from rlbus.wire.claims import ClaimCheck
 from rlbus.wire.subjects import BucketSpec, ConsumerSpec, RunSubjects, StreamSpec
@@ -262,7 +263,10 @@ class BusCore:
         if not tracing.enabled():  # hot path: no span bookkeeping when nothing records spans
             return await self._publish_with_retry(subject, payload, headers, msg_ttl)
         with tracing.producer_span(
-            f"publish {subject}", subject=subject, headers=headers, msg_id=headers[MSG_ID_HEADER]
+            f"publish {self.subjects.family(subject)}",
+            subject=subject,
+            headers=headers,
+            msg_id=headers[MSG_ID_HEADER],
         ):
             return await self._publish_with_retry(subject, payload, headers, msg_ttl)
 
@@ -279,12 +283,13 @@ class BusCore:
             (subject, *self._prepare(subject, message, msg_id, None))
             for subject, message, msg_id in items
         ]
-        if tracing.enabled():
+        if prepared and tracing.enabled() and tracing.in_trace():
             with tracing.producer_span(
-                f"publish_many {len(prepared)}",
-                subject=prepared[0][0] if prepared else "",
+                f"publish {self.subjects.family(prepared[0][0])}",
+                subject=prepared[0][0],
                 headers={},
-            ):
+            ) as span:
+                span.set_attribute("messaging.batch.message_count", len(prepared))
                 for _, _, headers in prepared:
                     tracing.inject_headers(headers)
         futures = []
@@ -434,6 +439,7 @@ class BusCore:
             dead_headers[claimcheck.CLAIM_HEADER] = "1"
         await self._publish_with_retry(self.subjects.dead(stream), data, dead_headers, None)
         self._quarantined.add(dead_id)
+        count_dead_letter(self.subjects, stream, reason)  # Prometheus (rlbus.obs.metrics)
         return True
 
     async def last_stored(self, stream: str, subject: str) -> api.RawStreamMsg | None:

@@ -33,6 +33,8 @@ log = structlog.get_logger()
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE_CODES = (10071, 10164)
+DELETED = ("DEL", "PURGE")
+"""`KV-Operation` header values of a delete marker."""
 WATCH_CHECK_S = 5.0
 """A watch that got nothing for this long checks whether the bucket moved on without it (a
 watcher nats-py could not re-create during an outage) and, if so, starts a new one."""
@@ -138,20 +140,73 @@ class KV:
         return await self._retried("put", key, lambda kv: kv.put(key, payload))
 
     async def create(
-        self, key: str, value: msgspec.Struct | bytes, *, ttl_s: int | None = None
+        self,
+        key: str,
+        value: msgspec.Struct | bytes,
+        *,
+        ttl_s: int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> int:
-        """Write only if `key` is absent (optionally with a per-key TTL); `CasMismatch` otherwise."""
+        """Write only if `key` is absent (optionally with a per-key TTL); `CasMismatch` otherwise.
+        `headers` travel with the record (trace context: `headers_of(revision)` reads them)."""
+        if headers:
+            try:
+                return await self._write(key, encode(value), 0, headers)
+            except CasMismatch:
+                last = await self._last_message(key)
+                if last is None or (last.headers or {}).get("KV-Operation") not in DELETED:
+                    raise CasMismatch(f"{self.bucket}/{key} already exists") from None
+                return await self._write(key, encode(value), last.seq, headers)
         try:
             return await (await self.handle()).create(key, encode(value), msg_ttl=ttl_s)
         except nats.js.errors.KeyWrongLastSequenceError as error:
             raise CasMismatch(f"{self.bucket}/{key} already exists") from error
 
-    async def update(self, key: str, value: msgspec.Struct | bytes, *, revision: int) -> int:
-        """Compare-and-set: write only if the key is still at `revision`; `CasMismatch` otherwise."""
+    async def update(
+        self,
+        key: str,
+        value: msgspec.Struct | bytes,
+        *,
+        revision: int,
+        headers: dict[str, str] | None = None,
+    ) -> int:
+        """Compare-and-set: write only if the key is still at `revision`; `CasMismatch` otherwise.
+        `headers` travel with the record, as in `create`."""
+        if headers:
+            return await self._write(key, encode(value), revision, headers)
         try:
             return await (await self.handle()).update(key, encode(value), last=revision)
         except nats.js.errors.KeyWrongLastSequenceError as error:
             raise CasMismatch(f"{self.bucket}/{key} is no longer at revision {revision}") from error
+
+    async def _write(self, key: str, payload: bytes, last: int, headers: dict[str, str]) -> int:
+        """A compare-and-set write carrying `headers` (nats-py's KV API sends none of its own)."""
+        try:
+            ack = await self.bus.js.publish(
+                f"$KV.{self.bucket}.{key}",
+                payload,
+                headers={**headers, EXPECTED_LAST_SUBJECT_SEQ: str(last)},
+            )
+        except nats.js.errors.APIError as error:
+            if error.err_code in WRONG_LAST_SEQUENCE_CODES:
+                raise CasMismatch(f"{self.bucket}/{key} is no longer at revision {last}") from None
+            raise
+        return ack.seq
+
+    async def _last_message(self, key: str):
+        """The newest raw message of `key` (a delete marker included), or None."""
+        try:
+            return await self.bus.js.get_last_msg(f"KV_{self.bucket}", f"$KV.{self.bucket}.{key}")
+        except nats.js.errors.NotFoundError:
+            return None
+
+    async def headers_of(self, revision: int) -> dict[str, str]:
+        """The headers stored with revision `revision` (empty when it is gone or has none)."""
+        try:
+            message = await self.bus.js.get_msg(f"KV_{self.bucket}", seq=revision, direct=True)
+        except nats.js.errors.NotFoundError:
+            return {}
+        return dict(message.headers or {})
 
     async def delete(self, key: str, *, revision: int | None = None) -> None:
         await self._retried("delete", key, lambda kv: kv.delete(key, last=revision))

@@ -60,19 +60,26 @@ class FileMonitorConfig(BaseConfig):
 
 
 class WandbMonitorConfig(BaseConfig):
-    """Weights & Biases logging (works offline with `offline = true`)."""
+    """Weights & Biases logging: one wandb run per run (needs `uv sync --group wandb`)."""
 
     project: str = "rlbus"
     """wandb project."""
 
+    name: str | None = None
+    """wandb run name (None: the run id, i.e. `bus.run_id` or `run.name`)."""
+
     entity: str | None = None
     """wandb entity (team or user)."""
 
-    offline: bool = False
-    """Log offline into the run directory; sync later with `wandb sync`."""
+    group: str | None = None
+    """wandb group, to show several runs together (e.g. an `sft` run and the `rl` runs after it)."""
 
     tags: list[str] = []
     """Tags added to the wandb run."""
+
+    offline: bool = False
+    """Log into `<run_dir>/wandb` without network or login; upload later with
+    `wandb sync <run_dir>/wandb/offline-run-*`. WANDB_MODE, when set, wins over this."""
 
 
 class MonitorsConfig(BaseConfig):
@@ -99,11 +106,28 @@ class OtelConfig(BaseConfig):
     """OpenTelemetry tracing."""
 
     endpoint: str | None = None
-    """OTLP/HTTP endpoint (e.g. http://localhost:4318). Falls back to OTEL_EXPORTER_OTLP_ENDPOINT;
-    without either, spans are written as JSONL to `<run_dir>/traces/<service>.jsonl`."""
+    """OTLP collector: `http://host:4318` (protocol http/protobuf) or `http://host:4317` (grpc).
+    Falls back to OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT; without
+    any, spans go to `<run_dir>/traces/<service>.jsonl` as OTLP-JSON (docs/observability.md)."""
+
+    protocol: Literal["grpc", "http/protobuf"] | None = None
+    """OTLP transport; unset: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL,
+    else http/protobuf. vLLM's engine spans use the same endpoint and protocol."""
 
     enabled: bool = True
     """Emit spans at all."""
+
+
+class MetricsConfig(BaseConfig):
+    """Prometheus `/metrics` of this process (docs/metrics.md)."""
+
+    host: str = "127.0.0.1"
+    """Address the metrics server binds: loopback by default (docs/security.md); `0.0.0.0` where
+    a Prometheus on another host or container scrapes it (compose)."""
+
+    port: int = Field(0, ge=0, le=65535)
+    """Port of `/metrics`; 0 picks a free one, named in the `metrics_serving` log line. `rl` gives
+    every process it starts a port of its own and lists them in `<run_dir>/metrics/targets.json`."""
 
 
 class WeightBroadcastConfig(BaseConfig):
@@ -179,6 +203,10 @@ class ServiceConfig(BaseConfig):
     otel: OtelConfig = OtelConfig()
     """Tracing."""
 
+    metrics: MetricsConfig | None = MetricsConfig()
+    """Prometheus /metrics server (loopback, a free port unless `metrics.port` is set;
+    `--no-metrics`: none). Under torchrun only rank 0 serves."""
+
     exit_when_finished: bool = False
     """Drain and exit 0 once the trainer has marked the run finished (its last step trained).
     Compose and SLURM set it on every long-running service, so the deployment ends by itself;
@@ -230,6 +258,7 @@ __all__ = [
     "FileMonitorConfig",
     "LaunchConfig",
     "LogConfig",
+    "MetricsConfig",
     "ModelConfig",
     "MonitorsConfig",
     "OtelConfig",

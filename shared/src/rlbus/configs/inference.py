@@ -58,6 +58,12 @@ class ServerConfig(BaseConfig):
     port: int = Field(8000, ge=0, le=65535)
     """Client-facing port: the OpenAI API (/v1/...), /health and /metrics only."""
 
+    advertise_host: str | None = None
+    """Host name or address the replica registers its URLs under (what rollout workers on other
+    hosts connect to). None: `host` when it is a specific address, else this machine's name when
+    it resolves to a non-loopback address, else the address of its outward interface. Set it
+    behind NAT, in containers (the service's DNS name) or on multi-homed nodes."""
+
     cors_allowed_origins: list[str] = []
     """Origins browsers may call the public port from (`*`: any); none by default (CORS off)."""
 

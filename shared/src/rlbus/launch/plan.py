@@ -15,9 +15,11 @@
                   python -m torch.distributed.run --standalone --nproc-per-node N
                       -m rlbus_trainer.entrypoint @ configs/trainer.toml   (N > 1 ranks)
 
-Ports are picked here (free ports for the embedded server) and written into the configs, so the
-scripts in the run directory repeat this exact launch. A bus secret the launcher got from its
-environment (RLBUS_BUS_TOKEN, RLBUS_BUS_PASSWORD) goes into `<run_dir>/secrets/` (0600) and the
+Ports are picked here (free ports for the embedded server, the inference replicas and every
+process's Prometheus /metrics) and written into the configs, so the scripts in the run directory
+repeat this exact launch; `Launch.metrics` keeps where each process serves /metrics
+(rlbus.launch.scrape lists them in `<run_dir>/metrics/targets.json`). A bus secret the launcher
+got from its environment (RLBUS_BUS_TOKEN, RLBUS_BUS_PASSWORD) goes into `<run_dir>/secrets/` (0600) and the
 configs name that file (`bus.token_file`): no secret in a config, a script or an argv. Services are only ever named as modules in
 argv lists: the launcher imports none of them.
 """
@@ -66,6 +68,8 @@ class Launch:
     """Written by `write_launch`: configs/*.toml and the extra files."""
     script_files: list[Path] = field(default_factory=list)
     """Written by `write_launch`: scripts/<process>.sh, then scripts/launch.sh."""
+    metrics: dict[str, str] = field(default_factory=dict)
+    """process -> `host:port` of its Prometheus /metrics (services whose `metrics` is on)."""
 
 
 def python_module_argv(module: str, config_file: Path) -> list[str]:
@@ -180,6 +184,49 @@ def attached_replicas(inference: InferenceConfig, count: int) -> dict[str, Infer
     return replicas
 
 
+def fresh_ports(count: int, taken: set[int]) -> list[int]:
+    """`count` distinct free ports, none of them in `taken` (ports planned already)."""
+    from rlbus.netutil import free_ports
+
+    while True:
+        ports = free_ports(count)
+        if not taken & set(ports):
+            return ports
+
+
+def plan_metrics_ports(services: dict[str, BaseModel], num_workers: int) -> dict[str, str]:
+    """Give each process whose `metrics` is on a /metrics port of its own, written into its
+    config: a free port, unless the service sets one itself (`--trainer.metrics.port 9101`;
+    replica i serves on that port + i). Rollout workers share the orchestrator's config file, so
+    their ports go on their command lines (`worker_metrics_argv`). Returns process -> `host:port`."""
+    from rlbus.obs.metrics import host_port
+
+    taken = {
+        port
+        for c in services.values()
+        if isinstance(c, InferenceConfig)
+        for port in (c.server.port, c.backend_port)
+    }
+    serving = {name: c for name, c in services.items() if c.metrics is not None}
+    workers = [f"worker-{i}" for i in range(num_workers)] if "orchestrator" in serving else []
+    free = iter(fresh_ports(len(serving) + len(workers), taken))
+    addresses = {}
+    for name, service in serving.items():
+        own = "metrics" in service.model_fields_set and service.metrics.port != 0
+        offset = int(name.removeprefix("inference-")) if name.startswith("inference-") else 0
+        service.metrics.port = service.metrics.port + offset if own else next(free)
+        addresses[name] = host_port(service.metrics.host, service.metrics.port)
+    for name in workers:
+        addresses[name] = host_port(serving["orchestrator"].metrics.host, next(free))
+    return addresses
+
+
+def worker_metrics_argv(launch: Launch, index: int) -> list[str]:
+    """`--metrics.port N` of rollout-worker process `worker-<index>` (none: metrics are off)."""
+    address = launch.metrics.get(f"worker-{index}")
+    return [] if address is None else ["--metrics.port", address.rpartition(":")[2]]
+
+
 def service_configs(config: RLConfig) -> dict[str, BaseModel]:
     """Resolved configs of the services (`clean` and `dry_run` are launcher fields the services do
     not have: a service never wipes or merely plans its run)."""
@@ -220,6 +267,7 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     launch = Launch(config=resolved_rl, run_dir=run_dir, files=files, secret_files=secret_files)
     launch.configs["rl"] = resolved_rl
     services = service_configs(config)
+    launch.metrics = plan_metrics_ports(services, config.deployment.num_rollout_workers)
     launch.configs.update(services)
     processes.append(
         ServiceProcess(
@@ -250,7 +298,7 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
                 processes.append(
                     ServiceProcess(
                         name=f"worker-{i}",
-                        argv=[*argv, "--role", "worker"],
+                        argv=[*argv, *worker_metrics_argv(launch, i), "--role", "worker"],
                         log_path=log_file_path(run_dir, f"worker-{i}"),
                         cwd=Path.cwd(),
                     )

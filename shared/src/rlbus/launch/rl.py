@@ -37,11 +37,13 @@ from rlbus.launch.restarts import (
     launcher_exit_code,
     rank_exit_code,
 )
+from rlbus.launch.scrape import ScrapeTargets
 from rlbus.launch.scripts import describe_written, write_launch
 from rlbus.launch.supervisor import ServiceProcess, Supervisor
 from rlbus.launch.watchdog import start_watchdog
 from rlbus.monitors.sinks import check_sinks_installed
 from rlbus.obs.logging import setup_logging
+from rlbus.obs.metrics import count_restart
 from rlbus.runs import RunPlan, prepare_run_dir_or_exit, resolve_run_dir, rl_run_name, run_id_of
 from rlbus.runtime import (
     DRAIN_BUDGET_S,
@@ -262,6 +264,7 @@ def watch(
                 del pending[name]
                 service.start()
                 log.info("service_restarted", service=name, pid=service.pid)
+                count_restart(name)  # Prometheus (rlbus.obs.metrics)
                 progress.note(f"{name} is back (pid {service.pid})")
         time.sleep(poll_s)
 
@@ -316,6 +319,7 @@ def supervise(launch: Launch, poll_s: float = 0.5) -> int:
     watchdog = start_watchdog(launch_id, launch.run_dir)
     write_lock(launch.run_dir, launch_id)
     log.info("launch_started", launch_id=launch_id, watchdog_pid=watchdog.popen.pid)
+    targets = ScrapeTargets.for_launch(launch)  # our /metrics, and <run_dir>/metrics/targets.json
     code = 1
     watching = True  # a SIGHUP now is the first signal (129); later it only cuts a stop short
     stopped = False
@@ -325,6 +329,7 @@ def supervise(launch: Launch, poll_s: float = 0.5) -> int:
                 for process in launch.processes:
                     process.launch_id = launch_id
                     supervisor.start(process)
+                    targets.started(process.name)
                 code = watch(launch, supervisor, progress, policy, poll_s)
                 watching = False
             except (KeyboardInterrupt, Terminated) as interrupt:
@@ -352,6 +357,7 @@ def supervise(launch: Launch, poll_s: float = 0.5) -> int:
     finally:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        targets.close()
         try:
             progress.close()
         except OSError:  # the terminal is gone (SIGHUP)

@@ -407,6 +407,9 @@ def rl_job(config: RLConfig, run_dir: Path) -> tuple[Job, dict[str, BaseModel]]:
         if "backend_port" not in config.inference.model_fields_set:
             replica.backend_port = 0
         replica.exit_when_finished = True
+    for name in (*replicas, "orchestrator", "trainer"):  # /metrics: a free port of its node
+        if configs[name].metrics is not None and "metrics" not in configs[name].model_fields_set:
+            configs[name].metrics.port = 0  # (named in the service's `metrics_serving` log line)
     orchestrator = configs["orchestrator"]
     orchestrator.exit_when_finished = True
     if "num_train_ranks" not in config.orchestrator.model_fields_set:

@@ -8,9 +8,19 @@ once both have arrived (or when the run has moved on, so a missing one never blo
 Events are acked only after their row is written, so a monitor killed mid-run re-reads what it
 had not written yet; a restarted monitor starts from the steps already in metrics.jsonl, so each
 step has one row across restarts (monitors/join.py). Every row carries `dead_letters/total`. `python -m rlbus.monitors @ <run_dir>/configs/rl.toml` runs it as a process.
+
+The monitor is the run's only wandb writer: one wandb run for the whole RL run, each service's
+metrics under `<service>/`, finished when the monitor stops (also on SIGTERM).
 """
 
-from rlbus.monitors.join import StepJoiner
+from rlbus.monitors.join import JoinedRow, StepJoiner
 from rlbus.monitors.sinks import JsonlSink, WandbSink, build_sinks, check_sinks_installed
 
-__all__ = ["JsonlSink", "StepJoiner", "WandbSink", "build_sinks", "check_sinks_installed"]
+__all__ = [
+    "JoinedRow",
+    "JsonlSink",
+    "StepJoiner",
+    "WandbSink",
+    "build_sinks",
+    "check_sinks_installed",
+]

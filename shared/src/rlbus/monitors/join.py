@@ -25,6 +25,17 @@ MONITOR_PREFIXES = ("weights/", "dead_letters/")
 """Keys the monitor adds to a row itself (weights acks, the dead-letter count)."""
 
 
+class JoinedRow(dict):
+    """A step's row as metrics.jsonl holds it (a plain dict to every sink), plus `service_keys`:
+    each service metric's key under its service's name (`loss` -> `trainer/loss`), which the
+    wandb sink logs it as. The row's own keys cannot say which service sent them: a name two
+    services send is prefixed only for the one that reported second."""
+
+    def __init__(self, values: dict[str, Any], service_keys: dict[str, str]):
+        super().__init__(values)
+        self.service_keys = service_keys
+
+
 def has_step_metrics(row: dict[str, Any]) -> bool:
     """Whether a written row holds a service's metrics (not only what the monitor adds to it)."""
     return any(key != "step" and not key.startswith(MONITOR_PREFIXES) for key in row)
@@ -34,6 +45,8 @@ def has_step_metrics(row: dict[str, Any]) -> bool:
 class PendingRow:
     values: dict[str, Any] = field(default_factory=dict)
     services: set[str] = field(default_factory=set)
+    service_keys: dict[str, str] = field(default_factory=dict)
+    """Row key -> `<service>/<metric>` (see JoinedRow)."""
     tokens: list[Any] = field(default_factory=list)
     """Whatever the caller wants back when the row is written (e.g. deliveries to ack)."""
     since: float = 0.0
@@ -77,10 +90,13 @@ class StepJoiner:
         row = self._row(event.step, token)
         for key, value in event.metrics.items():
             # Same metric name from two services: keep both, prefixed by service.
+            name = f"{event.service}/{key}"
             if key in row.values and key not in _own_keys(row, event.service):
-                row.values[f"{event.service}/{key}"] = value
+                row.values[name] = value
+                row.service_keys[name] = name
             else:
                 row.values[key] = value
+                row.service_keys[key] = name
         row.values.setdefault("time", event.time)
         row.values["time"] = max(row.values["time"], event.time)
         row.services.add(event.service)
@@ -148,10 +164,10 @@ class StepJoiner:
             row.tokens.append(token)
         return row
 
-    def _pop(self, step: int) -> tuple[dict, list]:
+    def _pop(self, step: int) -> tuple[JoinedRow, list]:
         row = self.pending.pop(step)
         self.last_written = max(self.last_written, step)
-        out = {"step": step, **row.values}
+        out = JoinedRow({"step": step, **row.values}, row.service_keys)
         if has_step_metrics(out):
             self.written.add(step)
         return out, row.tokens

@@ -153,8 +153,9 @@ async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
     run_dir = run_dir_of(config)
     bus = await Bus.connect(config.bus, storage_dir=run_dir, name="monitor")
     written = read_rows(metrics_path(config, run_dir))
+    run_id = run_id_of(config.bus.run_id, config.run.name, str(run_dir))
     monitor = Monitor(
-        build_sinks(config.monitors, config.run.name or run_dir.name, run_dir, config.model_dump()),
+        build_sinks(config.monitors, run_id, run_dir, config.model_dump(mode="json")),
         count_dead=bus.dead_letter_count,
     )
     monitor.resume(written)

@@ -3,15 +3,26 @@
 import importlib.util
 import json
 import os
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
 from rlbus.configs.common import MonitorsConfig, WandbMonitorConfig
+from rlbus.monitors.join import JoinedRow
 
 WANDB_MISSING = (
-    "monitors.wandb is enabled but wandb is not installed: `uv pip install wandb`, "
-    "or drop --monitors.wandb"
+    "monitors.wandb is enabled but wandb is not installed: install it with "
+    "`uv sync --group wandb`, or drop --monitors.wandb"
 )
+WANDB_NO_LOGIN = (
+    "monitors.wandb logs online but wandb has no login here (no WANDB_API_KEY, no netrc entry): "
+    "run `wandb login`, set WANDB_API_KEY, or add --monitors.wandb.offline"
+)
+WANDB_ID_FILE = "wandb/rlbus_run_id"
+"""Under the run directory: the id of the run's wandb run, made on first use."""
+WANDB_ID_RESERVED = re.compile(r"[:;,#?/'\\\s]+")
+"""Characters wandb refuses in a run id."""
 
 
 class JsonlSink:
@@ -47,9 +58,15 @@ def cut_torn_tail(path: Path) -> None:
 
 
 class WandbSink:
-    """Logs rows to wandb under the run's name (offline mode writes into the run directory)."""
+    """Logs rows to one wandb run, at `step=row["step"]` so the x axis is the training step.
 
-    def __init__(self, config: WandbMonitorConfig, run_name: str, run_dir: Path, run_config: dict):
+    A joined row (monitors/join.py) logs each service metric as `<service>/<metric>`
+    (`trainer/loss`, `orchestrator/reward/mean`); what the monitor adds (`weights/*`,
+    `dead_letters/total`) and the rows of `sft` keep their keys. The run's files, offline or not,
+    go under `<run_dir>/wandb`, and a restarted monitor or a resumed run continues the same wandb
+    run (`wandb_run_id`)."""
+
+    def __init__(self, config: WandbMonitorConfig, run_id: str, run_dir: Path, run_config: dict):
         try:
             import wandb
         except ImportError as exc:
@@ -57,39 +74,96 @@ class WandbSink:
         self._run = wandb.init(
             project=config.project,
             entity=config.entity,
-            name=run_name,
-            id=run_name,
+            name=config.name or run_id,
+            group=config.group,
+            tags=config.tags,
+            id=wandb_run_id(run_dir, run_id),
             resume="allow",
             dir=str(run_dir),
-            tags=config.tags,
-            mode="offline" if config.offline else "online",
+            mode=wandb_mode(config),
             config=run_config,
         )
 
     def write(self, row: dict[str, Any]) -> None:
-        values = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        names = row.service_keys if isinstance(row, JoinedRow) else {}
+        values = {
+            names.get(key, key): value
+            for key, value in row.items()
+            if key not in ("step", "time") and isinstance(value, (int, float))
+        }
         self._run.log(values, step=row["step"])
 
     def close(self) -> None:
         self._run.finish()
 
 
-def check_sinks_installed(monitors: MonitorsConfig) -> None:
-    """Called by the launchers before anything starts: an enabled sink whose package is missing
-    is a config error naming the flag, not a traceback in a service's log later."""
-    if monitors.wandb is not None and importlib.util.find_spec("wandb") is None:
-        from rlbus.configs.base import exit_with_config_error
+def wandb_mode(config: WandbMonitorConfig) -> str | None:
+    """`offline` or `online` per the config; None, so that wandb reads it, when WANDB_MODE is set
+    (an explicit `mode=` would override the user's environment)."""
+    if os.environ.get("WANDB_MODE"):
+        return None
+    return "offline" if config.offline else "online"
 
+
+def wandb_run_id(run_dir: Path, run_id: str) -> str:
+    """The wandb run id of `run_dir`: `<run_id>-<6 hex>`, made once and kept in WANDB_ID_FILE,
+    so that restarts and `--resume` log into the same wandb run, and a `--clean` rerun under the
+    same name (a new run directory) gets a new one instead of appending to the old."""
+    path = run_dir / WANDB_ID_FILE
+    if path.exists():
+        return path.read_text(encoding="utf-8").strip()
+    wandb_id = f"{WANDB_ID_RESERVED.sub('-', run_id)}-{secrets.token_hex(3)}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(wandb_id + "\n", encoding="utf-8")
+    return wandb_id
+
+
+def check_sinks_installed(monitors: MonitorsConfig) -> None:
+    """Called by the launchers before anything starts: an enabled sink whose package is missing,
+    or an online wandb without a login, is a config error naming the flag, not a traceback in
+    the monitor's log after the run started."""
+    if monitors.wandb is None:
+        return
+    from rlbus.configs.base import exit_with_config_error
+
+    if importlib.util.find_spec("wandb") is None:
         exit_with_config_error(WANDB_MISSING)
+    if wandb_online(monitors.wandb) and not wandb_logged_in():
+        exit_with_config_error(WANDB_NO_LOGIN)
+
+
+def wandb_online(config: WandbMonitorConfig) -> bool:
+    """Whether the wandb run will talk to a server (WANDB_MODE, when set, wins over the config)."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode:
+        return mode not in ("offline", "disabled", "dryrun")
+    return not config.offline
+
+
+def wandb_logged_in() -> bool:
+    """An API key in the environment, or a netrc entry for the wandb host (what `wandb login`
+    writes); checked without importing wandb."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlsplit
+
+    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def build_sinks(
-    monitors: MonitorsConfig, run_name: str, run_dir: Path, run_config: dict[str, Any]
+    monitors: MonitorsConfig, run_id: str, run_dir: Path, run_config: dict[str, Any]
 ) -> list[JsonlSink | WandbSink]:
-    """The sinks `monitors` enables; `run_config` is what wandb records as the run's config."""
+    """The sinks `monitors` enables; `run_id` names the wandb run (unless `monitors.wandb.name`
+    does), `run_config` is what wandb records as the run's config."""
     sinks: list[JsonlSink | WandbSink] = []
     if monitors.file is not None:
         sinks.append(JsonlSink(run_dir / monitors.file.path))
     if monitors.wandb is not None:
-        sinks.append(WandbSink(monitors.wandb, run_name, run_dir, run_config))
+        sinks.append(WandbSink(monitors.wandb, run_id, run_dir, run_config))
     return sinks

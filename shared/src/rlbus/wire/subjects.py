@@ -103,6 +103,12 @@ class RunSubjects:
         """Subject of step `step`'s train batch."""
         return f"{self.prefix}.batches.{step}"
 
+    def family(self, subject: str) -> str:
+        """`subject` without the run's prefix and with its numbers as `*` (`batches.*`,
+        `events.metrics.trainer`): a low-cardinality name for spans and metrics."""
+        rest = subject.removeprefix(self.prefix + ".")
+        return ".".join("*" if token.isdigit() else token for token in rest.split("."))
+
     def batch_msg_id(self, step: int) -> str:
         """Deterministic Nats-Msg-Id of step `step`'s batch."""
         return f"batch-{step}"

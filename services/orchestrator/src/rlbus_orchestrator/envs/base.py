@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from rlbus.obs import tracing
 from rlbus.wire.rollouts import RolloutSample
 from rlbus.wire.tasks import Problem, SamplingArgs
 
@@ -111,13 +112,15 @@ class SingleTurnEnv(ABC):
         self, client: ChatClient, problem: Problem, sampling: SamplingArgs
     ) -> RolloutSample:
         turn = await client.chat(problem_messages(problem), sampling)
-        return await self.scored_sample(problem, turn, sampling)
+        with tracing.span(tracing.SCORE, attributes={"rlbus.samples": 1}):
+            return await self.scored_sample(problem, turn, sampling)
 
     async def run_group(
         self, client: ChatClient, problem: Problem, sampling: SamplingArgs, n: int
     ) -> list[RolloutSample]:
         turns = await client.chat_n(problem_messages(problem), sampling, n)
-        return [await self.scored_sample(problem, turn, sampling) for turn in turns]
+        with tracing.span(tracing.SCORE, attributes={"rlbus.samples": n}):
+            return [await self.scored_sample(problem, turn, sampling) for turn in turns]
 
     async def scored_sample(
         self, problem: Problem, turn: ChatTurn, sampling: SamplingArgs
