@@ -25,8 +25,11 @@ DASHBOARD = Path(__file__).resolve().parent / "dashboards" / "rlbus.json"
 
 def query_range(prometheus: str, expr: str, start: float, end: float, step: float) -> list[dict]:
     params = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
-    with urllib.request.urlopen(f"{prometheus}/api/v1/query_range?{params}", timeout=30) as r:
-        answer = json.load(r)
+    try:
+        with urllib.request.urlopen(f"{prometheus}/api/v1/query_range?{params}", timeout=30) as r:
+            answer = json.load(r)
+    except urllib.error.HTTPError as error:  # Prometheus says why in a JSON body
+        answer = json.loads(error.read() or b"{}")
     if answer.get("status") != "success":
         raise RuntimeError(f"{expr}: {answer.get('error', answer)}")
     return answer["data"]["result"]
@@ -49,11 +52,14 @@ def render(args) -> Path:
     columns = 4
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.2 * rows), squeeze=False)
+    empty = []
     for ax, panel in zip(axes.flat, panels, strict=False):
+        drawn = 0
         for target in panel["targets"]:
             expr = (
                 target["expr"]
-                .replace("$run", re.escape(args.run))
+                # a regex inside a PromQL string: its backslashes are escaped once more
+                .replace("$run", re.escape(args.run).replace("\\", "\\\\"))
                 .replace("$__rate_interval", args.rate_interval)
             )
             for series in query_range(args.prometheus, expr, args.start, args.end, args.step):
@@ -61,6 +67,9 @@ def render(args) -> Path:
                 values = [float(v) for _, v in series["values"]]
                 name = legend(target.get("legendFormat"), series["metric"], expr)
                 ax.plot(times, values, label=name[:38], linewidth=1.2)
+                drawn += 1
+        if not drawn:
+            empty.append(panel["title"])
         ax.set_title(panel["title"], fontsize=10)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
@@ -73,6 +82,7 @@ def render(args) -> Path:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=90)
     plt.close(fig)
+    print(f"panels without data: {', '.join(empty) or 'none'}")
     return args.out
 
 

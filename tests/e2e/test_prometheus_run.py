@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -204,6 +205,7 @@ def observed(tmp_path_factory, starting_model, prometheus_binary):
         if prometheus_binary is not None:
             (root / "prom").mkdir()
             prometheus = Prometheus(prometheus_binary, root / "prom", targets_file)
+        started = time.time()
         launch = RlLaunch(
             root / "out", "metrics-run",
             "--model.name", str(starting_model.path), "--max-steps", str(MAX_STEPS),
@@ -248,6 +250,13 @@ def observed(tmp_path_factory, starting_model, prometheus_binary):
                     f"max by (stream) (max_over_time(rlbus_stream_messages{window}))",
                 )
             }
+            seen["preview"] = subprocess.run(
+                [sys.executable, REPO / "deploy/grafana/preview.py", "--prometheus", prometheus.url,
+                 "--run", "metrics-run", "--start", str(started), "--end", str(time.time()),
+                 "--rate-interval", "5s", "--out", root / "dashboard.png"],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            seen["preview_png"] = root / "dashboard.png"
             promtool = prometheus_binary.with_name("promtool")
             if promtool.exists():
                 checked = subprocess.run(
@@ -389,3 +398,16 @@ def test_a_real_prometheus_scrapes_every_target_from_the_targets_file(observed):
     assert float(steps["value"][1]) >= MORE_STEPS
     code, output = observed.get("promtool", (0, ""))
     assert code == 0, f"promtool check config deploy/prometheus/prometheus.yml:\n{output}"
+
+
+def test_the_dashboard_preview_draws_every_panel_from_the_real_prometheus(observed):
+    """deploy/grafana/preview.py runs every query of the dashboard as written (the docs' dashboard
+    picture): only panels of things that did not happen in this run may be empty."""
+    if observed["prometheus"] is None:
+        pytest.skip("no prometheus binary on PATH and none to unpack from apt")
+    preview = observed["preview"]
+    assert preview.returncode == 0, preview.stdout + preview.stderr
+    (line,) = [x for x in preview.stdout.splitlines() if x.startswith("panels without data:")]
+    empty = set(line.removeprefix("panels without data:").strip().split(", ")) - {"none"}
+    assert empty <= {"Quarantined messages", "Dropped tasks"}, empty
+    assert observed["preview_png"].stat().st_size > 50_000

@@ -43,6 +43,8 @@ def load(paths: list[Path]) -> list[dict]:
     """Spans of every OTLP-JSON file in `paths` (a directory: its `traces/*.jsonl`)."""
     files: list[Path] = []
     for path in paths:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
         if path.is_dir():
             files.extend(sorted((path / "traces").glob("*.jsonl")) or sorted(path.glob("*.jsonl")))
         else:
