@@ -6,9 +6,10 @@ from pathlib import Path
 
 import msgspec
 import schema_client
+from bus_factories import make_batch
 from schema_client import SchemaClient
 
-from rlbus.wire import batches, control
+from rlbus.wire import control
 from rlbus.wire.schema import REGISTRY
 from rlbus.wire.subjects import COORDINATOR_LEADER_KEY, WEIGHTS_LATEST_KEY
 
@@ -40,20 +41,6 @@ CLIENT_MODULES = {
     "re",
     "typing",
 }
-
-
-def make_big_batch(step: int, num_tokens: int = 2000) -> batches.TrainBatch:
-    """A batch above a 1 KiB claim-check threshold."""
-    micro = batches.MicroBatch(
-        input_ids=list(range(num_tokens)),
-        position_ids=list(range(num_tokens)),
-        loss_mask=[1] * num_tokens,
-        advantages=[0.5] * num_tokens,
-        inference_logprobs=[-0.1] * num_tokens,
-        temperatures=[1.0] * num_tokens,
-        seq_lens=[num_tokens],
-    )
-    return batches.TrainBatch(step=step, micro_batches=[[micro]], num_tokens=num_tokens)
 
 
 async def publish_every_stored_message(bus) -> None:
@@ -96,7 +83,7 @@ async def test_a_schema_only_client_reads_every_message_rlbus_puts_on_the_bus(
     client = SchemaClient(bus.nc, bus.subjects.run_id, storage_dir=tmp_path)
     await publish_every_stored_message(bus)
     claim_bus = await make_bus(name="big", claim_check_bytes=1024)
-    assert await claim_bus.step_log.publish(make_big_batch(step=4))
+    assert await claim_bus.step_log.publish(make_batch(step=4, num_tokens=2000))
 
     # Control, both ways: rlbus asks the client, and the client asks an rlbus service.
     served = await client.serve("ControlReply", {"ok": True, "service": "x"}, service="x")

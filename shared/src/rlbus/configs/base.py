@@ -37,6 +37,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, ValidationError
 from pydantic_config import ConfigFileError, cli
 
 from rlbus.configs.files import ConfigFileProblem, check_config_files
+from rlbus.docstrings import attribute_docstrings
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -282,15 +283,7 @@ def _field_docstrings(cls: type) -> dict[str, str]:
         node = _class_nodes(base.__module__).get(base.__name__)
         if node is None:
             continue
-        for stmt, following in zip(node.body, node.body[1:], strict=False):
-            if (
-                isinstance(stmt, ast.AnnAssign)
-                and isinstance(stmt.target, ast.Name)
-                and isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)
-            ):
-                result[stmt.target.id] = following.value.value.strip()
+        result.update({k: v.strip() for k, v in attribute_docstrings(node).items()})
     return result
 
 

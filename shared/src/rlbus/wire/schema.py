@@ -47,6 +47,7 @@ from rlbus.bus.core import (
     MSG_ID_HEADER,
 )
 from rlbus.bus.kv import EXPECTED_LAST_SUBJECT_SEQ
+from rlbus.docstrings import attribute_docstrings
 from rlbus.wire import batches, claims, control, events, replicas, rollouts, run, tasks, weights
 from rlbus.wire.subjects import (
     COORDINATOR_LEADER_KEY,
@@ -552,16 +553,8 @@ def field_docstrings(cls: type) -> dict[str, str]:
     for klass in reversed(cls.__mro__):
         if not issubclass(klass, msgspec.Struct) or klass is msgspec.Struct:
             continue
-        body = ast.parse(inspect.getsource(klass).strip()).body[0].body
-        for node, after in zip(body, body[1:], strict=False):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)
-            ):
-                docs[node.target.id] = inspect.cleandoc(after.value.value)
+        node = ast.parse(inspect.getsource(klass).strip()).body[0]
+        docs.update({k: inspect.cleandoc(v) for k, v in attribute_docstrings(node).items()})
     return docs
 
 
