@@ -2,26 +2,37 @@
 
 import socket
 
+_handed_out: set[int] = set()
+"""Ports this process already handed out. A planned port is not bound until its service starts
+(seconds later): without this, a later pick (the launcher's own /metrics) could get it again."""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free a moment ago (bind to port 0 and read it back).
+    """A TCP port on `host` that was free a moment ago (bind to port 0 and read it back), and
+    that this process has not handed out before.
 
     Another process may take it before the caller binds it; callers that must not race (vLLM's
     router-facing port, test fixtures) pick it immediately before starting the server.
     """
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct free ports: all are held bound until the last is picked, so two calls in a
-    row can never hand out the same port (an engine and its router, a NATS client and HTTP port)."""
-    sockets = [socket.socket() for _ in range(count)]
+    """`count` distinct free ports, none handed out by this process before: all are held bound
+    until the last is picked, so two calls can never hand out the same port (an engine and its
+    router, a NATS client and HTTP port, a service's port and the launcher's /metrics)."""
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        for sock in sockets:
+        while len(ports) < count:
+            sock = socket.socket()
+            sockets.append(sock)
             sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
+            port = sock.getsockname()[1]
+            if port not in _handed_out:
+                ports.append(port)
+        _handed_out.update(ports)
+        return ports
     finally:
         for sock in sockets:
             sock.close()
