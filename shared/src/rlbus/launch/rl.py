@@ -407,10 +407,7 @@ def point_latest(run_dir: Path) -> None:
         log.warning("latest_link_failed", path=str(link), error=str(error))
 
 
-SUBCOMMANDS = {
-    "dead-letters": "rlbus.bus.deadletters",
-    "migrate-config": "rlbus.configs.migrate",
-}
+SUBCOMMANDS = {"dead-letters": "rlbus.bus.deadletters"}
 """`rl <subcommand> ...`: tools about a run, each a module with `main(argv) -> exit code`."""
 
 
