@@ -318,14 +318,14 @@ def serve_metrics(service: str, config: Any, *, rank: int | None = None) -> str 
 def bind(host: str, port: int) -> int | None:
     """Start the server thread on host:port (0: a free port); returns the bound port, or None
     after BIND_WAIT_S of failures (logged)."""
-    from rlbus.netutil import free_port
+    from rlbus.netutil import free_port, is_wildcard
 
     deadline = time.monotonic() + BIND_WAIT_S
     while True:
         try:
             # 0: a port this process has not planned for another (rlbus.netutil.free_port), not
             # the OS's pick, which may be a planned service port not bound yet.
-            chosen = port or free_port(host if host not in ("", "0.0.0.0", "::") else "127.0.0.1")
+            chosen = port or free_port("127.0.0.1" if is_wildcard(host) else host)
             server, _thread = start_http_server(chosen, addr=host, registry=REGISTRY)
             return server.server_port
         except OSError as error:
