@@ -146,6 +146,32 @@ CONFIG_CASES = [
         {"c.toml": '[[orchestrator.env]]\nid = "reverse-text"\nweight = 0\n'},
     ),
     Case(
+        "file-env-id-unknown-close",
+        RL,
+        ["@", "c.toml"],
+        [
+            "--orchestrator.env[0].id",
+            "unknown environment 'revers-text'",
+            "did you mean 'reverse-text'",
+            "known ids: reverse-text",
+        ],
+        {"c.toml": '[[orchestrator.env]]\nid = "revers-text"\n'},
+    ),
+    Case(
+        "file-env-id-unknown-far",
+        ORCH,
+        ["@", "c.toml"],
+        ["--env[1].id", "unknown environment 'gsm8k'", "known ids: reverse-text"],
+        {"c.toml": '[[env]]\nid = "reverse-text"\n\n[[env]]\nid = "gsm8k"\n'},
+    ),
+    Case(
+        "file-env-vf-without-venv",
+        RL,
+        ["@", "c.toml"],
+        ["--orchestrator.env[0].args", "'vf:reverse-text-v1'", "args.python", "args.address"],
+        {"c.toml": '[[orchestrator.env]]\nid = "vf:reverse-text-v1"\n'},
+    ),
+    Case(
         "file-bad-tag",
         RL,
         ["@", "c.toml"],
@@ -573,6 +599,13 @@ COMMAND_CASES = [
         ["rl", "--dry-run", "--trainer.max-step", "3"],
         2,
         ["did you mean --trainer.max-steps?"],
+    ),
+    Command(
+        "rl-env-id-unknown",
+        ["rl", "--dry-run", "@", "c.toml"],
+        2,
+        ["--orchestrator.env[0].id", "'revers-text'", "did you mean 'reverse-text'"],
+        {"c.toml": '[[orchestrator.env]]\nid = "revers-text"\n'},
     ),
     Command(
         "rl-betas",

@@ -4,18 +4,34 @@ Both sides use this module: the trainer's `NcclWeightPublisher` sends, the infer
 extension (`rlbus_inference.worker`) receives. It imports torch, so only the trainer and the
 inference workers import it (the shared package itself does not depend on torch).
 
-Group. A broadcast group has `world_size` ranks: rank 0 is the trainer, which hosts the TCPStore
-rendezvous at host:port (announced as `location` of a `WeightsPublished` with transport "nccl");
-ranks `rank_offset .. rank_offset + tp - 1` are the workers of one inference replica. `open_group`
-picks the backend from the device: gloo on CPU, NCCL on CUDA (vLLM's PyNcclCommunicator over a
-StatelessProcessGroup). Either way the group has its own store, so neither side touches
-torch.distributed's default group (vLLM owns it in the workers, the trainer's ranks in training).
+Group. One group generation covers the trainer and every worker of every registered replica:
+`world_size = 1 + sum of the replicas' tensor-parallel sizes`. Rank 0 is the trainer, which hosts
+the TCPStore rendezvous at host:port (announced as `location` of a `WeightsPublished` with
+transport "nccl", with `ranks`: replica id -> its first rank, and `world_size`); ranks
+`rank_offset .. rank_offset + tp - 1` are the workers of one replica (`member_ranks` assigns them
+in replica-id order). A new member set means a new generation on a new port (docs/weights.md).
+`open_group` picks the backend from the device: gloo on CPU, NCCL on CUDA (vLLM's
+PyNcclCommunicator over a StatelessProcessGroup). Either way the group has its own store, so
+neither side touches torch.distributed's default group (vLLM owns it in the workers, the
+trainer's ranks in training).
+
+Deadlines. Nothing here waits without one (`timeout_s`, the config's `weight_broadcast.timeout_s`):
+  - rendezvous: each rank sets `joined/<rank>` in the store; rank 0 waits for all of them and
+    raises `BroadcastError` naming the ranks that never came;
+  - each collective: gloo ops carry the group timeout and `work.wait(timeout)`; NCCL ops are
+    polled on a CUDA event until the deadline, then the communicator is aborted;
+  - liveness: every receiver process bumps `beat/<rank>` in the store every `BEAT_S` while it
+    lives; when a send fails, rank 0 names the ranks whose counter stopped (`silent_ranks`).
+A failed group is never used again (`closed`): the sender forms a new generation next version.
 
 Frames. One version is sent as broadcasts from rank 0, each under the group timeout:
 
     1. int64[1]   number of bytes of the header; 0 means the sender is closing the group
     2. uint8[n]   JSON header {"version": int, "tensors": [[name, dtype, shape], ...]}
     3. one tensor per header entry, in header order, with the dtype and shape it announces
+    4. int64[1]   all-reduce (sum) acknowledgement: each receiver adds 1 once it has every tensor
+                  (`receive_tensors` does it when exhausted), so rank 0 learns that all of them
+                  got the version, and a dead receiver fails the version by the deadline
 
 Order. The header lists the tensors in the sender's state-dict order and the tensors follow in
 exactly that order; receivers allocate each one from its header entry and must not reorder.
@@ -27,7 +43,9 @@ would leave the receivers waiting for tensors that never come).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -44,6 +62,24 @@ DTYPES = {
     "int32": torch.int32,
     "uint8": torch.uint8,
 }
+
+BEAT_S = 0.25
+"""How often a receiver bumps its liveness counter in the group's store."""
+
+
+class BroadcastError(RuntimeError):
+    """The group could not form, or a collective failed or passed its deadline. The message
+    names the ranks involved and what to do; the group is closed and never used again."""
+
+
+def member_ranks(members: Iterable[tuple[str, int]]) -> tuple[dict[str, int], int]:
+    """({replica_id: first rank}, world_size) for replicas given as (replica_id, num_ranks):
+    rank 0 is the trainer, then each replica's workers in replica-id order (deterministic)."""
+    ranks, next_rank = {}, 1
+    for replica_id, num_ranks in sorted(members):
+        ranks[replica_id] = next_rank
+        next_rank += num_ranks
+    return ranks, next_rank
 
 
 @dataclass(frozen=True)
@@ -89,28 +125,132 @@ class Header:
 
 class BroadcastGroup(Protocol):
     device: torch.device
+    rank: int
+    world_size: int
+    where: str
+    """The store's `host:port`, for messages."""
+    closed: bool
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """Broadcast `tensor` from rank 0 in place (rank 0 sends it, the others receive into it)."""
+        """Broadcast `tensor` from rank 0 in place (rank 0 sends it, the others receive into it);
+        BroadcastError when it fails or does not complete within the group's timeout."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over all ranks in place, under the same deadline."""
+
+    def silent_ranks(self) -> list[int]:
+        """Rank 0: the receivers whose liveness counter did not move lately (dead processes)."""
+
+    def close(self) -> None:
+        """Leave the group (idempotent); its ops are never used again."""
 
 
-class GlooGroup:
+class _Membership:
+    """The store-side part shared by both backends: join keys, heartbeats, silent ranks."""
+
+    def _rendezvous(self, store, where: str) -> None:
+        """Mark this rank joined; rank 0 waits for every rank and names the missing ones."""
+        self.store, self.where, self.closed = store, where, False
+        store.set(f"joined/{self.rank}", "1")
+        if self.rank == 0:
+            deadline = time.monotonic() + self.timeout_s
+            while missing := self._absent("joined"):
+                if time.monotonic() > deadline:
+                    raise BroadcastError(
+                        f"rank(s) {missing} of {self.world_size} did not join the weight "
+                        f"broadcast group at {where} within {self.timeout_s:g} s: those "
+                        "inference workers are down or cannot reach this address (check "
+                        "their logs, the advertised host, firewalls); the next version forms "
+                        "a new group from the replica registry"
+                    )
+                time.sleep(0.05)
+        else:
+            threading.Thread(target=self._beat, daemon=True, name="rlbus-beat").start()
+
+    def _absent(self, prefix: str) -> list[int]:
+        return [r for r in range(1, self.world_size) if not self.store.check([f"{prefix}/{r}"])]
+
+    def _beat(self) -> None:
+        """Bump `beat/<rank>` while this process lives, even after the group failed here: a
+        receiver that failed because another one died must not be named with it. It ends when
+        rank 0 drops the group (its store goes away)."""
+        while True:
+            time.sleep(BEAT_S)
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+            except Exception:
+                return
+
+    def silent_ranks(self) -> list[int]:
+        def counts() -> dict[int, int]:
+            return {r: self.store.add(f"beat/{r}", 0) for r in range(1, self.world_size)}
+
+        try:
+            before = counts()
+            time.sleep(4 * BEAT_S)
+            after = counts()
+        except Exception:
+            return []
+        return [r for r in before if after[r] == before[r]]
+
+
+class GlooGroup(_Membership):
     """A private gloo group (own TCPStore) that leaves torch.distributed's default group alone."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
-        timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(
-            host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
-        )
-        self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.timeout = timedelta(seconds=timeout_s)
+        where = f"{host}:{port}"
+        try:
+            store = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=(rank == 0),
+                timeout=self.timeout,
+                wait_for_workers=False,
+            )
+        except Exception as error:
+            raise BroadcastError(
+                f"rank {rank} could not reach the weight broadcast store at {where} within "
+                f"{timeout_s:g} s ({error}); the trainer may have given up on this group"
+            ) from error
+        self._rendezvous(store, where)
+        try:
+            self.group = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        except Exception as error:
+            self.close()
+            raise BroadcastError(
+                f"rank {rank}: the gloo group at {where} did not form ({error})"
+            ) from error
         self.device = torch.device("cpu")
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        self.group.broadcast(tensor, 0).wait()
+        self._complete("broadcast", lambda: self.group.broadcast(tensor, 0))
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self._complete("all_reduce", lambda: self.group.allreduce(tensor))
+
+    def _complete(self, what: str, start) -> None:
+        if self.closed:
+            raise BroadcastError(f"the weight broadcast group at {self.where} is closed")
+        try:
+            if not start().wait(self.timeout):
+                raise TimeoutError(f"not complete within {self.timeout_s:g} s")
+        except Exception as error:
+            self.close()
+            raise BroadcastError(f"rank {self.rank}: {what} failed ({error})") from error
+
+    def close(self) -> None:
+        # Dropping the gloo group closes its sockets: peers blocked in an op fail at once.
+        self.closed = True
+        self.group = None
 
 
-class NcclGroup:
-    """NCCL through vLLM's PyNcclCommunicator (CUDA only; the process must have vLLM)."""
+class NcclGroup(_Membership):
+    """NCCL through vLLM's PyNcclCommunicator (CUDA only; the process must have vLLM). NCCL ops
+    have no timeout of their own: each is polled on a CUDA event until the deadline, and a late
+    op aborts the communicator (`ncclCommAbort`), which makes the other ranks' ops fail too."""
 
     def __init__(
         self,
@@ -124,21 +264,56 @@ class NcclGroup:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        pg = StatelessProcessGroup.create(
-            host, port, rank, world_size, store_timeout=int(timeout_s)
-        )
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        where = f"{host}:{port}"
+        try:
+            pg = StatelessProcessGroup.create(
+                host, port, rank, world_size, store_timeout=max(1, int(timeout_s))
+            )
+        except Exception as error:
+            raise BroadcastError(
+                f"rank {rank} could not reach the weight broadcast store at {where} ({error})"
+            ) from error
+        self._rendezvous(pg.store, where)
         self.comm = PyNcclCommunicator(pg, device=device)
         self.device = device
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        self.comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-        torch.cuda.current_stream().synchronize()
+        self._complete("broadcast", lambda s: self.comm.broadcast(tensor, src=0, stream=s))
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        self._complete("all_reduce", lambda s: self.comm.all_reduce(tensor, tensor, stream=s))
+
+    def _complete(self, what: str, start) -> None:
+        if self.closed:
+            raise BroadcastError(f"the weight broadcast group at {self.where} is closed")
+        stream = torch.cuda.current_stream()
+        start(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+        deadline = time.monotonic() + self.timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                self.close()
+                raise BroadcastError(
+                    f"rank {self.rank}: NCCL {what} not complete within {self.timeout_s:g} s"
+                )
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        if not self.closed:
+            try:  # safe during an uncoordinated failure, unlike ncclCommDestroy
+                self.comm.nccl.ncclCommAbort(self.comm.comm)
+            except Exception:
+                pass
+        self.closed = True
 
 
 def open_group(
     host: str, port: int, rank: int, world_size: int, timeout_s: float, device: torch.device
 ) -> BroadcastGroup:
-    """Join (rank > 0) or host (rank 0) the group at host:port: gloo on CPU, NCCL on CUDA."""
+    """Join (rank > 0) or host (rank 0) the group at host:port: gloo on CPU, NCCL on CUDA.
+    BroadcastError when it does not form within `timeout_s` (rank 0 names the missing ranks)."""
     if device.type == "cuda":
         return NcclGroup(host, port, rank, world_size, timeout_s, device)
     return GlooGroup(host, port, rank, world_size, timeout_s)
@@ -149,16 +324,47 @@ def _send_size(group: BroadcastGroup, size: int) -> None:
 
 
 def send_state_dict(
-    group: BroadcastGroup, version: int, state_dict: Mapping[str, torch.Tensor]
+    group: BroadcastGroup,
+    version: int,
+    state_dict: Mapping[str, torch.Tensor],
+    names: Mapping[int, str] | None = None,
 ) -> Header:
-    """Rank 0: broadcast one version (frames 1-3); returns the header it sent."""
+    """Rank 0: broadcast one version (frames 1-3); returns the header it sent. BroadcastError
+    names the version and the receivers that went silent (`names`: rank -> a readable name)."""
     header = Header.of(version, state_dict)
     raw = header.encode()
-    _send_size(group, len(raw))
-    group.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device))
-    for spec in header.tensors:
-        group.broadcast(state_dict[spec.name].detach().contiguous().to(group.device))
+    try:
+        _send_size(group, len(raw))
+        group.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device))
+        for spec in header.tensors:
+            group.broadcast(state_dict[spec.name].detach().contiguous().to(group.device))
+        acks = _acknowledge(group, 0)
+    except BroadcastError as error:
+        silent = [
+            f"{r} ({names[r]})" if names and r in names else str(r) for r in group.silent_ranks()
+        ]
+        who = f"silent rank(s): {', '.join(silent)}" if silent else "no rank went silent"
+        group.close()
+        raise BroadcastError(
+            f"weights version {version} not delivered to the {group.world_size - 1} receiver(s) "
+            f"of {group.where} ({who}): {error}. The replicas keep serving their previous "
+            "version; the next version forms a new group from the replica registry"
+        ) from error
+    if acks != group.world_size - 1:
+        raise BroadcastError(
+            f"weights version {version}: {acks} of {group.world_size - 1} receiver(s) of "
+            f"{group.where} acknowledged it"
+        )
     return header
+
+
+def _acknowledge(group: BroadcastGroup, received: int) -> int:
+    """Frame 4: an all-reduce of one int64 (receivers add 1, rank 0 adds 0). A broadcast may
+    complete on the sender while a receiver is already dead (a send completes once its bytes
+    are in the socket buffers); the all-reduce needs every rank, so a missing one fails it."""
+    count = torch.tensor([received], dtype=torch.int64, device=group.device)
+    group.all_reduce(count)
+    return int(count.item())
 
 
 def send_close(group: BroadcastGroup) -> None:
@@ -171,6 +377,7 @@ def receive_header(group: BroadcastGroup) -> Header | None:
     size = torch.zeros(1, dtype=torch.int64, device=group.device)
     group.broadcast(size)
     if int(size.item()) == 0:
+        group.close()
         return None
     raw = torch.zeros(int(size.item()), dtype=torch.uint8, device=group.device)
     group.broadcast(raw)
@@ -178,8 +385,17 @@ def receive_header(group: BroadcastGroup) -> Header | None:
 
 
 def receive_tensors(group: BroadcastGroup, header: Header) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receivers: yield (name, tensor) in header order as each broadcast arrives."""
-    for spec in header.tensors:
+    """Receivers: yield (name, tensor) in header order as each broadcast arrives; a failure is a
+    BroadcastError naming the version (the caller keeps its previous weights)."""
+    for index, spec in enumerate(header.tensors):
         tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=group.device)
-        group.broadcast(tensor)
+        try:
+            group.broadcast(tensor)
+        except BroadcastError as error:
+            raise BroadcastError(
+                f"weights version {header.version}: tensor {index + 1}/{len(header.tensors)} "
+                f"({spec.name}) not received from the trainer (rank 0) at {group.where}: "
+                f"{error}. Is the trainer alive? This replica keeps its previous version"
+            ) from error
         yield spec.name, tensor
+    _acknowledge(group, 1)

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 
 from rlbus import broadcast
 from rlbus.bus import Bus
+from rlbus.checksums import sha256_file
 from rlbus.netutil import free_ports
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
@@ -229,15 +230,27 @@ def test_lora_adapter_load_and_reload_changes_output(run):
     for seed in (1, 2):
         # under the run's broadcasts directory: the only place the engine loads weights from
         adapter = make_lora_adapter(run["run_dir"] / "broadcasts" / f"lora-{seed}", seed=seed)
+        sha256 = {p.name: sha256_file(p) for p in adapter.iterdir()}
         response = httpx.post(
             engine + "/load_lora_adapter",
-            json={"lora_name": "policy", "lora_path": str(adapter)},
+            json={"lora_name": "policy", "lora_path": str(adapter), "sha256": sha256},
             timeout=60,
         )
         assert response.status_code == 200, response.text
         outputs.append(completion_tokens(chat(router, "policy")))
     assert outputs[0] != base_tokens
     assert outputs[1] != outputs[0]  # reloaded in place under the same name
+    corrupt = httpx.post(
+        engine + "/load_lora_adapter",
+        json={
+            "lora_name": "policy",
+            "lora_path": str(run["run_dir"] / "broadcasts" / "lora-1"),
+            "sha256": {"adapter_model.safetensors": "0" * 64},
+        },
+        timeout=60,
+    )
+    assert corrupt.status_code == 422 and "sha256" in corrupt.text
+    assert completion_tokens(chat(router, "policy")) == outputs[1]  # still the second adapter
     missing = httpx.post(
         engine + "/load_lora_adapter", json={"lora_name": "policy", "lora_path": "/nope"}
     )

@@ -81,3 +81,14 @@ def test_services_do_not_share_mutable_sub_configs():
     config.trainer.bus.url = "nats://changed"
 
     assert config.orchestrator.bus.url is None and config.bus.url is None
+
+
+def test_a_lora_trainer_turns_on_lora_in_the_engine():
+    config = make_rl("--trainer.lora", "--trainer.lora.rank", "12")
+    assert config.trainer.lora.rank == 12 and config.trainer.lora.target_modules[0] == "q_proj"
+    args = config.inference.vllm_cli_args()
+    assert "--enable-lora" in args
+    assert args[args.index("--max-lora-rank") + 1] == "16"  # the next rank vLLM accepts
+    explicit = make_rl("--trainer.lora", "--inference.vllm.max-lora-rank", "64")
+    assert explicit.inference.vllm.model_extra["max_lora_rank"] == "64"  # extras stay strings
+    assert "--enable-lora" not in make_rl().inference.vllm_cli_args()

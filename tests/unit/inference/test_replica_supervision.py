@@ -86,11 +86,12 @@ class Events:
         self.published.append((subject, weights.decoder.decode(data)))
 
 
-def agent_with(answer, tmp_path=None) -> tuple[WeightAgent, Events]:
+def agent_with(answer, tmp_path=None, changes=None) -> tuple[WeightAgent, Events]:
     bus = Events()
 
-    async def on_change(version, status):
-        pass
+    async def on_change(version, status, model):
+        if changes is not None:
+            changes.append((version, status, model))
 
     http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
     config = InferenceConfig(weights_apply_timeout_s=1.0)
@@ -154,6 +155,23 @@ async def test_a_refused_record_is_reported_once_and_never_retried(tmp_path):
     await agent.apply_with_retry(lower)
     assert calls == ["/update_weights"]  # refused before asking the engine
     assert bus.published[-1][1].version == 3
+
+
+async def test_a_replica_serving_an_adapter_advertises_it_as_its_model(tmp_path):
+    calls, changes = [], []
+
+    def load(request):
+        calls.append(request.url.path)
+        return httpx.Response(200, json={"status": "ok"})
+
+    agent, bus = agent_with(load, changes=changes)
+    adapter = weights.WeightsPublished(
+        version=6, transport="filesystem", location=str(tmp_path), lora_name="policy"
+    )
+    await agent.apply_with_retry(adapter)
+    assert calls == ["/load_lora_adapter"]
+    assert changes[-1] == (6, "ready", "policy")
+    assert [(s, m.version) for s, m in bus.published] == [("applied", 6)]
 
 
 def test_the_guard_acts_only_in_a_marked_engine_core(monkeypatch):

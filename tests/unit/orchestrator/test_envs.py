@@ -147,9 +147,7 @@ def test_merge_turns_rejects_a_prompt_that_rewrites_history():
 
 
 def test_unknown_environment_fails_with_install_command():
-    with pytest.raises(
-        EnvironmentNotFoundError, match=r"uv sync --package rlbus --package no-such-env"
-    ):
+    with pytest.raises(EnvironmentNotFoundError, match=r"uv pip install no-such-env"):
         load_environment("no-such-env")
 
 
@@ -204,8 +202,31 @@ def test_service_with_unknown_environment_exits_before_connecting():
     from rlbus.configs.orchestrator import OrchestratorConfig
     from rlbus_orchestrator.service import run
 
-    config = OrchestratorConfig(
-        env=[{"id": "no-such-env"}], run={"name": "x"}, bus={"url": "nats://127.0.0.1:1"}
-    )
-    with pytest.raises(SystemExit, match="uv sync"):
+    # model_copy skips the config's own id check, which the service must not rely on.
+    config = OrchestratorConfig(run={"name": "x"}, bus={"url": "nats://127.0.0.1:1"})
+    config.env[0] = config.env[0].model_copy(update={"id": "no-such-env"})
+    with pytest.raises(SystemExit, match="uv pip install"):
         run(config)
+
+
+def test_config_accepts_an_id_whose_module_is_importable(tmp_path, monkeypatch):
+    from rlbus.configs.orchestrator import OrchestratorConfig
+
+    (tmp_path / "tiny_module_env.py").write_text("def load_environment(**kwargs): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = OrchestratorConfig(env=[{"id": "tiny-module-env"}, {"id": "reverse-text"}])
+    assert [e.id for e in config.env] == ["tiny-module-env", "reverse-text"]
+
+
+def test_config_names_the_unknown_id_the_known_ids_and_a_guess():
+    from pydantic import ValidationError
+
+    from rlbus.configs.orchestrator import OrchestratorConfig
+
+    with pytest.raises(ValidationError) as error:
+        OrchestratorConfig(env=[{"id": "reverse-txt"}])
+    ((loc, message),) = [(e["loc"], e["msg"]) for e in error.value.errors()]
+    assert loc == ("env", 0, "id")
+    assert "unknown environment 'reverse-txt'" in message
+    assert "did you mean 'reverse-text'?" in message
+    assert "known ids: reverse-text" in message

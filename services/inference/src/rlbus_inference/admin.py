@@ -15,7 +15,7 @@ Routes (engine port only; the public port and the router serve only the OpenAI A
     POST /resume             schedule again
     POST /update_weights     {"version", "path", "sha256": {file: hex}} or {"version", "source": "broadcast"}
     POST /init_broadcaster   {"host", "port", "rank_offset", "world_size", "timeout_s"}
-    POST /load_lora_adapter  {"lora_name", "lora_path", "version"?}  load, or reload in place
+    POST /load_lora_adapter  {"lora_name", "lora_path", "version"?, "sha256"?}  load, or reload in place
 
 The router does not call backend_port: it calls a second, loopback-only listener of the same
 app (`RLBUS_ROUTER_FACING_PORT`), which serves only what `rlbus_inference.gate.is_public`
@@ -128,6 +128,8 @@ class LoadLoraRequest(BaseModel):
     lora_path: str = Field(min_length=1, max_length=guards.MAX_PATH_CHARS)
     version: int | None = Field(None, ge=0, le=MAX_VERSION)
     """Policy version of this adapter; when set, later responses report it."""
+    sha256: dict[str, str] = Field({}, max_length=100)
+    """File name -> hex sha256 as published; any mismatch refuses the adapter (422)."""
 
 
 def _state(request: Request) -> AdminState:
@@ -285,8 +287,14 @@ async def load_lora_adapter(request: Request, body: LoadLoraRequest) -> JSONResp
     try:
         adapter = guards.confined_dir("lora_path", body.lora_path, state.weights_root)
         guards.regular_files(adapter, "*", state.weights_root)
+        for name in body.sha256:
+            if name != Path(name).name or name.startswith("."):
+                raise guards.PathRefused(f"`sha256` key {name!r} must be a plain file name")
+        await asyncio.to_thread(verify_files, adapter, body.sha256)
     except guards.PathRefused as error:
         return _error(HTTPStatus.BAD_REQUEST, str(error))
+    except ChecksumMismatch as error:
+        return _error(HTTPStatus.UNPROCESSABLE_ENTITY, str(error))
     models = request.app.state.openai_serving_models
     async with state.lock:
         result = await models.load_lora_adapter(

@@ -12,7 +12,8 @@
            └─ apply   newest version != loaded: refused once (WeightsFailed, never retried) when
                       it can never apply (lower than loaded, directory missing, engine 4xx);
                       else /update_weights (filesystem: path + sha256; nccl: /init_broadcaster
-                      once per rendezvous, then receive) or /load_lora_adapter, each within
+                      once per group generation with the ranks of the record, then receive;
+                      a failed broadcast is reported, not retried) or /load_lora_adapter, each within
                       weights_apply_timeout_s; then WeightsApplied, lease updated. A failure that
                       may pass (5xx, no answer) is retried with backoff (1, 2, 4, 8 s), giving up
                       on that version early when a newer one is published.
@@ -100,17 +101,20 @@ def advertised_urls(config: InferenceConfig) -> tuple[str, str]:
 
 
 def make_replica_info(
-    config: InferenceConfig, *, version: int, status: str
+    config: InferenceConfig, *, version: int, status: str, model: str | None = None
 ) -> replicas.ReplicaInfo:
+    """The registry entry; `model`: the LoRA adapter served, if any (what rollouts must ask
+    for), else the served model name."""
     public, admin = advertised_urls(config)
     return replicas.ReplicaInfo(
         replica_id=replica_id(config),
         base_url=f"{public}/v1",
         admin_url=admin,
-        model=served_model_name(config),
+        model=model or served_model_name(config),
         weights_version=version,
         capacity=int((config.vllm.model_extra or {}).get("max_num_seqs", 256)),
         status=status,
+        tensor_parallel_size=config.vllm.tensor_parallel_size,
     )
 
 
@@ -130,7 +134,10 @@ class WeightAgent:
         self.bus = bus
         self.config = config
         self.http = http
-        self.on_change = on_change  # async (version, status) -> None: updates the lease
+        self.on_change = on_change  # async (version, status, model) -> None: updates the lease
+        self.served_lora: str | None = None
+        """The LoRA adapter name loaded last (None: the base model or full weights): the replica
+        advertises it as its model, so rollouts sample from the adapter."""
         self.replica_id = replica_id(config)
         self.engine_url = processes.engine_url(config)
         self.loaded_version = 0
@@ -276,10 +283,10 @@ class WeightAgent:
             return
         for attempt, delay in enumerate((*RETRY_DELAYS_S, None), start=1):
             try:
-                await self.on_change(self.loaded_version, "updating_weights")
+                await self.on_change(self.loaded_version, "updating_weights", self.served_lora)
                 duration = await self.apply(target)
             except WeightRejected as error:
-                await self.on_change(self.loaded_version, "ready")
+                await self.on_change(self.loaded_version, "ready", self.served_lora)
                 await self.reject(target, str(error))
                 return
             except (WeightApplyError, httpx.HTTPError) as error:
@@ -288,13 +295,14 @@ class WeightAgent:
                     "weights_failed", version=target.version, attempt=attempt, reason=reason
                 )
                 await self.publish_failed(target.version, reason)
-                await self.on_change(self.loaded_version, "ready")
+                await self.on_change(self.loaded_version, "ready", self.served_lora)
                 if delay is None or await self.newer_published(target, delay):
                     return
                 continue
             self.loaded_version = target.version
+            self.served_lora = target.lora_name
             record_weights_version(self.replica_id, target.version)
-            await self.on_change(self.loaded_version, "ready")
+            await self.on_change(self.loaded_version, "ready", self.served_lora)
             await self.publish_applied(target.version, duration)
             log.info("weights_applied", version=target.version, duration_s=round(duration, 3))
             return
@@ -334,6 +342,7 @@ class WeightAgent:
                     "lora_name": target.lora_name,
                     "lora_path": target.location,
                     "version": target.version,
+                    "sha256": {f.name: f.sha256 for f in target.files},
                 },
             )
         elif target.transport == "filesystem":
@@ -347,15 +356,7 @@ class WeightAgent:
                 },
             )
         else:
-            await self.join_broadcast(target.location)
-            await self.post(
-                "/update_weights",
-                {
-                    "version": target.version,
-                    "source": "broadcast",
-                    "timeout_s": self.engine_deadline_s,
-                },
-            )
+            await self.receive_broadcast(target)
         return time.perf_counter() - start
 
     @property
@@ -364,22 +365,55 @@ class WeightAgent:
         the reason) arrives before our HTTP call gives up."""
         return 0.9 * self.config.weights_apply_timeout_s
 
-    async def join_broadcast(self, location: str) -> None:
-        """Join the trainer's group at `host:port` once per location (rank 1 of 2: TP=1)."""
-        if location == self.broadcast_location:
+    async def join_broadcast(self, target: weights.WeightsPublished) -> None:
+        """Join the group generation at `target.location` with this replica's ranks (once per
+        generation: a re-formed group has a new location). A record from an older trainer has
+        no rank table: one replica, rank 1 of 2."""
+        if target.location == self.broadcast_location:
             return
-        host, _, port = location.rpartition(":")
+        if target.world_size == 0:
+            rank_offset, world_size = 1, 2
+        elif self.replica_id in target.ranks:
+            rank_offset, world_size = target.ranks[self.replica_id], target.world_size
+        else:  # registered after the trainer formed this generation: the next one includes us
+            raise WeightRejected(
+                f"replica {self.replica_id} is not in the broadcast group of version "
+                f"{target.version} (it formed before this replica registered); the next "
+                "version re-forms the group with it"
+            )
+        host, _, port = target.location.rpartition(":")
         await self.post(
             "/init_broadcaster",
             {
                 "host": host,
                 "port": int(port),
-                "rank_offset": 1,
-                "world_size": 2,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
                 "timeout_s": self.config.weight_broadcast.timeout_s,
             },
         )
-        self.broadcast_location = location
+        self.broadcast_location = target.location
+
+    async def receive_broadcast(self, target: weights.WeightsPublished) -> None:
+        """Join the group and receive `target`. The trainer sends a version once, so a failure
+        is not retried: it is reported, the old version stays served, and the group is joined
+        afresh for the next version (which the trainer sends to a new generation)."""
+        try:
+            await self.join_broadcast(target)
+            await self.post(
+                "/update_weights",
+                {
+                    "version": target.version,
+                    "source": "broadcast",
+                    "timeout_s": self.engine_deadline_s,
+                },
+            )
+        except WeightApplyError as error:
+            self.broadcast_location = None
+            raise WeightRejected(
+                f"nccl broadcast of version {target.version} failed ({error}); it is not resent: "
+                "this replica waits for the next version"
+            ) from error
 
     async def post(self, path: str, body: dict) -> dict:
         """POST to the engine's admin port within `weights_apply_timeout_s`; a 4xx answer is a
@@ -434,7 +468,9 @@ async def hold_lease(bus: Bus, config: InferenceConfig, state: dict, stop: async
     key = replica_id(config)
     attempt = 0
     while not stop.is_set():
-        info = make_replica_info(config, version=state["version"], status=state["status"])
+        info = make_replica_info(
+            config, version=state["version"], status=state["status"], model=state["model"]
+        )
         lease = bus.lease(
             bus.subjects.replicas_bucket,
             key,
@@ -493,12 +529,12 @@ async def run_replica_tasks(
         storage_dir=config.run_dir,
         name=f"inference-{replica_id(config)}",
     )
-    state = {"version": 0, "status": "ready", "lease": None}
+    state = {"version": 0, "status": "ready", "lease": None, "model": None}
 
-    async def on_change(version: int, status: str) -> None:
-        state["version"], state["status"] = version, status
+    async def on_change(version: int, status: str, model: str | None) -> None:
+        state["version"], state["status"], state["model"] = version, status, model
         if (lease := state["lease"]) is not None and lease.held:
-            info = make_replica_info(config, version=version, status=status)
+            info = make_replica_info(config, version=version, status=status, model=model)
             try:
                 await lease.update(replicas.encoder.encode(info))
             except Exception as error:  # the heartbeat carries the new value once the bus is back

@@ -57,9 +57,12 @@ class RlbusWorkerExtension:
     def rlbus_init_broadcaster(
         self, host: str, port: int, rank_offset: int, world_size: int, timeout_s: float
     ) -> int:
-        """Join the trainer's broadcast group as rank `rank_offset + local rank`; returns the rank."""
+        """Join the trainer's broadcast group as rank `rank_offset + local rank`; returns the rank.
+        A group this worker was in before (an older generation) is left first. BroadcastError
+        when the group does not form within `timeout_s`."""
         from rlbus.broadcast import open_group
 
+        self._rlbus_leave_group()
         rank = rank_offset + self.rank  # type: ignore[attr-defined]
         self._rlbus_group = open_group(
             host,
@@ -70,6 +73,12 @@ class RlbusWorkerExtension:
             self.device,  # type: ignore[attr-defined]
         )
         return rank
+
+    def _rlbus_leave_group(self) -> None:
+        group = getattr(self, "_rlbus_group", None)
+        if group is not None:
+            group.close()
+        self._rlbus_group = None
 
     def _rlbus_reference(self) -> dict:
         """Tensor specs of the served model's checkpoint (`rlbus_inference.validation`)."""
@@ -88,12 +97,25 @@ class RlbusWorkerExtension:
         tensors were received and dropped, so the sender is not left waiting. With
         `check_finite` the whole version is received before loading (one model's worth of extra
         memory) and refused if any value is NaN or infinite.
+
+        Every collective has the group's deadline: a sender that dies or stalls makes this raise
+        `BroadcastError` (the admin endpoint answers 500 with its message) instead of hanging,
+        and the group is left; the next version comes with a new group generation.
         """
+        from rlbus.broadcast import BroadcastError
+
+        try:
+            return self._rlbus_receive(check_finite)
+        except BroadcastError:
+            self._rlbus_leave_group()
+            raise
+
+    def _rlbus_receive(self, check_finite: bool) -> dict:
         from rlbus.broadcast import DTYPES, receive_header, receive_tensors
         from rlbus_inference import validation
 
         group = getattr(self, "_rlbus_group", None)
-        if group is None:
+        if group is None or group.closed:
             raise RuntimeError("no broadcast group: call /init_broadcaster first")
         start = time.perf_counter()
         try:

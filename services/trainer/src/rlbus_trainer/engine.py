@@ -327,7 +327,12 @@ def make_padding_micro_batch() -> MicroBatch:
 def build_engine(config, world: World) -> Engine:
     """Model, FSDP2 sharding, optimizer (plain, state-offloaded or in-backward) and schedule."""
     torch.manual_seed(config.seed)
-    model = shard_model(load_model(config.model, world.device), world)
+    model = load_model(config.model, world.device)
+    if config.lora is not None:  # freezes the base: the optimizer sees adapters
+        from rlbus_trainer.lora import apply_lora
+
+        apply_lora(model, config.lora)
+    model = shard_model(model, world)
     full = config.model.full_offload_config
     if full is not None:
         from rlbus_trainer.full_offload import OptimizerInBackward
@@ -345,6 +350,7 @@ def build_engine(config, world: World) -> Engine:
         model=config.model.name,
         world_size=world.world_size,
         num_params=sum(p.numel() for p in model.parameters()),
+        num_trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
         optim=config.optim.type,
         full_offload=full is not None,
         optim_cpu_offload=config.model.optim_cpu_offload,

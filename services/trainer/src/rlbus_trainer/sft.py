@@ -135,6 +135,10 @@ def run(config) -> Path | None:
     out = None
     if config.save_final_model:
         state = engine.full_state_dict()
+        if config.lora is not None:  # a plain HF model: the adapters folded into the weights
+            from rlbus_trainer.lora import merged_state_dict
+
+            state = merged_state_dict(state, config.lora)
         if world.is_main:
             out = write_hf_dir(
                 state,

@@ -8,13 +8,15 @@
   each file's sha256 (`rlbus.checksums.weight_files`) under the weights KV key `latest` and on
   the weights-published subject.
   Broadcasts beyond the newest `keep_last` that no replica serves any more are pruned.
-- `NcclWeightPublisher`: rank 0 hosts a broadcast group with one inference replica (TCPStore at
-  host:port, announced as `location` in the weights KV key: the rendezvous goes over the bus),
-  then sends the version tensor by tensor with the protocol of `rlbus.broadcast` (int64 header
-  size, JSON header, tensors in header order; size 0 closes the group), the same module the
-  inference workers receive with. gloo on CPU (testable here), vLLM's PyNccl on CUDA. Every
+- `NcclWeightPublisher`: rank 0 hosts a broadcast group with every worker of every registered
+  replica (TCPStore at host:port, announced with the ranks as `location`, `ranks`, `world_size`
+  in the weights KV key: the rendezvous goes over the bus), then sends the version tensor by
+  tensor with the protocol of `rlbus.broadcast` (int64 header size, JSON header, tensors in
+  header order, an all-reduce acknowledgement), the same module the inference workers receive
+  with. gloo on CPU (testable here), vLLM's PyNccl on CUDA (docs/weights.md). Every
   collective runs under `timeout_s`; a failure is published as `WeightsFailed(replica_id=
-  "trainer")` and the group is rebuilt next time, never a hang.
+  "trainer")` naming the silent ranks, and the next version forms a new group generation (new
+  port) from the replica registry, as does any join or leave: never a hang.
 
 The version under `latest` never goes backwards: `_announce` writes it by compare-and-set on the
 KV revision and refuses a version that is not above the current one (a trainer resumed from an
@@ -27,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Protocol
@@ -40,7 +41,7 @@ from rlbus import broadcast
 from rlbus.bus.core import retry_transient
 from rlbus.bus.errors import CasMismatch
 from rlbus.checksums import weight_files
-from rlbus.netutil import free_port
+from rlbus.netutil import free_port, reachable_host
 from rlbus.obs import tracing
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
@@ -192,11 +193,10 @@ class FilesystemWeightPublisher:
 
 
 def _advertised_host() -> str:
-    """An address inference workers can reach: the host's IP (loopback when there is none)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    """An address inference workers on any host can reach (`rlbus.netutil.reachable_host`: not
+    the loopback address a host name may map to). The store listens on all interfaces, so
+    workers on this host reach it through that address too."""
+    return reachable_host()
 
 
 def _sender_device() -> torch.device:
@@ -206,33 +206,64 @@ def _sender_device() -> torch.device:
     return torch.device("cpu")
 
 
-class NcclWeightPublisher:
-    """Tensor-by-tensor broadcast to one inference replica (see module docstring)."""
+Members = tuple[tuple[str, int], ...]
+"""The group's receivers: (replica_id, number of worker ranks), sorted by replica id."""
 
-    def __init__(
-        self, config, *, bus, run_dir: Path, world, host: str | None = None, group_size: int = 2
-    ):
+
+class NcclWeightPublisher:
+    """Tensor-by-tensor broadcast to every worker of every registered replica (module
+    docstring; docs/weights.md). One group generation serves versions while the replica registry
+    keeps the same members; a join, a leave or a failed version forms a new one."""
+
+    def __init__(self, config, *, bus, run_dir: Path, world, host: str | None = None):
         self.config, self.bus, self.world = config, bus, world
         self.timeout_s = config.weight_broadcast.timeout_s
         self.host = host or _advertised_host()
-        self.group_size = group_size
         self.group = None
+        self.members: Members = ()
+        self.ranks: dict[str, int] = {}
+        self.world_size = 1
+        self.generation = 0
         self.location: str | None = None
 
-    async def _open_group(self, step: int) -> bool:
-        """Host a new group on a free port and announce it (its first version) on the bus;
+    async def read_members(self) -> Members:
+        """The registered replicas (draining ones excluded) and their tensor-parallel sizes."""
+        infos = await _retrying("read_replicas", self.bus.read_replicas)
+        return tuple(
+            sorted((i.replica_id, i.tensor_parallel_size) for i in infos if i.status != "draining")
+        )
+
+    def rank_names(self) -> dict[int, str]:
+        """rank -> 'replica <id> worker <k>', for error messages."""
+        names = {}
+        for (replica, num_ranks), first in zip(self.members, self.ranks.values(), strict=True):
+            names.update({first + k: f"replica {replica} worker {k}" for k in range(num_ranks)})
+        return names
+
+    async def _open_group(self, step: int, members: Members) -> bool:
+        """Form generation n+1 for `members` on a free port and announce it with this version;
         False when the bus already has this version or a newer one (no group then)."""
         port = free_port("")  # all interfaces: replicas on other hosts join this store
+        self.generation += 1
+        self.members = members
+        self.ranks, self.world_size = broadcast.member_ranks(members)
         self.location = f"{self.host}:{port}"
-        # Announce first: the replica learns the rendezvous address from the KV key.
+        # Announce first: the replicas learn the rendezvous address and their ranks from the KV.
         if not await self._announce(step):
             return False
+        log.info(
+            "weights_group_forming",
+            generation=self.generation,
+            location=self.location,
+            world_size=self.world_size,
+            ranks=self.ranks,
+        )
         self.group = await asyncio.to_thread(
             broadcast.open_group,
             self.host,
             port,
             0,
-            self.group_size,
+            self.world_size,
             self.timeout_s,
             _sender_device(),
         )
@@ -246,6 +277,8 @@ class NcclWeightPublisher:
                 transport="nccl",
                 location=self.location,
                 dtype=self.config.model.dtype,
+                ranks=self.ranks,
+                world_size=self.world_size,
             ),
         )
 
@@ -258,15 +291,29 @@ class NcclWeightPublisher:
             state, bool(getattr(engine.model.config, "tie_word_embeddings", False))
         )
         try:
-            announced = (
-                await self._open_group(step) if self.group is None else await self._announce(step)
-            )
+            members = await self.read_members()
+            if self.group is None or members != self.members:
+                await self.close()  # a join or a leave: the next version goes to a new group
+                announced = await self._open_group(step, members)
+            else:
+                announced = await self._announce(step)
             if not announced:
                 return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
-            await asyncio.to_thread(broadcast.send_state_dict, self.group, step, tensors)
-        except Exception as error:  # a timeout or a vanished peer: report, rebuild next time
-            reason = f"{type(error).__name__}: {error}"[:1000]
-            log.warning("weights_broadcast_failed", version=step, reason=reason)
+            await asyncio.to_thread(
+                broadcast.send_state_dict, self.group, step, tensors, self.rank_names()
+            )
+        except (
+            Exception
+        ) as error:  # a deadline passed or a peer vanished: report, re-form next time
+            reason = f"{type(error).__name__}: {error} (group ranks: {self.ranks})"[:1000]
+            log.warning(
+                "weights_broadcast_failed",
+                version=step,
+                generation=self.generation,
+                reason=reason,
+            )
+            if self.group is not None:
+                self.group.close()
             self.group = None
             await self.bus.publish(
                 self.bus.subjects.weights_failed,
@@ -276,16 +323,21 @@ class NcclWeightPublisher:
             )
             return {"publish_s": time.perf_counter() - t0, "publish_failed": 1.0}
         log.info(
-            "weights_broadcast", version=step, location=self.location, num_tensors=len(tensors)
+            "weights_broadcast",
+            version=step,
+            generation=self.generation,
+            location=self.location,
+            num_receivers=self.world_size - 1,
+            num_tensors=len(tensors),
         )
         return {"publish_s": time.perf_counter() - t0}
 
     async def close(self) -> None:
+        """Drop the group: its store and sockets close, and the workers leave it when they join
+        the next generation. No close frame: the workers receive only when their agent asks for
+        an announced version, so a frame sent to idle workers would wait out the deadline."""
         if self.group is not None:
-            try:  # best effort: a receiver that is already gone must not block shutdown
-                await asyncio.wait_for(asyncio.to_thread(broadcast.send_close, self.group), 5)
-            except Exception:
-                pass
+            self.group.close()
             self.group = None
 
 
@@ -293,4 +345,8 @@ PUBLISHERS = {"filesystem": FilesystemWeightPublisher, "nccl": NcclWeightPublish
 
 
 def build_weight_publisher(config, *, bus, run_dir: Path, world) -> WeightPublisher:
+    if config.lora is not None:  # adapters only, always through the filesystem
+        from rlbus_trainer.lora import LoraWeightPublisher
+
+        return LoraWeightPublisher(config, bus=bus, run_dir=run_dir, world=world)
     return PUBLISHERS[config.weight_broadcast.type](config, bus=bus, run_dir=run_dir, world=world)

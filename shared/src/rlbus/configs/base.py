@@ -224,15 +224,17 @@ def field_errors(model: BaseModel, *errors: tuple[str, str]) -> ValidationError:
 
     details = []
     for path, message in errors:
+        # A digit is a list index (`env.0.id`), shown as `--orchestrator.env[0].id`.
+        loc = tuple(int(part) if part.isdigit() else part for part in path.split("."))
         value: Any = model
-        for part in path.split("."):
-            value = getattr(value, part)
+        for part in loc:
+            value = value[part] if isinstance(part, int) else getattr(value, part)
         details.append(
             InitErrorDetails(
                 type=PydanticCustomError(
                     "cross_field", message.replace("{", "{{").replace("}", "}}")
                 ),
-                loc=tuple(path.split(".")),
+                loc=loc,
                 input=value,
             )
         )

@@ -1,5 +1,8 @@
 """Orchestrator service config (`orchestrator` command): coordinator and rollout workers."""
 
+import difflib
+import importlib.util
+from importlib.metadata import entry_points
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -35,6 +38,38 @@ class EnvConfig(BaseConfig):
 
     weight: float = Field(1.0, gt=0)
     """Share of tasks drawn from this environment."""
+
+
+ENV_ENTRY_POINT_GROUP = "rlbus.environments"
+"""Entry point group of environment factories; the orchestrator registers its built-ins here."""
+
+
+VF_PREFIX = "vf:"
+"""Ids of verifiers 0.4 environments served from their own venv (rlbus_orchestrator.envs.vf_server)."""
+
+
+def known_env_ids() -> list[str]:
+    """Environment ids registered in installed package metadata (nothing is imported)."""
+    return sorted({ep.name for ep in entry_points(group=ENV_ENTRY_POINT_GROUP)})
+
+
+def unknown_env_error(env_id: str, known: list[str]) -> str | None:
+    """Why `env_id` names no environment, or None when it resolves the way the orchestrator's
+    registry resolves it (entry point, or an importable verifiers-style module `my_env`).
+
+    Only metadata and `find_spec` are consulted, so `rl --dry-run` stays fast: a module that is
+    found but fails on import still fails later, in the orchestrator, with its traceback."""
+    if env_id.startswith(VF_PREFIX):
+        return None
+    if env_id in known or importlib.util.find_spec(env_id.replace("-", "_")) is not None:
+        return None
+    close = difflib.get_close_matches(env_id, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (
+        f"unknown environment {env_id!r}; {hint}known ids: {', '.join(known)}, or "
+        f"'{VF_PREFIX}<taskset-id>' for a verifiers 0.4 environment server. An environment package "
+        "in this repo installs with `uv pip install -e environments/<name>` (docs/environments.md)"
+    )
 
 
 class EvalConfig(BaseConfig):
@@ -180,6 +215,22 @@ class OrchestratorConfig(RunnableConfig):
                     f"{(self.batch_size // self.group_size + 1) * self.group_size}",
                 )
             )
+        # Without the orchestrator installed (a launcher-only or trainer image) the group is
+        # empty and nothing can be said about ids; the orchestrator checks them when it starts.
+        known = known_env_ids()
+        for i, env in enumerate(self.env if known else []):
+            message = unknown_env_error(env.id, known)
+            if message:
+                errors.append((f"env.{i}.id", message))
+            elif env.id.startswith(VF_PREFIX) and not ({"python", "address"} & env.args.keys()):
+                errors.append(
+                    (
+                        f"env.{i}.args",
+                        f"{env.id!r} is served from its own venv: set args.python (that venv's "
+                        "interpreter) or args.address (a running verifiers EnvServer); see "
+                        "docs/environments.md",
+                    )
+                )
         for i, url in enumerate(self.inference_urls):
             if not url.startswith(("http://", "https://")):
                 errors.append(

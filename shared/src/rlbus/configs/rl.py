@@ -21,10 +21,14 @@ from rlbus.configs.common import (
     TrainingRunConfig,
 )
 from rlbus.configs.inference import InferenceConfig
+from rlbus.configs.migrate import migrate_for_load
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import TrainerConfig
 from rlbus.runs import resolve_run_dir
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks)."""
 
 
 def push_down(target: BaseModel, field: str, value: object) -> None:
@@ -96,7 +100,9 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
     @classmethod
     def _remap_legacy_keys(cls, data: Any) -> Any:
         """Older configs had a top-level `[wandb]` table (and `--wandb` flag); it now lives under
-        `[monitors.wandb]`. Move it there so those configs keep working."""
+        `[monitors.wandb]`. Move it there so those configs keep working. prime-rl keys are read
+        as their rlbus keys where they map (rlbus.configs.migrate)."""
+        data = migrate_for_load(data, "rl")
         if not isinstance(data, dict) or "wandb" not in data:
             return data
         legacy = data.pop("wandb")
@@ -188,12 +194,24 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
         push_down(self.inference.vllm, "dtype", self.model.dtype)
         push_down(self.inference.vllm, "max_model_len", self.seq_len)
         push_down(self.inference, "weight_broadcast", self.weight_broadcast.model_copy(deep=True))
+        if self.trainer.lora is not None:
+            self._enable_engine_lora(self.trainer.lora.rank)
         if self.run.name is not None:
             push_down(
                 self.inference,
                 "run_dir",
                 str(resolve_run_dir(self.output_dir, self.run.name, self.run.dir)),
             )
+
+    def _enable_engine_lora(self, rank: int) -> None:
+        """A LoRA trainer publishes adapters: vLLM must start with `--enable-lora` and a
+        `--max-lora-rank` that fits them (vLLM takes only VLLM_LORA_RANKS); values set under
+        `[inference.vllm]` win."""
+        extra = self.inference.vllm.model_extra
+        assert extra is not None  # VLLMConfig allows extra keys
+        extra.setdefault("enable_lora", True)
+        # LoRAConfig.rank <= 512, vLLM's largest: one always fits
+        extra.setdefault("max_lora_rank", next(r for r in VLLM_LORA_RANKS if r >= rank))
 
     def env_ids(self) -> list[str]:
         """Environment ids of the run (for the run name)."""

@@ -1,11 +1,12 @@
 """SFT config (`sft` command): the trainer fed from local files instead of the bus."""
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from rlbus.configs.base import BaseConfig, field_errors
 from rlbus.configs.common import LaunchConfig, MonitorsConfig
+from rlbus.configs.migrate import migrate_for_load
 from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import TrainerConfig
 
@@ -68,6 +69,12 @@ class SFTConfig(TrainerConfig, LaunchConfig):
 
     kind: Literal["sft"] = "sft"
     """Fixed tag for run naming."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_prime_rl_keys(cls, data: Any) -> Any:
+        """prime-rl keys are read as their rlbus keys where they map (rlbus.configs.migrate)."""
+        return migrate_for_load(data, "sft")
 
     @model_validator(mode="after")
     def _every_rank_gets_data(self) -> "SFTConfig":

@@ -187,6 +187,44 @@ class CustomLossConfig(BaseConfig):
 LossConfig = Annotated[DefaultLossConfig | CustomLossConfig, Field(discriminator="type")]
 
 
+class LoRAConfig(BaseConfig):
+    """Low-rank adapters on the target Linear layers: the base model is frozen, only the adapters
+    train, and only they are published (a PEFT adapter dir through the filesystem; docs/lora.md)."""
+
+    rank: int = Field(8, ge=1, le=512)
+    """Adapter rank r (lora_A is [r, in], lora_B is [out, r]); at most 512, the largest rank
+    vLLM serves."""
+
+    alpha: float = Field(16.0, gt=0)
+    """Scale of the adapter's output: alpha / rank."""
+
+    target_modules: list[str] = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    """Last name component of every Linear layer that gets an adapter."""
+
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (training only)."""
+
+    name: str = Field("policy", min_length=1, max_length=256)
+    """Name the engine serves the adapter under (the `model` of rollout requests)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_target(cls, modules: list[str]) -> list[str]:
+        if not modules:
+            raise ValueError(
+                "must name at least one module, e.g. `--lora.target-modules q_proj v_proj`"
+            )
+        return modules
+
+
 class TrainerConfig(TrainingRunConfig):
     """The trainer service: consumes step batches, trains, checkpoints, publishes weights."""
 
@@ -204,6 +242,10 @@ class TrainerConfig(TrainingRunConfig):
 
     loss: LossConfig = DefaultLossConfig()
     """RL loss (switch with `--loss.type`)."""
+
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters instead of the whole model and publish only them (off by default;
+    bare `--lora` enables it with the defaults)."""
 
     max_steps: int | None = Field(None, ge=1)
     """Stop after this step (None: run until stopped)."""
@@ -228,6 +270,11 @@ class TrainerConfig(TrainingRunConfig):
     def _full_offload_rules(self):
         if self.model.full_offload_config is None:
             return self
+        if self.lora is not None:
+            raise ValueError(
+                "model.full_offload and lora are mutually exclusive (the adapters are small: "
+                "their optimizer state needs no offload): drop one of them"
+            )
         if self.optim.type not in ("adamw", "sign_sgd"):
             raise ValueError(
                 f"model.full_offload supports optim.type adamw or sign_sgd, not {self.optim.type!r}: "

@@ -407,7 +407,10 @@ def point_latest(run_dir: Path) -> None:
         log.warning("latest_link_failed", path=str(link), error=str(error))
 
 
-SUBCOMMANDS = {"dead-letters": "rlbus.bus.deadletters"}
+SUBCOMMANDS = {
+    "dead-letters": "rlbus.bus.deadletters",
+    "migrate-config": "rlbus.configs.migrate",
+}
 """`rl <subcommand> ...`: tools about a run, each a module with `main(argv) -> exit code`."""
 
 

@@ -23,6 +23,8 @@ class ReplicaInfo(Message, kw_only=True):
     """Concurrent requests this replica is sized for."""
     status: str = "ready"
     """`starting`, `ready`, `updating_weights`, `draining`."""
+    tensor_parallel_size: int = 1
+    """Worker processes of the engine: the ranks it takes in an nccl weight broadcast group."""
     started_at: float = msgspec.field(default_factory=now)
     updated_at: float = msgspec.field(default_factory=now)
 

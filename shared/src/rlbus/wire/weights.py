@@ -34,11 +34,17 @@ class WeightsPublished(Message, kw_only=True, tag="weights_published"):
     version: NonNegative
     transport: Literal["filesystem", "nccl"]
     location: str
-    """filesystem: the broadcast directory; nccl: the rendezvous address `host:port`."""
+    """filesystem: the broadcast directory; nccl: the rendezvous address `host:port` of the
+    group generation (a new one whenever the group is re-formed)."""
     files: list[WeightFile] = []
     dtype: str = "float32"
     lora_name: str | None = None
     """Set when only a LoRA adapter is published."""
+    ranks: dict[str, int] = {}
+    """nccl: replica id -> the group rank of its worker 0 (its worker k joins as that + k)."""
+    world_size: NonNegative = 0
+    """nccl: ranks in the group (1 trainer + every replica worker); 0: an older trainer's
+    two-rank group (one replica, rank 1)."""
     published_at: float = msgspec.field(default_factory=now)
 
 

@@ -8,8 +8,14 @@ Lookup order for `load_environment("my-env", args)`:
 3. an importable module `my_env` exposing `load_environment(**args)` (the verifiers convention
    for environment packages), wrapped by `VerifiersAdapter`.
 
+An id `vf:<taskset-id>` is a verifiers 0.4 (`verifiers.v1`) environment served by its own
+process from its own venv (`VfServerEnv`, envs/vf_server.py).
+
 An id that resolves nowhere raises `EnvironmentNotFoundError` before anything starts; its message
-holds the `uv sync` command that would install the package.
+holds the `uv pip install` command that would install the package. The config load runs the
+same lookup from package metadata alone (`rlbus.configs.orchestrator.unknown_env_error`), so
+`rl --dry-run` rejects an unknown id too; built-ins are also registered as entry points of
+`rlbus-orchestrator` for that reason.
 """
 
 import importlib
@@ -36,18 +42,16 @@ def module_name(env_id: str) -> str:
 
 
 def install_hint(env_id: str) -> str:
-    """The command that installs the environment package named `env_id`."""
+    """The command that installs the environment package named `env_id` (docs/environments.md:
+    environment packages are not workspace members, they install into the venv like prime-rl's)."""
     local = [
         p
         for p in (Path("environments") / env_id, Path("environments") / module_name(env_id))
         if p.is_dir()
     ]
     if local:
-        return (
-            f"`uv sync --package rlbus --package {env_id}` (it is a workspace member under {local[0]}; "
-            "`uv sync --all-packages` installs every one)"
-        )
-    return f"`uv add {env_id} && uv sync` (or, for a local package, `uv sync --package rlbus --package {env_id}`)"
+        return f"`uv pip install -e {local[0]}`"
+    return f"`uv pip install {env_id}` (or, for a local package, `uv pip install -e environments/<name>`)"
 
 
 def find_entry_point(env_id: str) -> Callable[..., Environment] | None:
@@ -61,6 +65,10 @@ def find_entry_point(env_id: str) -> Callable[..., Environment] | None:
 def load_environment(env_id: str, args: dict[str, Any] | None = None) -> Environment:
     """Build the environment `env_id` with keyword arguments `args` (see module docstring)."""
     args = dict(args or {})
+    if env_id.startswith("vf:"):
+        from rlbus_orchestrator.envs.vf_server import VfServerEnv
+
+        return VfServerEnv(env_id, **args)
     if env_id in BUILTINS:
         return BUILTINS[env_id](**args)
     factory = find_entry_point(env_id)

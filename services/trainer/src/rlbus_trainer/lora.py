@@ -1,0 +1,195 @@
+"""LoRA: low-rank adapters on the target Linear layers, trained alone and published alone.
+
+    apply_lora(model, config)        freeze the model, add lora_A/lora_B to each target Linear
+    adapter_state_dict(state)        the adapter tensors of a state dict, PEFT key names
+    merged_state_dict(state, config) W + scaling * B @ A folded in (full weights, no adapters)
+    LoraWeightPublisher              PEFT adapter dirs under <run_dir>/broadcasts/step_N/
+
+Each target `nn.Linear` keeps its own weight under its own name and gains two bias-free
+sub-layers, `lora_A` ([rank, in]) and `lora_B` ([out, rank], zero at init), plus a forward hook
+adding `scaling * lora_B(lora_A(dropout(x)))` to its output, scaling = alpha / rank. A hook, not a
+wrapper module, so the base parameter names do not change: checkpoints, FSDP2 units and both
+model implementations (`qwen3.py`, transformers) see the same tree, and an adapter's name is its
+Linear's name + `.lora_A.weight`, which is PEFT's key without the `base_model.model.` prefix.
+B = 0 at init: the adapted model starts as the base model exactly.
+
+The publisher writes `adapter_config.json` + `adapter_model.safetensors` (what vLLM's
+/load_lora_adapter and PEFT read) and announces `WeightsPublished(lora_name=...)`: replicas load
+it in place under that name (rlbus_inference.admin) and advertise it as their model, so rollouts
+sample from the adapter (docs/lora.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from rlbus.checksums import weight_files
+from rlbus.wire import weights
+from rlbus_trainer.weights import FilesystemWeightPublisher, _announce, latest_version
+
+log = structlog.get_logger()
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _lora_hook(module: nn.Linear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
+    x = module.lora_dropout(inputs[0])
+    return output + module.lora_B(module.lora_A(x)) * module.lora_scaling
+
+
+def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+    """Give `linear` a LoRA adapter (A: kaiming-uniform as PEFT, B: zeros) and its hook."""
+    weight = linear.weight
+    kwargs = dict(bias=False, device=weight.device, dtype=weight.dtype)
+    linear.lora_A = nn.Linear(linear.in_features, rank, **kwargs)
+    linear.lora_B = nn.Linear(rank, linear.out_features, **kwargs)
+    nn.init.kaiming_uniform_(linear.lora_A.weight, a=math.sqrt(5))
+    nn.init.zeros_(linear.lora_B.weight)
+    linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+    linear.lora_scaling = alpha / rank
+    linear.register_forward_hook(_lora_hook)
+
+
+def apply_lora(model: nn.Module, config) -> list[str]:
+    """Freeze every parameter of `model`, then add trainable adapters to the `nn.Linear`s whose
+    last name component is in `config.target_modules`; returns their names. `ValueError` when
+    none matches (a typo in target_modules would otherwise train nothing)."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    targets = set(config.target_modules)
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    ]
+    if not names:
+        raise ValueError(
+            f"trainer.lora.target_modules {sorted(targets)} matches no Linear layer of the model: "
+            "use projection names such as q_proj, v_proj, down_proj"
+        )
+    for name in names:
+        add_adapter(model.get_submodule(name), config.rank, config.alpha, config.dropout)
+    num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("lora_applied", num_modules=len(names), num_trainable=num_trainable)
+    return names
+
+
+def is_adapter_key(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a model state dict under PEFT's key names."""
+    return {PEFT_PREFIX + k: v.contiguous() for k, v in state.items() if is_adapter_key(k)}
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every adapter folded in: W + (alpha / rank) * B @ A
+    (the full-weights fallback; an engine without LoRA serves it as any other version)."""
+    scaling = config.alpha / config.rank
+    merged = {k: v for k, v in state.items() if not is_adapter_key(k)}
+    for key, a in state.items():
+        if key.endswith(".lora_A.weight"):
+            module = key.removesuffix(".lora_A.weight")
+            b = state[f"{module}.lora_B.weight"]
+            w = merged[f"{module}.weight"]
+            merged[f"{module}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+    return merged
+
+
+def adapter_config(config, base_model: str) -> dict:
+    """PEFT's adapter_config.json for these adapters (what vLLM's LoRA loader reads)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": sorted(config.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+
+
+def write_adapter_dir(tensors: dict[str, torch.Tensor], config, base_model: str, out: Path) -> Path:
+    """Write a PEFT adapter directory to `out` (temp dir, fsync, rename: readers never see a
+    partial one)."""
+    tmp = out.parent / f".{out.name}.tmp"  # as hf_dir.write_hf_dir: pruning skips it
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(config, base_model), indent=2))
+    for path in tmp.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    if out.exists():  # left by a publish that crashed before its announcement
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+    return out
+
+
+class LoraWeightPublisher(FilesystemWeightPublisher):
+    """Adapters only: `<run_dir>/broadcasts/step_N/` holds a PEFT adapter directory, announced
+    with `lora_name` (replicas call /load_lora_adapter). Pruning as the filesystem publisher."""
+
+    def __init__(self, config, *, bus, run_dir: Path, world):
+        super().__init__(config, bus=bus, run_dir=run_dir, world=world)
+        self.lora = config.lora
+
+    async def publish(self, step: int, engine) -> dict[str, float]:
+        t0 = time.perf_counter()
+        state = await asyncio.to_thread(engine.full_state_dict)
+        if not self.world.is_main:
+            return {}
+        if await latest_version(self.bus) >= step:  # never rewrite a directory replicas may serve
+            log.warning("weights_version_not_newer", version=step)
+            return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
+        tensors = adapter_state_dict(state)
+        out = await asyncio.to_thread(
+            write_adapter_dir,
+            tensors,
+            self.lora,
+            self.config.model.name,
+            self.root / f"step_{step}",
+        )
+        files = await asyncio.to_thread(weight_files, out)
+        t1 = time.perf_counter()
+        announced = await _announce(
+            self.bus,
+            weights.WeightsPublished(
+                version=step,
+                transport="filesystem",
+                location=str(out.resolve()),
+                files=files,
+                dtype=self.config.model.dtype,
+                lora_name=self.lora.name,
+            ),
+        )
+        if not announced:
+            return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
+        try:
+            await self.prune(step)
+        except Exception as error:  # the replica registry unreadable (an outage): prune next time
+            log.warning("broadcasts_prune_skipped", version=step, error=type(error).__name__)
+        num_bytes = sum(f.size for f in files)
+        log.info("adapter_published", version=step, path=str(out), num_bytes=num_bytes)
+        return {
+            "publish_write_s": t1 - t0,
+            "publish_s": time.perf_counter() - t0,
+            "publish_bytes": float(num_bytes),
+        }

@@ -1,0 +1,598 @@
+"""prime-rl configs in rlbus: one table of prime-rl keys and what each becomes here.
+
+The table is used twice (docs/migration.md):
+- loading unchanged (`rl @ prime-rl.toml`, `sft @ ...`): `RLConfig` and `SFTConfig` call
+  `migrate_for_load` in a `model_validator(mode="before")`. Keys that map are moved (one stderr
+  line each), keys meaningless here are dropped (one line each), and a key that needs a human
+  stops the load with one line naming it and its rlbus equivalent;
+- `rl migrate-config IN.toml [-o OUT.toml]` (`main`): writes the converted config and reports
+  every key it moved, dropped or left for a human (exit 0: converted, 2: some keys need a human).
+
+A rule names a prime-rl key; it covers the key and everything under it. Keys the table does not
+name are left alone: they are rlbus keys already (most of prime-rl's layout is: `model.name`,
+`max_steps`, `seq_len`, `[ckpt]`, `[monitors.wandb]`, `orchestrator.batch_size`, ...), or
+unknown ones, which validation reports with a "did you mean".
+"""
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Status = Literal["move", "convert", "drop", "human"]
+
+_UNSET = object()
+
+
+class Unmappable(ValueError):
+    """A value under a converted key that has no rlbus meaning: `key` (a prime-rl path) and why."""
+
+    def __init__(self, key: str, why: str):
+        super().__init__(f"{key}: {why}")
+        self.key = key
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one prime-rl key becomes: `move` to `rlbus`, `convert` with `convert` into `rlbus`,
+    `drop` (meaningless here; `note` says why), or `human` (`rlbus` names what to set instead,
+    or starts with "no equivalent:"). A `human` key whose value is `harmless` (prime-rl's
+    default, which is also what rlbus does) is dropped instead."""
+
+    prime: str
+    status: Status
+    rlbus: str = ""
+    note: str = ""
+    convert: Callable[[Any, dict], Any] | None = None
+    harmless: Any = _UNSET
+
+
+@dataclass(frozen=True)
+class Change:
+    """One key of a migration: what happened to it (`Rule.status`), and where it went or why."""
+
+    prime: str
+    status: Status
+    rlbus: str = ""
+    note: str = ""
+
+    def line(self) -> str:
+        if self.status in ("move", "convert"):
+            return f"{self.prime} -> {self.rlbus}" + (f" ({self.note})" if self.note else "")
+        if self.status == "drop":
+            return f"{self.prime} ignored: {self.note}"
+        return f"{self.prime} needs a human: {self.rlbus}" + (
+            f" ({self.note})" if self.note else ""
+        )
+
+
+# --- nested-dict paths ------------------------------------------------------------------------
+
+
+def get_path(data: dict, path: str) -> Any:
+    node: Any = data
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _UNSET
+        node = node[part]
+    return node
+
+
+def pop_path(data: dict, path: str) -> Any:
+    """Remove `path` and return its value; parent tables emptied by the removal go too."""
+    parts = path.split(".")
+    parents = [data]
+    for part in parts[:-1]:
+        parents.append(parents[-1][part])
+    value = parents[-1].pop(parts[-1])
+    for parent, part in zip(reversed(parents[:-1]), reversed(parts[:-1]), strict=True):
+        if parent[part] == {}:
+            del parent[part]
+    return value
+
+
+def set_path(data: dict, path: str, value: Any) -> None:
+    """Set `path` to `value`; a value already there wins (the rlbus spelling over the prime-rl
+    one), tables are merged key by key."""
+    parts = path.split(".")
+    node = data
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}  # absent, or a bare `--slurm` (true): the empty table
+        node = node[part]
+    current = node.get(parts[-1], _UNSET)
+    if current is _UNSET:
+        node[parts[-1]] = value
+    elif isinstance(current, dict) and isinstance(value, dict):
+        node[parts[-1]] = {**value, **current}
+
+
+# --- conversions ------------------------------------------------------------------------------
+
+
+def _impl(value: Any, data: dict) -> Any:
+    return {"hf": "transformers", "custom": "rlbus"}.get(value, value)
+
+
+def _enabled(value: Any, data: dict) -> bool:
+    return value not in (None, "None", False)
+
+
+def _single(value: Any, data: dict) -> list:
+    return [value]
+
+
+def _min_lr_ratio(prefix: str) -> Callable[[Any, dict], float]:
+    def convert(value: Any, data: dict) -> float:
+        lr = get_path(data, f"{prefix}optim.lr")
+        if lr is _UNSET:
+            raise Unmappable(
+                f"{prefix}scheduler.min_lr",
+                f"set {prefix}scheduler.min_lr_ratio (min_lr / optim.lr): optim.lr is not set here",
+            )
+        return float(value) / float(lr)
+
+    return convert
+
+
+def _infer_replicas(value: Any, data: dict) -> int:
+    """prime-rl gives inference GPUs; rlbus runs replicas of tensor_parallel_size GPUs each."""
+    tp = get_path(data, "inference.vllm.tensor_parallel_size")
+    tp = 1 if tp is _UNSET else int(tp)
+    if int(value) % tp:
+        raise Unmappable(
+            "deployment.num_infer_gpus",
+            f"deployment.num_infer_replicas: {value} GPUs do not split into replicas of "
+            f"tensor_parallel_size = {tp} GPUs",
+        )
+    return max(1, int(value) // tp)
+
+
+def _needs_slurm(key: str, data: dict) -> None:
+    if not isinstance(get_path(data, "slurm"), dict):
+        raise Unmappable(
+            key, "slurm.nodes: rlbus runs on several nodes only as a SLURM job; add [slurm]"
+        )
+
+
+def _num_infer_nodes(data: dict) -> int:
+    nodes = get_path(data, "deployment.num_infer_nodes")
+    if nodes is _UNSET:
+        raise Unmappable(
+            "deployment.num_infer_nodes",
+            "slurm.inference_nodes (set it: prime-rl took it from inference.deployment)",
+        )
+    replicas = get_path(data, "deployment.num_infer_replicas")
+    return int(nodes) * (1 if replicas is _UNSET else int(replicas))
+
+
+def _slurm_nodes(value: Any, data: dict) -> int:
+    """All nodes of the job: prime-rl's train nodes plus inference nodes (per replica)."""
+    _needs_slurm("deployment.num_train_nodes", data)
+    return int(value) + _num_infer_nodes(data)
+
+
+def _slurm_inference_nodes(value: Any, data: dict) -> int:
+    _needs_slurm("deployment.num_infer_nodes", data)
+    return _num_infer_nodes(data)
+
+
+SOURCE_DROPPED = ("name", "serve")
+"""Keys of a prime-rl train source with no meaning here (the env id names it)."""
+
+
+def _source_to_env(i: int, source: dict) -> dict:
+    key = f"orchestrator.train.source[{i}]"
+    env: dict[str, Any] = {}
+    for name, value in source.items():
+        if name == "ratio":
+            env["weight"] = value
+        elif name in ("id", "args", "weight"):  # already the rlbus layout
+            env[name] = value
+        elif name == "env":
+            taskset = dict(value.get("taskset", {}))
+            if "id" not in taskset:
+                raise Unmappable(f"{key}.env.taskset.id", "orchestrator.env[].id (set it)")
+            env["id"] = taskset.pop("id")
+            if taskset:
+                env["args"] = {**taskset, **env.get("args", {})}
+            # env.agent / env.player (harness, runtime): the env runs inside rlbus's workers.
+        elif name not in SOURCE_DROPPED:
+            raise Unmappable(
+                f"{key}.{name}",
+                "no equivalent: rlbus has one sampling, group size and algorithm for all "
+                "envs (orchestrator.sampling, orchestrator.group_size)",
+            )
+    return env
+
+
+def _sources_to_envs(value: Any, data: dict) -> list[dict]:
+    return [_source_to_env(i, source) for i, source in enumerate(value)]
+
+
+# --- the table --------------------------------------------------------------------------------
+
+RENDERER = "rlbus samples through vLLM's OpenAI chat API with the model's chat template"
+TRAINER_DP_ONLY = "no equivalent: the rlbus trainer is data-parallel only (one rank per GPU)"
+
+
+def _trainer_rules(prefix: str) -> list[Rule]:
+    """Rules of prime-rl's trainer config, under `trainer.` (rl) or at the top (sft)."""
+    p = prefix
+    return [
+        Rule(f"{p}model.impl", "convert", f"{p}model.impl", "hf -> transformers, custom -> rlbus", _impl),
+        Rule(f"{p}model.seq_len", "move", f"{p}seq_len"),
+        Rule(
+            f"{p}model.ac", "convert", f"{p}model.activation_checkpointing",
+            "full recompute; mode/freq/targets are not tunable", _enabled,
+        ),
+        Rule(f"{p}model.ac_offloading", "drop", note="rlbus does not offload activations"),
+        Rule(f"{p}model.compile", "drop", note="the rlbus trainer runs eagerly"),
+        Rule(f"{p}model.attn", "drop", note="the model implementation picks the attention kernel"),
+        Rule(f"{p}model.reshard_after_forward", "drop", note="no FSDP in the rlbus trainer"),
+        Rule(f"{p}model.reduce_dtype", "drop", note="gradients are reduced in the parameter dtype"),
+        Rule(f"{p}model.lora.modules_to_save", "human", "no equivalent: LoRA trains adapters only", harmless=[]),
+        Rule(f"{p}model.lora", "move", f"{p}lora", "rank, alpha, dropout, target_modules"),
+        Rule(f"{p}model.full_offload.cpu_optimizer_backend", "move", f"{p}model.full_offload.backend"),
+        Rule(f"{p}model.full_offload.numa_bind", "move", f"{p}model.full_offload.numa_binding"),
+        Rule(f"{p}model.cp", "human", TRAINER_DP_ONLY, harmless=1),
+        Rule(f"{p}model.tp", "human", TRAINER_DP_ONLY, harmless=1),
+        Rule(f"{p}model.ep", "human", TRAINER_DP_ONLY, harmless="auto"),
+        Rule(f"{p}model.dp_replicate", "human", TRAINER_DP_ONLY, harmless=1),
+        Rule(
+            f"{p}model.fsdp_cpu_offload", "human",
+            f"{p}model.full_offload (parameters, gradients and optimizer state on the host)",
+            harmless=False,
+        ),
+        Rule(f"{p}model.optimization_dtype", "human", f"{p}model.dtype", harmless="float32"),
+        Rule(f"{p}model.quantization", "human", "no equivalent: rlbus trains unquantized"),
+        Rule(f"{p}model.vlm", "human", "no equivalent: rlbus trains text-only models"),
+        Rule(f"{p}optim.mu", "move", f"{p}optim.momentum"),
+        Rule(f"{p}optim.betas1", "human", f"{p}optim.betas = [betas1, betas2]", harmless=0.9),
+        Rule(f"{p}optim.betas2", "human", f"{p}optim.betas = [betas1, betas2]", harmless=0.999),
+        Rule(f"{p}optim.nesterov", "human", "no equivalent: rlbus SGD has no Nesterov momentum", harmless=False),
+        Rule(f"{p}scheduler.min_lr", "convert", f"{p}scheduler.min_lr_ratio", "min_lr / optim.lr", _min_lr_ratio(p)),
+        Rule(f"{p}scheduler.decay_steps", "human", "no equivalent: rlbus decays until max_steps"),
+        Rule(f"{p}loss.dppo_mask_low", "move", f"{p}loss.mask_low"),
+        Rule(f"{p}loss.dppo_mask_high", "move", f"{p}loss.mask_high"),
+        Rule(f"{p}loss.adv_tau", "human", "no equivalent: advantages enter the loss unscaled", harmless=1.0),
+        Rule(f"{p}metrics_server", "move", f"{p}metrics", "host, port of /metrics"),
+        Rule(f"{p}dist_timeout_seconds", "move", f"{p}collective_timeout_s"),
+        Rule(f"{p}log.ranks_filter", "drop", note="every rank logs to its own file"),
+        Rule(f"{p}data.fake", "human", "no equivalent: the trainer trains on rollouts from the bus"),
+        Rule(f"{p}tokenizer", "human", "no equivalent: the tokenizer is the model's (model.name)"),
+        *(
+            Rule(f"{p}{key}", "drop", note="no rlbus counterpart; training is unchanged")
+            for key in (
+                "gc", "matmul_precision", "memory_profiler_path", "trace_path", "heartbeat",
+                "enable_router_replay", "enable_token_export", "rollout_transport",
+            )
+        ),
+    ]  # fmt: skip
+
+
+def _shared_rules(prefix: str) -> list[Rule]:
+    """Rules of the blocks every prime-rl launcher config has (`prefix`: where they sit)."""
+    p = prefix
+    return [
+        Rule(f"{p}log.json_logging", "move", f"{p}log.json_console", "files are always JSON"),
+        *(
+            Rule(f"{p}log.{key}", "drop", note="rlbus has one log level per process")
+            for key in ("vf_level", "log_data", "interval")
+        ),
+        Rule(f"{p}ckpt.keep_interval", "human", "no equivalent: ckpt.keep_last keeps the newest N"),
+        Rule(f"{p}ckpt.output_dir", "human", "no equivalent: checkpoints live in <run_dir>/checkpoints"),
+        *(
+            Rule(f"{p}ckpt.{key}", "drop", note="a resume restores the whole state")
+            for key in ("skip_progress", "skip_scheduler", "skip_dataloader", "skip_optimizer")
+        ),
+        Rule(f"{p}ckpt.wait_for_weights_timeout", "drop", note="no rlbus counterpart"),
+        Rule(f"{p}resume.dir", "human", "no equivalent: --run.name NAME --resume resumes <output_dir>/NAME"),
+        Rule(f"{p}monitors.prime", "drop", note="no Prime Intellect platform monitor here"),
+        Rule(f"{p}env_vars", "human", "no equivalent: export them in the shell (or slurm.setup)", harmless={}),
+    ]  # fmt: skip
+
+
+def _launcher_rules() -> list[Rule]:
+    """Top-level keys of prime-rl's `rl` and `sft`: deployment, SLURM, weight transfer."""
+    return [
+        Rule("model.vlm", "human", "no equivalent: rlbus trains text-only models"),
+        Rule("tokenizer", "human", "no equivalent: the tokenizer is the model's (model.name)"),
+        Rule("rollout_transport", "drop", note="rollouts travel over the NATS bus"),
+        Rule("deployment.type", "drop", note="rlbus runs on several nodes when slurm.nodes > 1"),
+        Rule("deployment.gpus_per_node", "human", "slurm.gpus_per_node (under [slurm]; locally every visible GPU)", harmless=8),
+        Rule("deployment.num_train_nodes", "convert", "slurm.nodes",
+             "train nodes + num_infer_nodes x num_infer_replicas", _slurm_nodes),
+        Rule("deployment.num_infer_nodes", "convert", "slurm.inference_nodes",
+             "num_infer_nodes x num_infer_replicas", _slurm_inference_nodes),
+        Rule("deployment.nodes_per_fsdp_group", "human", TRAINER_DP_ONLY),
+        Rule("deployment.orchestrator_on_inference", "drop",
+             note="the orchestrator always runs on the first inference node"),
+        Rule("slurm.pre_run_command", "convert", "slurm.setup", "a list of shell lines", _single),
+        Rule("slurm.nodelist", "human", 'slurm.directives = ["--nodelist=..."]'),
+        Rule("slurm.exclude", "human", 'slurm.directives = ["--exclude=..."]'),
+        Rule("slurm.template_path", "human", "no equivalent: rlbus renders its own sbatch script"),
+        Rule("slurm.project_dir", "drop", note="the job runs in the directory it is submitted from"),
+        Rule("slurm.shared_fs", "drop", note="rlbus assumes a shared filesystem"),
+        Rule("slurm.cleanup_grace_period", "drop", note="see slurm.grace_s (drain time on SIGTERM)"),
+        Rule("weight_broadcast.timeout", "move", "weight_broadcast.timeout_s"),
+        *(
+            Rule(f"weight_broadcast.{key}", "drop", note="rlbus picks the rendezvous itself")
+            for key in ("host", "port", "inference_world_size")
+        ),
+        Rule("weight_broadcast.quantize_in_weight_transfer", "human", "no equivalent: weights move unquantized", harmless=False),
+    ]  # fmt: skip
+
+
+RL_RULES: list[Rule] = [
+    *_launcher_rules(),
+    *_shared_rules(""),
+    Rule("deployment.num_infer_gpus", "convert", "deployment.num_infer_replicas",
+         "GPUs / tensor_parallel_size", _infer_replicas),
+    Rule("inference.vllm.data_parallel_size", "move", "deployment.num_infer_replicas",
+         "one rlbus replica per data-parallel rank"),
+    Rule("orchestrator.train.sampling.max_completion_tokens", "move", "orchestrator.sampling.max_tokens"),
+    Rule("orchestrator.train.sampling.temperature", "move", "orchestrator.sampling.temperature"),
+    Rule("orchestrator.train.sampling.extra_body", "move", "orchestrator.sampling.extra_body"),
+    Rule("orchestrator.train.filter_zero_advantages", "move", "orchestrator.filter_zero_advantage"),
+    Rule("orchestrator.train.source", "convert", "orchestrator.env",
+         "taskset.id -> id, other taskset keys -> args, ratio -> weight; name, harness, runtime dropped",
+         _sources_to_envs),
+    Rule("orchestrator.token_batch_size", "move", "orchestrator.token_budget"),
+    Rule("orchestrator.concurrency.max_inflight", "move", "orchestrator.max_concurrency", "per worker"),
+    Rule("orchestrator.concurrency", "drop", note="rlbus keeps orchestrator.max_concurrency samples in flight from the start"),
+    Rule("orchestrator.renderer", "drop", note=RENDERER),
+    Rule("orchestrator.tokenizer", "human", "no equivalent: the tokenizer is the model's (model.name)"),
+    Rule("orchestrator.model.lora.name", "move", "trainer.lora.name", "the adapter's served name"),
+    Rule("orchestrator.model.lora", "drop", note="the adapter's shape is trainer.lora"),
+    Rule("orchestrator.model.client.base_url", "convert", "orchestrator.inference_urls", "a list", _single),
+    Rule("orchestrator.model.client", "drop", note="rlbus finds replicas in its registry"),
+    Rule("orchestrator.eval.source", "human",
+         "no equivalent: rlbus evaluates on the eval split of the training envs (orchestrator.eval)"),
+    Rule("orchestrator.eval.sampling", "human", "no equivalent: orchestrator.eval.greedy or the training sampling"),
+    Rule("orchestrator.eval.group_size", "human", "no equivalent: one sample per eval problem", harmless=1),
+    Rule("orchestrator.eval.skip_first_step", "drop", note="rlbus evaluates every orchestrator.eval.interval steps"),
+    Rule("orchestrator.eval.retrigger_on_resume", "drop", note="no rlbus counterpart"),
+    Rule("orchestrator.algo", "human", "no equivalent: rlbus computes GRPO advantages "
+         "(orchestrator.normalize_advantages, trainer.loss)"),
+    Rule("orchestrator.tasks_per_minute", "human", "no equivalent: no task rate limit"),
+    *(
+        Rule(f"orchestrator.{key}", "drop", note="no rlbus counterpart; rollouts are unchanged")
+        for key in (
+            "collect_inference_metrics", "inference_metrics_roles", "env_server_base_port",
+            "pad_to_multiple_of", "num_train_workers", "heartbeat", "rollout_transport", "monitors.prime",
+        )
+    ),
+    *_trainer_rules("trainer."),
+    Rule("inference.server.liveness_timeout_seconds", "drop", note="see inference.health"),
+    Rule("inference.deployment", "human", "deployment.num_infer_replicas (and slurm.inference_nodes)"),
+    Rule("inference.router", "human", "no equivalent: each replica has its own router; rollout "
+         "workers spread requests over replicas"),
+    Rule("inference.kv_cache_offload", "human", "no equivalent (vLLM flags pass through inference.vllm)"),
+]  # fmt: skip
+"""prime-rl `rl` keys (RLConfig)."""
+
+SFT_RULES: list[Rule] = [
+    *_launcher_rules(),
+    *_shared_rules(""),
+    Rule("data.name", "human", "data.path: rlbus reads a local JSONL/Parquet file or a dataset "
+         "saved with save_to_disk (download the HF dataset first)"),
+    Rule("data.seq_len", "move", "seq_len"),
+    Rule("data.type", "human", "no equivalent: SFT data is read from data.path", harmless="sft"),
+    Rule("data.loss_mask", "human", 'data.loss_roles (e.g. ["assistant"])'),
+    *(
+        Rule(f"data.{key}", "human", "no equivalent: data.path names one file or dataset")
+        for key in ("subsets", "splits", "probabilities", "stopping_strategy")
+    ),
+    *(
+        Rule(f"data.{key}", "drop", note="rlbus packs rows by seq_len and tokens_per_forward")
+        for key in ("micro_batch_size", "num_workers", "shuffle", "seed")
+    ),
+    Rule("val", "human", "data.val_path and data.val_interval (validation loss)"),
+    Rule("eval", "human", "no equivalent: rlbus sft starts no inference server; validation "
+         "loss comes from data.val_path"),
+    Rule("inference", "drop", note="rlbus sft starts no inference server"),
+    Rule("renderer", "drop", note="rlbus applies the tokenizer's chat template"),
+    Rule("deployment.num_train_gpus", "move", "num_processes"),
+    Rule("deployment.num_infer_gpus", "drop", note="rlbus sft starts no inference server"),
+    *_trainer_rules(""),
+]  # fmt: skip
+"""prime-rl `sft` keys (SFTConfig)."""
+
+RULES = {"rl": RL_RULES, "sft": SFT_RULES}
+
+
+# --- applying the table -----------------------------------------------------------------------
+
+
+def _ordered(rules: list[Rule]) -> list[Rule]:
+    """Deeper keys first, so `model.lora.modules_to_save` is looked at before `model.lora`."""
+    return sorted(rules, key=lambda rule: -rule.prime.count("."))
+
+
+def migrate(data: dict, kind: Literal["rl", "sft"]) -> tuple[dict, list[Change]]:
+    """`data` (a parsed config, not modified) with every prime-rl key the table names handled,
+    and what happened to each. `human` keys are removed from the result."""
+    order = {path: i for i, path in enumerate(leaf_paths(data))}
+    data = _deep_copy(data)
+    changes: list[Change] = []
+    for rule in _ordered(RULES[kind]):
+        value = get_path(data, rule.prime)
+        if value is _UNSET:
+            continue
+        applied = _apply(rule, value, data)
+        if applied is None:
+            continue
+        change, new_value = applied
+        pop_path(data, rule.prime)
+        changes.append(change)
+        if change.status in ("move", "convert"):
+            set_path(data, rule.rlbus, new_value)
+    changes.sort(key=lambda c: min((i for p, i in order.items() if _under(p, c.prime)), default=0))
+    return data, changes
+
+
+def leaf_paths(data: dict, prefix: str = "") -> list[str]:
+    """Dotted paths of every value in `data`, in file order (a list counts as one value)."""
+    paths = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        paths += leaf_paths(value, path + ".") if isinstance(value, dict) and value else [path]
+    return paths
+
+
+def _under(path: str, prefix: str) -> bool:
+    prefix = prefix.split("[")[0]  # `orchestrator.train.source[0].sampling` is in the source list
+    return path == prefix or path.startswith(prefix + ".")
+
+
+def _apply(rule: Rule, value: Any, data: dict) -> tuple[Change, Any] | None:
+    """The change `rule` makes to `value` and the value it writes; None when it leaves the key
+    as it is."""
+    if rule.status == "human":
+        if rule.harmless is not _UNSET and value == rule.harmless:
+            return Change(
+                rule.prime, "drop", note="prime-rl's default, which is what rlbus does"
+            ), None
+        return Change(rule.prime, "human", rule.rlbus, rule.note), None
+    new = value
+    if rule.convert is not None:
+        try:
+            new = rule.convert(value, data)
+        except Unmappable as error:
+            return Change(error.key, "human", error.why), None
+        if rule.rlbus == rule.prime and new == value:
+            return None
+    return Change(rule.prime, rule.status, rule.rlbus, rule.note), new
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def migrate_for_load(data: Any, kind: Literal["rl", "sft"]) -> Any:
+    """The before-validator of `RLConfig` / `SFTConfig`: prime-rl keys that map are read as their
+    rlbus keys (one stderr line each); keys that need a human are a validation error, one line
+    per key naming the rlbus equivalent."""
+    if not isinstance(data, dict):
+        return data
+    migrated, changes = migrate(data, kind)
+    if not changes:
+        return data
+    human = [c for c in changes if c.status == "human"]
+    if human:
+        raise _human_errors(kind, human)
+    for change in changes:
+        print(f"{kind}: prime-rl key {change.line()}", file=sys.stderr)
+    return migrated
+
+
+def _human_errors(kind: str, changes: list[Change]) -> Exception:
+    from pydantic import ValidationError
+    from pydantic_core import InitErrorDetails, PydanticCustomError
+
+    details = []
+    for change in changes:
+        message = f"prime-rl key, in rlbus: {change.rlbus}" + (
+            f" ({change.note})" if change.note else ""
+        )
+        message += " (`rl migrate-config FILE` converts the rest)"
+        details.append(
+            InitErrorDetails(
+                type=PydanticCustomError(
+                    "prime_rl_key", message.replace("{", "{{").replace("}", "}}")
+                ),
+                loc=tuple(change.prime.split(".")),
+                input=None,
+            )
+        )
+    return ValidationError.from_exception_data(f"{kind} config", details)
+
+
+# --- `rl migrate-config` ----------------------------------------------------------------------
+
+PROG = "rl migrate-config"
+EXIT_OK = 0
+EXIT_NEEDS_HUMAN = 2
+
+
+def guess_kind(data: dict) -> Literal["rl", "sft"]:
+    """`rl` configs have orchestrator/trainer/inference blocks; `sft` ones have `data` or `optim`
+    at the top."""
+    if any(k in data for k in ("orchestrator", "trainer")):
+        return "rl"
+    return "sft" if any(k in data for k in ("data", "optim", "val")) else "rl"
+
+
+def validation_problems(data: dict, kind: Literal["rl", "sft"]) -> list[str]:
+    """What keeps the migrated `data` from loading as an rlbus config (empty: it loads)."""
+    from pydantic import ValidationError
+
+    from rlbus.configs.base import format_validation_error
+    from rlbus.configs.rl import RLConfig
+    from rlbus.configs.sft import SFTConfig
+
+    cls = RLConfig if kind == "rl" else SFTConfig
+    try:
+        cls.model_validate(_deep_copy(data))  # the validators fill in defaults in place
+    except ValidationError as error:
+        return format_validation_error(cls, error).splitlines()[1:]
+    return []
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Convert a prime-rl config into an rlbus one (docs/migration.md). Exit 0: "
+        "converted; 2: some keys need a human (listed, left out of the output).",
+    )
+    parser.add_argument("input", type=Path, help="the prime-rl TOML config")
+    parser.add_argument(
+        "-o", "--output", type=Path, help="write the rlbus TOML here (default: stdout)"
+    )
+    parser.add_argument("--kind", choices=["rl", "sft"], help="config kind (default: guessed)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Convert, report each key on stderr, write the result; returns the exit code."""
+    import tomli_w
+
+    from rlbus.configs.base import _none_as_string
+    from rlbus.configs.files import ConfigFileProblem, load_table
+
+    args = parse_args(argv)
+    try:
+        data = load_table(str(args.input))
+    except ConfigFileProblem as problem:
+        print(f"migrate-config: {problem}", file=sys.stderr)
+        return EXIT_NEEDS_HUMAN
+    kind = args.kind or guess_kind(data)
+    migrated, changes = migrate(data, kind)
+    for change in changes:
+        print(f"{change.status:8} {change.line()}", file=sys.stderr)
+    problems = validation_problems(migrated, kind)
+    for problem in problems:
+        print(f"invalid  {problem}", file=sys.stderr)
+    text = tomli_w.dumps(_none_as_string(migrated))
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.write_text(text)
+    human = [c for c in changes if c.status == "human"]
+    if human or problems:
+        print(
+            f"{len(human) + len(problems)} key(s) need a human: set the rlbus keys named above "
+            f"(docs/migration.md); the output leaves them out",
+            file=sys.stderr,
+        )
+        return EXIT_NEEDS_HUMAN
+    print(f"converted {len(changes)} key(s): `{kind} @ OUT.toml` loads it", file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,206 @@
+"""A verifiers 0.4 environment served from its own venv (`vf:reverse-text-v1`): the real
+`environments/reverse_text_v1` package, verifiers' real `EnvServer` process, our ZMQ client.
+
+The venv (verifiers==0.4.0 from PyPI + the package, editable) is built once under
+`$RLBUS_TEST_CACHE` (default `/tmp/rlbus-test-cache`) and reused. Inference is a stub of
+vLLM's `/inference/v1/generate` (token ids in, token ids + logprobs out) that answers with the
+right reversal in the tiny model's tokenizer, so the reward is known.
+"""
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from rlbus.bus import Bus
+from rlbus.configs.bus import BusConfig
+from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.netutil import free_port
+from rlbus.wire.tasks import SamplingArgs
+from rlbus_orchestrator.envs import load_environment
+from rlbus_orchestrator.service import serve
+
+REPO = Path(__file__).resolve().parents[3]
+MODEL_DIR = REPO / "examples" / "reverse-text" / "model"
+IM_END = 258
+LOGPROB = -0.25
+
+pytestmark = pytest.mark.slow
+
+
+def make_vf_venv() -> Path:
+    """The env venv's python (created once; needs PyPI the first time)."""
+    venv = Path(os.environ.get("RLBUS_TEST_CACHE", "/tmp/rlbus-test-cache")) / "vf04-reverse-text"
+    python = venv / "bin" / "python"
+    if not (venv / "ok").exists():
+        uv = os.environ.get("UV") or shutil.which("uv") or str(REPO / ".uv" / "bin" / "uv")
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([uv, "venv", "-q", "-p", "3.11", str(venv)], check=True)
+        subprocess.run(
+            [uv, "pip", "install", "-q", "--python", str(python), "verifiers==0.4.0"]
+            + ["-e", str(REPO / "environments" / "reverse_text_v1")],
+            check=True,
+        )
+        (venv / "ok").touch()
+    return python
+
+
+@pytest.fixture(scope="module")
+def vf_python():
+    return str(make_vf_venv())
+
+
+class Engine(BaseHTTPRequestHandler):
+    """vLLM's token-in/token-out endpoint, answering with the reversed user text."""
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    requests: list[dict] = []
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.reply({"object": "list", "data": [{"id": "m", "max_model_len": 2048}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append({"path": self.path, **body})
+        prompt = self.tokenizer.decode(body["token_ids"], skip_special_tokens=False)
+        user = re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", prompt, re.S)[-1]
+        ids = self.tokenizer.encode(user[::-1], add_special_tokens=False).ids + [IM_END]
+        content = [{"token": f"token_id:{i}", "logprob": LOGPROB} for i in ids]
+        choice = {"token_ids": ids, "logprobs": {"content": content}, "finish_reason": "stop"}
+        self.reply({"request_id": "r", "choices": [choice]})
+
+
+@pytest.fixture
+def engine_url():
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Engine)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+    server.server_close()
+
+
+class StaticClient:
+    """A rollout worker's client without a replica pool: the replica is named directly."""
+
+    def __init__(self, base_url: str):
+        self.base_url, self.model = base_url, str(MODEL_DIR)
+
+
+async def test_vf_server_episode_becomes_a_scored_token_sample(vf_python, engine_url):
+    env = load_environment(
+        "vf:reverse-text-v1", {"python": vf_python, "env": {"taskset": {"num_tasks": 4}}}
+    )
+    try:
+        assert env.num_examples("train") == 4
+        problem = env.example("train", 1)
+        text = problem.messages[-1].content
+        sample = await env.run_episode(
+            StaticClient(engine_url), problem, SamplingArgs(temperature=1.0, max_tokens=32)
+        )
+        pid = env.process.popen.pid
+    finally:
+        await env.aclose()
+
+    assert sample.reward == pytest.approx(1.0)
+    assert sample.reward_components == {"lcs_ratio": pytest.approx(1.0)}
+    assert sample.completion_text == text[::-1]
+    (request,) = Engine.requests[-1:]
+    assert request["path"] == "/inference/v1/generate"
+    assert sample.prompt_token_ids == request["token_ids"]
+    num_sampled = sum(sample.completion_mask)
+    assert num_sampled == len(sample.completion_token_ids) > 0
+    assert sample.completion_token_ids[-1] == IM_END
+    assert sample.completion_logprobs == [LOGPROB] * num_sampled
+    assert sample.finish_reason == "stop"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the server process is gone
+
+
+def is_running(pid: int) -> bool:
+    """Whether `pid` is alive (a zombie waiting for its reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_vf_server_exits_when_its_worker_is_killed(vf_python):
+    code = (
+        "import sys, time; from rlbus_orchestrator.envs.vf_server import VfServerProcess;"
+        "p = VfServerProcess(sys.argv[1], {'taskset': {'id': 'reverse-text-v1'}});"
+        "p.wait_address(); print(p.popen.pid, flush=True); time.sleep(600)"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", code, vf_python], stdout=subprocess.PIPE)
+    try:
+        server_pid = int(worker.stdout.readline())
+        assert is_running(server_pid)
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while is_running(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not is_running(server_pid)
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+async def test_orchestrator_turns_vf_episodes_into_a_step_batch(
+    vf_python, engine_url, nats_server, tmp_path
+):
+    """Coordinator and rollout worker in-process, on a real nats-server: tasks of a `vf:`
+    environment go over the bus with their row, the worker's env server plays them against the
+    replica named in `inference_urls`, and the step's batch holds their sampled tokens."""
+    run_id = "vf_orch"
+    config = OrchestratorConfig(
+        run={"name": run_id},
+        output_dir=str(tmp_path),
+        bus=BusConfig(url=nats_server.url, token=nats_server.token, run_id=run_id),
+        model={"name": str(MODEL_DIR)},
+        inference_urls=[engine_url],
+        env=[{"id": "vf:reverse-text-v1", "args": {"python": vf_python}}],
+        batch_size=4,
+        group_size=2,
+        async_level=100,
+        max_steps=1,
+        seq_len=256,
+        sampling={"max_tokens": 16},
+        filter_zero_advantage=False,
+    )
+    await asyncio.wait_for(serve(config), timeout=180)
+    bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=tmp_path / run_id, name="test")
+    try:
+        batch = await bus.step_log.read(1)
+    finally:
+        await bus.close()
+    assert batch is not None and batch.num_samples == 4
+    assert batch.metrics["reward/mean"] == pytest.approx(1.0)
+    (micro_batches,) = batch.micro_batches
+    loss_mask = [m for mb in micro_batches for m in mb.loss_mask]
+    logprobs = [lp for mb in micro_batches for lp in mb.inference_logprobs]
+    assert sum(loss_mask) > 0
+    assert {lp for lp, m in zip(logprobs, loss_mask, strict=True) if m} == {LOGPROB}

@@ -1,0 +1,194 @@
+"""The verifiers 0.4 env-server client without verifiers: delta assembly, trace -> sample, and the
+ZMQ frames against an in-process ROUTER playing the server (the real server is exercised in
+tests/integration/orchestrator/test_vf_env_server.py)."""
+
+import asyncio
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from rlbus.wire import tasks as wire_tasks
+from rlbus.wire.replicas import ReplicaInfo
+from rlbus.wire.tasks import SamplingArgs
+from rlbus_orchestrator.client import NoReplicaError, ReplicaPool
+from rlbus_orchestrator.envs import load_environment
+from rlbus_orchestrator.envs.vf_server import (
+    VfClient,
+    VfServerError,
+    apply_delta,
+    finished_traces,
+    problem_of,
+    replica_endpoint,
+    trace_sample,
+)
+
+
+def make_node(parent, role, token_ids, mask, logprobs=(), sampled=False, content="x"):
+    return {
+        "parent": parent,
+        "message": {"role": role, "content": content},
+        "sampled": sampled,
+        "token_ids": list(token_ids),
+        "mask": list(mask),
+        "logprobs": list(logprobs),
+    }
+
+
+def make_trace(**overrides):
+    trace = {
+        "id": "t1",
+        "nodes": [
+            make_node(None, "system", [1, 2], [False, False]),
+            make_node(0, "user", [3, 4], [False, False]),
+            # generation-prompt scaffold (5) then sampled tokens (6, 7)
+            make_node(1, "assistant", [5, 6, 7], [False, True, True], [-0.5, -0.25], True, "ab"),
+        ],
+        "calls": [{"finish_reason": "stop", "error": None}],
+        "errors": [],
+        "rewards": {"lcs_ratio": {"score": 0.5, "weight": 2.0}, "skipped": None},
+        "ok": True,
+        "timing": {"agent": {"start": 10.0, "end": 11.5}},
+    }
+    return trace | overrides
+
+
+def test_trace_becomes_sample_split_at_the_first_sampled_token():
+    sample = trace_sample(make_trace(), SamplingArgs(temperature=0.7), policy_version=3)
+
+    assert sample.prompt_token_ids == [1, 2, 3, 4, 5]
+    assert sample.completion_token_ids == [6, 7]
+    assert sample.completion_mask == [1, 1]
+    assert sample.completion_logprobs == [-0.5, -0.25]
+    assert sample.reward == 1.0
+    assert sample.reward_components == {"lcs_ratio": 0.5}
+    assert sample.completion_text == "ab"
+    assert (sample.policy_version, sample.temperature, sample.finish_reason) == (3, 0.7, "stop")
+    assert sample.timings == {"episode": 1.5}
+
+
+def test_multi_turn_trace_masks_environment_tokens_between_model_turns():
+    trace = make_trace()
+    trace["nodes"] += [
+        make_node(2, "user", [8, 9], [False, False]),
+        make_node(3, "assistant", [10, 11], [False, True], [-1.0], True, "c"),
+    ]
+    sample = trace_sample(trace, SamplingArgs(), policy_version=0)
+
+    assert sample.completion_token_ids == [6, 7, 8, 9, 10, 11]
+    assert sample.completion_mask == [1, 1, 0, 0, 0, 1]
+    assert sample.completion_logprobs == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0]
+
+
+def test_trace_without_token_ids_asks_for_the_train_client():
+    trace = make_trace()
+    for node in trace["nodes"]:
+        node["token_ids"], node["mask"], node["logprobs"] = [], [], []
+    with pytest.raises(VfServerError, match="train"):
+        trace_sample(trace, SamplingArgs(), policy_version=0)
+
+
+def test_failed_trace_raises_its_last_error():
+    trace = make_trace(ok=False, errors=[{"type": "ProviderError", "message": "502"}])
+    with pytest.raises(VfServerError, match="ProviderError: 502"):
+        trace_sample(trace, SamplingArgs(), policy_version=0)
+
+
+def test_deltas_assemble_into_the_traces_the_reply_names():
+    traces: dict = {}
+    nodes = make_trace()["nodes"]
+    apply_delta(traces, {"trace": "gone", "open": {"id": "gone"}, "nodes": nodes[:1]})
+    apply_delta(traces, {"trace": "gone", "discard": True})
+    apply_delta(traces, {"trace": "t1", "open": {"id": "t1"}, "nodes": nodes[:2]})
+    apply_delta(traces, {"trace": "t1", "nodes": nodes[2:], "calls": [{}], "set": {"ok": True}})
+
+    (trace,) = finished_traces(traces, [{"id": "t1", "nodes": 3, "calls": 1}])
+    assert trace["nodes"] == nodes and trace["ok"] is True
+    with pytest.raises(VfServerError, match="did not assemble"):
+        finished_traces(traces, [{"id": "t1", "nodes": 4, "calls": 1}])
+
+
+async def fake_server(socket: zmq.asyncio.Socket, seen: list) -> None:
+    """Answers one health and one run request the way verifiers' EnvServer does."""
+    while True:
+        client_id, request_id, method, payload = await socket.recv_multipart()
+        seen.append((method, msgpack.unpackb(payload)))
+        if method == b"run":
+            trace = make_trace()
+            for delta in (
+                {"trace": "t1", "open": {"id": "t1"}, "nodes": trace["nodes"]},
+                {"trace": "t1", "calls": trace["calls"], "set": {"ok": True}},
+            ):
+                await socket.send_multipart([client_id, request_id, b"delta", msgpack.packb(delta)])
+            reply = {
+                "success": True,
+                "head": {"id": "e"},
+                "traces": [{"id": "t1", "nodes": 3, "calls": 1}],
+            }
+        else:
+            reply = {"success": True}
+        await socket.send_multipart([client_id, request_id, b"reply", msgpack.packb(reply)])
+
+
+async def test_client_speaks_the_env_server_protocol():
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen: list = []
+    server = asyncio.create_task(fake_server(router, seen))
+    client = VfClient(f"tcp://127.0.0.1:{port}")
+    try:
+        await client.wait_healthy(timeout_s=5)
+        episode = await client.run({"prompt": "abc"}, {"type": "train"}, "m", {"max_tokens": 8})
+    finally:
+        await client.close()
+        server.cancel()
+        router.close()
+        ctx.term()
+
+    assert [method for method, _ in seen] == [b"health", b"run"]
+    assert seen[1][1] == {
+        "task_data": {"prompt": "abc"},
+        "client": {"type": "train"},
+        "model": "m",
+        "sampling": {"max_tokens": 8},
+    }
+    assert episode["head"] == {"id": "e"}
+    assert [len(t["nodes"]) for t in episode["traces"]] == [3]
+
+
+def test_vf_environment_without_a_venv_says_how_to_make_one():
+    with pytest.raises(ValueError, match="uv venv"):
+        load_environment("vf:reverse-text-v1", {"python": "/no/such/python"})
+
+
+class PoolClient:
+    model = "served-model"
+
+    def __init__(self, pool):
+        self.pool = pool
+
+
+def test_episode_counts_as_outstanding_on_the_replica_it_was_given():
+    pool = ReplicaPool()
+    info = ReplicaInfo(replica_id="r1", base_url="http://h:8000/v1", model="m", weights_version=4)
+    pool.update([info])
+    with replica_endpoint(PoolClient(pool)) as endpoint:
+        assert endpoint == ("http://h:8000/v1", "m", 4)
+        assert pool.replicas["r1"].outstanding == 1
+    assert pool.replicas["r1"].outstanding == 0
+
+    with pytest.raises(NoReplicaError), replica_endpoint(PoolClient(ReplicaPool())):
+        pass
+
+
+def test_task_carries_the_verifiers_row_over_the_bus():
+    row = {"idx": 3, "prompt": "abc", "system_prompt": "Reverse.", "answer": "cba", "skills": []}
+    task = wire_tasks.Task(task_id="0-3", step=0, env_id="vf:r", problem=problem_of(row))
+    decoded = wire_tasks.decoder.decode(wire_tasks.encoder.encode(task))
+
+    assert decoded.problem.info["vf_task_data"] == row
+    assert [m.role for m in decoded.problem.messages] == ["system", "user"]
+    assert decoded.problem.answer == "cba"
