@@ -46,8 +46,9 @@ def test_lora_run_exits_0_and_leaves_no_process_behind(finished_run):
 
 
 def test_every_step_publishes_an_adapter_not_full_weights(finished_run):
-    published = log_events(finished_run.run_dir / "logs" / "trainer.log", "adapter_published")
+    published = log_events(finished_run.run_dir / "logs" / "trainer.log", "weights_published")
     assert [e["version"] for e in published] == list(range(1, MAX_STEPS + 1))
+    assert {e["lora_name"] for e in published} == {"policy"}
     broadcasts = [p for p in (finished_run.run_dir / "broadcasts").iterdir() if p.is_dir()]
     assert broadcasts
     for step_dir in broadcasts:  # the ones not pruned

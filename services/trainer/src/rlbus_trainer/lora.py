@@ -21,12 +21,10 @@ sample from the adapter (docs/lora.md).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
 import shutil
-import time
 from pathlib import Path
 
 import structlog
@@ -34,9 +32,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from rlbus.checksums import weight_files
-from rlbus.wire import weights
-from rlbus_trainer.weights import FilesystemWeightPublisher, _announce, latest_version
+from rlbus_trainer.weights import FilesystemWeightPublisher
 
 log = structlog.get_logger()
 
@@ -150,46 +146,7 @@ class LoraWeightPublisher(FilesystemWeightPublisher):
     def __init__(self, config, *, bus, run_dir: Path, world):
         super().__init__(config, bus=bus, run_dir=run_dir, world=world)
         self.lora = config.lora
+        self.lora_name = config.lora.name
 
-    async def publish(self, step: int, engine) -> dict[str, float]:
-        t0 = time.perf_counter()
-        state = await asyncio.to_thread(engine.full_state_dict)
-        if not self.world.is_main:
-            return {}
-        if await latest_version(self.bus) >= step:  # never rewrite a directory replicas may serve
-            log.warning("weights_version_not_newer", version=step)
-            return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
-        tensors = adapter_state_dict(state)
-        out = await asyncio.to_thread(
-            write_adapter_dir,
-            tensors,
-            self.lora,
-            self.config.model.name,
-            self.root / f"step_{step}",
-        )
-        files = await asyncio.to_thread(weight_files, out)
-        t1 = time.perf_counter()
-        announced = await _announce(
-            self.bus,
-            weights.WeightsPublished(
-                version=step,
-                transport="filesystem",
-                location=str(out.resolve()),
-                files=files,
-                dtype=self.config.model.dtype,
-                lora_name=self.lora.name,
-            ),
-        )
-        if not announced:
-            return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
-        try:
-            await self.prune(step)
-        except Exception as error:  # the replica registry unreadable (an outage): prune next time
-            log.warning("broadcasts_prune_skipped", version=step, error=type(error).__name__)
-        num_bytes = sum(f.size for f in files)
-        log.info("adapter_published", version=step, path=str(out), num_bytes=num_bytes)
-        return {
-            "publish_write_s": t1 - t0,
-            "publish_s": time.perf_counter() - t0,
-            "publish_bytes": float(num_bytes),
-        }
+    def write(self, state: dict, out: Path) -> Path:
+        return write_adapter_dir(adapter_state_dict(state), self.lora, self.config.model.name, out)

@@ -131,6 +131,18 @@ class FilesystemWeightPublisher:
         self.root = Path(run_dir) / "broadcasts"
         self.keep_last = config.weight_broadcast.keep_last
 
+    lora_name: str | None = None
+    """The record's `lora_name`: set by a publisher of adapters only (`rlbus_trainer.lora`)."""
+
+    def write(self, state: dict, out: Path) -> Path:
+        """Write one version's files to `out` (atomically: temp dir, fsync, rename)."""
+        return write_hf_dir(
+            state,
+            self.config.model.name,
+            out,
+            trust_remote_code=self.config.model.trust_remote_code,
+        )
+
     async def publish(self, step: int, engine) -> dict[str, float]:
         t0 = time.perf_counter()
         state = await asyncio.to_thread(engine.full_state_dict)
@@ -139,13 +151,7 @@ class FilesystemWeightPublisher:
         if await latest_version(self.bus) >= step:  # never rewrite a directory replicas may serve
             log.warning("weights_version_not_newer", version=step)
             return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
-        out = await asyncio.to_thread(
-            write_hf_dir,
-            state,
-            self.config.model.name,
-            self.root / f"step_{step}",
-            trust_remote_code=self.config.model.trust_remote_code,
-        )
+        out = await asyncio.to_thread(self.write, state, self.root / f"step_{step}")
         files = await asyncio.to_thread(weight_files, out)
         t1 = time.perf_counter()
         announced = await _announce(
@@ -156,6 +162,7 @@ class FilesystemWeightPublisher:
                 location=str(out.resolve()),
                 files=files,
                 dtype=self.config.model.dtype,
+                lora_name=self.lora_name,
             ),
         )
         if not announced:
@@ -164,8 +171,20 @@ class FilesystemWeightPublisher:
             await self.prune(step)
         except Exception as error:  # the replica registry unreadable (an outage): prune next time
             log.warning("broadcasts_prune_skipped", version=step, error=type(error).__name__)
-        log.info("weights_published", version=step, path=str(out), write_s=round(t1 - t0, 3))
-        return {"publish_write_s": t1 - t0, "publish_s": time.perf_counter() - t0}
+        num_bytes = sum(f.size for f in files)
+        log.info(
+            "weights_published",
+            version=step,
+            path=str(out),
+            lora_name=self.lora_name,
+            num_bytes=num_bytes,
+            write_s=round(t1 - t0, 3),
+        )
+        return {
+            "publish_write_s": t1 - t0,
+            "publish_s": time.perf_counter() - t0,
+            "publish_bytes": float(num_bytes),
+        }
 
     async def versions_in_use(self) -> set[int]:
         return {info.weights_version for info in await self.bus.read_replicas()}
