@@ -149,6 +149,22 @@ def is_running(pid: int) -> bool:
     return state != "Z"
 
 
+def vf_server_children() -> list[int]:
+    """The pids of this process's living children running `vf_server_main.py`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(stat[1]) == os.getpid() and stat[0] != "Z" and b"vf_server_main" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
 def test_vf_server_exits_when_its_worker_is_killed(vf_python):
     code = (
         "import sys, time; from rlbus_orchestrator.envs.vf_server import VfServerProcess;"
@@ -192,6 +208,7 @@ async def test_orchestrator_turns_vf_episodes_into_a_step_batch(
         filter_zero_advantage=False,
     )
     await asyncio.wait_for(serve(config), timeout=180)
+    assert vf_server_children() == []  # the worker stopped the env server it started
     bus = await Bus.connect(config.bus, run_id=run_id, storage_dir=tmp_path / run_id, name="test")
     try:
         batch = await bus.step_log.read(1)

@@ -80,6 +80,17 @@ class EnvCache:
             self._envs[key] = load_environment(env_id, args)
         return self._envs[key]
 
+    async def aclose(self) -> None:
+        """Release what the environments hold (a `vf:` environment's server process)."""
+        envs, self._envs = list(self._envs.values()), {}
+        for env in envs:
+            close = getattr(env, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception as error:
+                    log.warning("environment_close_failed", env_id=env.env_id, error=repr(error))
+
 
 async def refresh_replicas(
     bus: Bus, pool: ReplicaPool, static_urls: list[str], model: str, stop: asyncio.Event
@@ -186,15 +197,20 @@ class RolloutWorker:
             concurrency=self.num_tasks,
             nak_delay_s=NO_REPLICA_NAK_DELAY_S,
         )
-        async with consumer:
-            log.info(
-                "rollout_worker_started", worker_id=self.worker_id, tasks_in_flight=self.num_tasks
-            )
-            await stop.wait()
-            if service is not None:  # a group past the drain budget is redelivered elsewhere
-                await consumer.stop(
-                    timeout_s=0 if service.stop_now else service.left_of(DRAIN_BUDGET_S)
+        try:
+            async with consumer:
+                log.info(
+                    "rollout_worker_started",
+                    worker_id=self.worker_id,
+                    tasks_in_flight=self.num_tasks,
                 )
+                await stop.wait()
+                if service is not None:  # a group past the drain budget is redelivered elsewhere
+                    await consumer.stop(
+                        timeout_s=0 if service.stop_now else service.left_of(DRAIN_BUDGET_S)
+                    )
+        finally:
+            await self.envs.aclose()
         log.info("rollout_worker_stopped", worker_id=self.worker_id, num_rollouts=self.num_rollouts)
 
     async def handle(self, delivery: Delivery[Task]) -> None:

@@ -430,4 +430,5 @@ class VfServerEnv:
             await self._client.close()
             self._client = None
         if self.process is not None:
-            self.process.stop()
+            await asyncio.to_thread(self.process.stop)
+            self.process = None
