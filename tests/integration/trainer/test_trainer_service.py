@@ -64,6 +64,12 @@ async def wait_until(predicate, timeout_s=240.0):
         await asyncio.sleep(0.1)
 
 
+async def ranks_exit(*args, **kwargs) -> None:
+    """`wait_ranks` on a thread: the test's NATS client keeps answering meanwhile (a blocked
+    event loop for a whole trainer run stalls its connection)."""
+    await asyncio.to_thread(wait_ranks, *args, **kwargs)
+
+
 async def is_none(awaitable) -> bool:
     return await awaitable is None
 
@@ -119,7 +125,7 @@ async def test_trainer_trains_checkpoints_publishes_and_resumes_after_kill(
     except BaseException:
         kill_tree(proc)
         raise
-    wait_ranks(tmp_path, proc, config, "trainer", timeout_s=300)
+    await ranks_exit(tmp_path, proc, config, "trainer", timeout_s=300)
     assert (await bus.run_finished()).last_step == 6
 
     metrics = await read_step_metrics(bus)
@@ -190,7 +196,7 @@ async def test_a_drain_request_ends_the_trainer_after_the_step_in_hand_with_exit
     except BaseException:
         kill_tree(proc)
         raise
-    wait_ranks(tmp_path, proc, config, "trainer", timeout_s=60)
+    await ranks_exit(tmp_path, proc, config, "trainer", timeout_s=60)
 
     stopped = [e for e in await read_lifecycle(bus) if e.state == "stopped"]
     assert [e.reason for e in stopped] == ["control drain: test"]
@@ -220,7 +226,7 @@ async def test_a_stop_request_leaves_no_checkpoint_nor_weights_for_the_step_in_h
     except BaseException:
         kill_tree(proc)
         raise
-    wait_ranks(tmp_path, proc, config, "trainer", timeout_s=60)
+    await ranks_exit(tmp_path, proc, config, "trainer", timeout_s=60)
 
     assert [m.step for m in await read_step_metrics(bus)] == [1]
     assert complete_steps(run_dir) == [1]
@@ -259,7 +265,7 @@ async def test_a_trainer_started_again_with_its_original_command_continues_the_r
 
     for step in (4, 5, 6):
         await bus.step_log.publish(make_train_batch(step))
-    wait_ranks(
+    await ranks_exit(
         tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
     )
     metrics = await read_step_metrics(bus)
@@ -280,7 +286,7 @@ async def test_a_trainer_started_again_with_its_original_command_continues_the_r
     entry = await kv.get(WEIGHTS_LATEST_KEY, weights.published_decoder)
     await kv.put(WEIGHTS_LATEST_KEY, weights.encoder.encode(replace(entry.value, version=5)))
     await bus.js.purge_stream(bus.subjects.events_stream, subject=bus.subjects.metrics("trainer"))
-    wait_ranks(
+    await ranks_exit(
         tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
     )
     entry = await kv.get(WEIGHTS_LATEST_KEY, weights.published_decoder)
@@ -332,7 +338,7 @@ async def test_poison_batches_are_quarantined_and_their_steps_skipped(
     await bus.step_log.publish(bad)
     await bus.step_log.publish(make_train_batch(4))
 
-    wait_ranks(
+    await ranks_exit(
         tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
     )
     metrics = await read_step_metrics(bus)
@@ -353,7 +359,7 @@ async def test_poison_batches_are_quarantined_and_their_steps_skipped(
     run_dir = tmp_path / "out" / "poison"
     for step in (2, 3, 4):
         shutil.rmtree(run_dir / "checkpoints" / f"step_{step}")
-    wait_ranks(
+    await ranks_exit(
         tmp_path, start_ranks(tmp_path, config, 1, "trainer"), config, "trainer", timeout_s=300
     )
     again = (await read_step_metrics(bus))[4:]
@@ -445,6 +451,6 @@ async def test_the_trainer_rides_out_a_20_s_nats_outage(make_bus, nats_server, t
     except BaseException:
         kill_tree(proc)
         raise
-    wait_ranks(tmp_path, proc, config, "trainer", timeout_s=300)
+    await ranks_exit(tmp_path, proc, config, "trainer", timeout_s=300)
     assert [m.step for m in await read_step_metrics(bus)] == [1, 2, 3, 4]
     assert await published_versions(bus) == [1, 2, 3, 4]

@@ -277,6 +277,10 @@ def test_loopback_addresses(host, loopback):
         ("/v1/models", True),
         ("/health", True),
         ("/metrics", True),
+        ("/inference/v1/generate", True),
+        ("/inference/v1/generate/../../render", False),
+        ("/render", False),
+        ("/derender", False),
         ("/v1/load_lora_adapter", False),
         ("/v1/unload_lora_adapter/", False),
         ("/v1/../add_worker", False),
@@ -331,6 +335,68 @@ async def test_the_gate_refuses_closed_paths_huge_bodies_and_names_a_dead_router
     assert closed.status_code == 404 and "not served on the public port" in closed.json()["error"]
     assert huge.status_code == 413
     assert dead.status_code == 502 and "router unreachable" in dead.json()["error"]
+
+
+def test_generate_logprob_entries_also_carry_the_token_id_name():
+    answer = {
+        "choices": [
+            {
+                "token_ids": [7, 258],
+                "logprobs": {
+                    "content": [
+                        {"token_id": 7, "logprob": -0.5, "top_logprobs": []},
+                        {"token_id": 258, "logprob": -0.1, "token": "token_id:258"},
+                    ]
+                },
+            },
+            {"token_ids": [3], "logprobs": None},
+        ]
+    }
+    entries = gate.token_id_names(answer)["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["token_id"]) for e in entries] == [
+        ("token_id:7", 7),
+        ("token_id:258", 258),
+    ]
+    assert gate.token_id_names({"error": "x"}) == {"error": "x"}
+
+
+async def test_the_gate_names_generate_logprobs_and_passes_other_answers_unchanged():
+    """A real upstream HTTP server stands for the router: /inference/v1/generate answers get
+    the `token` name added (with a right Content-Length), chat answers pass byte for byte."""
+    from aiohttp import web
+
+    generate = {
+        "choices": [{"token_ids": [5], "logprobs": {"content": [{"token_id": 5, "logprob": -1.0}]}}]
+    }
+    chat = b'{"choices": [{"logprobs": {"content": [{"token_id": 5}]}}]}'
+
+    async def on_generate(request):
+        return web.json_response(generate)
+
+    async def on_chat(request):
+        return web.Response(body=chat, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", on_generate)
+    app.router.add_post("/v1/chat/completions", on_chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    public = gate.PublicGate(f"http://127.0.0.1:{port}", [])
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=public), base_url="http://gate"
+        ) as client:
+            generated = await client.post("/inference/v1/generate", json={"token_ids": [1]})
+            chatted = await client.post("/v1/chat/completions", json={})
+    finally:
+        await public.aclose()
+        await runner.cleanup()
+    assert generated.status_code == 200
+    assert generated.json()["choices"][0]["logprobs"]["content"][0]["token"] == "token_id:5"
+    assert int(generated.headers["content-length"]) == len(generated.content)
+    assert chatted.content == chat
 
 
 # ---- start-up refusals (no vLLM: the check runs before the engine starts) ----------------------

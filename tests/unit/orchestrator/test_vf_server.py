@@ -159,6 +159,55 @@ async def test_client_speaks_the_env_server_protocol():
     assert [len(t["nodes"]) for t in episode["traces"]] == [3]
 
 
+async def silent_server(socket: zmq.asyncio.Socket, seen: list) -> None:
+    """Answers health, never answers a run (a stuck episode or a dead server)."""
+    while True:
+        client_id, request_id, method, payload = await socket.recv_multipart()
+        seen.append((method, request_id, msgpack.unpackb(payload)))
+        if method == b"health":
+            reply = msgpack.packb({"success": True})
+            await socket.send_multipart([client_id, request_id, b"reply", reply])
+
+
+async def run_against_silent_server(exit_code, timeout_s):
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen: list = []
+    server = asyncio.create_task(silent_server(router, seen))
+    client = VfClient(f"tcp://127.0.0.1:{port}", exit_code)
+    try:
+        await client.wait_healthy(timeout_s=5)
+        with pytest.raises(VfServerError) as raised:
+            await asyncio.wait_for(client.run({}, {}, "m", {}, timeout_s=timeout_s), 10)
+        await asyncio.sleep(0.2)  # the cancel frame is on its way
+    finally:
+        await client.close()
+        server.cancel()
+        router.close()
+        ctx.term()
+    return str(raised.value), seen
+
+
+async def test_an_episode_past_its_timeout_is_cancelled_on_the_server_and_fails():
+    error, seen = await run_against_silent_server(lambda: None, timeout_s=0.5)
+    assert "did not answer in 0.5 s" in error
+    assert "episode_timeout_s" in error
+    (_, run_id, _), (method, _, payload) = seen[-2:]
+    assert method == b"cancel" and payload == {"request_id": run_id.decode()}
+
+
+async def test_a_dead_server_fails_the_episode_within_seconds_not_never():
+    exited = {"code": None}
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.3, exited.update, {"code": -9})
+    started = loop.time()
+    error, _ = await run_against_silent_server(lambda: exited["code"], timeout_s=None)
+    assert "exited with code -9 during run" in error
+    assert loop.time() - started < 5
+
+
 def test_vf_environment_without_a_venv_says_how_to_make_one():
     with pytest.raises(ValueError, match="uv venv"):
         load_environment("vf:reverse-text-v1", {"python": "/no/such/python"})

@@ -6,7 +6,8 @@ forwards (/scale_elastic_ep), and it answers every origin with permissive CORS h
 (measured on vllm-router 0.1.17, docs/inference.md "Public port"). So the router binds loopback
 on a free port and this gate, running in the replica process, serves `server.port`:
 
-    PUBLIC paths (the OpenAI API, /health, /metrics)  -> streamed through to the router
+    PUBLIC paths (the OpenAI API, vLLM's token-in/token-out /inference/v1/generate,
+                  /health, /metrics)                   -> streamed through to the router
     anything else                                      -> 404 {"error": ...}
     CORS                                               -> only for server.cors_allowed_origins
 
@@ -24,7 +25,10 @@ from opentelemetry.trace import SpanKind
 
 from rlbus.obs import tracing
 
-PUBLIC_EXACT = frozenset({"/health", "/metrics"})
+GENERATE_PATH = "/inference/v1/generate"
+"""vLLM's token-in/token-out endpoint (`--enable-scale-out`): verifiers 0.4's train client calls
+it. The rest of vLLM's scale-out API (/render, /derender, ...) stays closed."""
+PUBLIC_EXACT = frozenset({"/health", "/metrics", GENERATE_PATH})
 PUBLIC_PREFIX = "/v1/"
 NOT_PUBLIC = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 """vLLM's own adapter management lives under /v1/ but is an admin operation."""
@@ -105,7 +109,7 @@ class PublicGate:
         if not is_public(scope["path"]):
             refusal = {
                 "error": f"{scope['path']} is not served on the public port (only the OpenAI API "
-                "under /v1/, /health and /metrics are)"
+                f"under /v1/, {GENERATE_PATH}, /health and /metrics are)"
             }
             for message in json_response(HTTPStatus.NOT_FOUND, refusal):
                 await send(message)
@@ -183,6 +187,9 @@ class PublicGate:
                 await send(message)
             return HTTPStatus.BAD_GATEWAY.value
         try:
+            if scope["path"].rstrip("/") == GENERATE_PATH and is_json(response):
+                await self.send_generate(response, send, cors)
+                return response.status
             await send(
                 {
                     "type": "http.response.start",
@@ -197,9 +204,48 @@ class PublicGate:
             response.release()
         return response.status
 
+    async def send_generate(self, response, send, cors: list) -> None:
+        """A whole (non-streamed) generate answer, its logprob entries named the way clients
+        of the token API expect (`token_id_names`)."""
+        body = await response.read()
+        if response.status == HTTPStatus.OK:
+            with contextlib.suppress(ValueError):
+                body = json.dumps(token_id_names(json.loads(body))).encode()
+        headers = [
+            (k, v)
+            for k, v in upstream_headers(response.raw_headers)
+            if k.lower() != b"content-length"
+        ]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send(
+            {"type": "http.response.start", "status": response.status, "headers": headers + cors}
+        )
+        await send({"type": "http.response.body", "body": body})
+
     async def aclose(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+
+def is_json(response) -> bool:
+    return response.headers.get("content-type", "").startswith("application/json")
+
+
+def token_id_names(payload: dict) -> dict:
+    """Give each logprob entry of a generate answer the name `token_id:<id>` under `token`.
+
+    vLLM 0.32's token API returns entries as `{"token_id": 5, "logprob": ...}`, while the
+    `renderers` client that verifiers 0.4 uses (renderers 0.1.12, the newest) checks
+    `entry["token"] == "token_id:5"`, the form vLLM's `--return-tokens-as-token-ids` gives
+    in the OpenAI API. Both fields are kept, so a client of either form reads the answer
+    (docs/environments.md)."""
+    for choice in payload.get("choices") or []:
+        logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        for entry in entries or []:
+            if isinstance(entry, dict) and "token" not in entry and "token_id" in entry:
+                entry["token"] = f"token_id:{entry['token_id']}"
+    return payload
 
 
 def upstream_headers(raw_headers) -> list[tuple[bytes, bytes]]:

@@ -48,6 +48,11 @@ class VLLMConfig(BaseConfig):
     seed: int = 0
     """Sampling seed of the engine."""
 
+    enable_scale_out: bool = True
+    """Serve vLLM's token-in/token-out `/inference/v1/generate`, which verifiers 0.4's train
+    client calls (`vf:` environments, docs/environments.md). The public port passes only that
+    path of vLLM's scale-out API."""
+
 
 class ServerConfig(BaseConfig):
     """The client-facing router."""

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import structlog
 import zmq
 import zmq.asyncio
 
@@ -46,6 +47,8 @@ from rlbus.wire.rollouts import RolloutSample
 from rlbus.wire.tasks import ChatMessage, Problem, SamplingArgs
 from rlbus_orchestrator.client import NoReplicaError
 from rlbus_orchestrator.envs.base import ChatClient, Split
+
+log = structlog.get_logger()
 
 PREFIX = "vf:"
 SERVER_MAIN = Path(__file__).with_name("vf_server_main.py")
@@ -93,9 +96,10 @@ def load_tasks(python: str, env_config: dict[str, Any]) -> list[dict[str, Any]]:
 class VfServerProcess:
     """An `EnvServer` started with the env venv's python; stopped by its pid."""
 
-    def __init__(self, python: str, env_config: dict[str, Any]):
+    def __init__(self, python: str, env_config: dict[str, Any], max_concurrent: int = 0):
+        config = json.dumps(env_config)
         self.popen = subprocess.Popen(
-            [python, str(SERVER_MAIN), "serve", json.dumps(env_config), "tcp://127.0.0.1:0"],
+            [python, str(SERVER_MAIN), "serve", config, "tcp://127.0.0.1:0", str(max_concurrent)],
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -126,8 +130,10 @@ class VfServerProcess:
 class VfClient:
     """Our client of verifiers' `EnvServer` protocol (see module docstring)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, exit_code: Callable[[], int | None] = lambda: None):
         self.address = address
+        self.exit_code = exit_code
+        """The server process's exit code, None while it runs (or when it is not ours)."""
         self.ctx = zmq.asyncio.Context()
         self.socket = self.ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -167,13 +173,37 @@ class VfClient:
         frames = [request_id.encode(), method.encode(), msgpack.packb(payload, use_bin_type=True)]
         try:
             await self.socket.send_multipart(frames)
-            reply = await asyncio.wait_for(future, timeout_s)
+            reply = await self.wait_reply(method, future, timeout_s)
+        except TimeoutError:
+            if method == "run":  # the server stops playing it (its reply is dropped)
+                cancel = msgpack.packb({"request_id": request_id}, use_bin_type=True)
+                with contextlib.suppress(zmq.ZMQError):
+                    await self.socket.send_multipart([uuid.uuid4().hex.encode(), b"cancel", cancel])
+            raise
         finally:
             self._replies.pop(request_id, None)
             self._deltas.pop(request_id, None)
         if not reply.get("success", False):
             raise VfServerError(f"env server {method} failed: {reply.get('error')}")
         return reply
+
+    async def wait_reply(
+        self, method: str, future: asyncio.Future, timeout_s: float | None
+    ) -> dict[str, Any]:
+        """The reply, checking every second that the server process still runs (a dead server
+        never answers); TimeoutError past `timeout_s`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"env server {method} did not answer in {timeout_s:g} s")
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), min(left or 1.0, 1.0))
+            except TimeoutError:
+                if (code := self.exit_code()) is not None:
+                    raise VfServerError(
+                        f"env server at {self.address} exited with code {code} during {method}"
+                    ) from None
 
     async def wait_healthy(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -186,13 +216,26 @@ class VfClient:
                     raise VfServerError(f"env server at {self.address} not healthy") from None
 
     async def run(
-        self, task_data: dict[str, Any], client: dict[str, Any], model: str, sampling: dict
+        self,
+        task_data: dict[str, Any],
+        client: dict[str, Any],
+        model: str,
+        sampling: dict,
+        timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """One episode: `{"head": ..., "traces": [trace dict, ...]}` (traces as dumped
-        `verifiers.v1.Trace`s, assembled from the deltas)."""
+        `verifiers.v1.Trace`s, assembled from the deltas). Past `timeout_s` the episode is
+        cancelled on the server and `VfServerError` names the timeout."""
         traces: dict[str, dict[str, Any]] = {}
         payload = {"task_data": task_data, "client": client, "model": model, "sampling": sampling}
-        reply = await self.request("run", payload, on_delta=lambda d: apply_delta(traces, d))
+        try:
+            reply = await self.request(
+                "run", payload, timeout_s=timeout_s, on_delta=lambda d: apply_delta(traces, d)
+            )
+        except TimeoutError as error:
+            raise VfServerError(
+                f"{error} (args.episode_timeout_s); the episode was abandoned"
+            ) from None
         return {"head": reply.get("head"), "traces": finished_traces(traces, reply["traces"])}
 
     async def close(self) -> None:
@@ -340,8 +383,12 @@ class VfServerEnv:
     Args (`[orchestrator.env.args]`): `python` (the env venv's interpreter, required),
     `env` (verifiers `EnvConfig` fields deep-merged onto `default_env_config`, e.g.
     `{taskset = {num_tasks = 64}}`), `address` (an `EnvServer` already running; otherwise one
-    is started on first use), `client_type` (`train`, default, or `eval`), `renderer_model`
-    (the tokenizer the `train` client renders with; default the served model)."""
+    is started on first use, and started again after it exits), `client_type` (`train`, default, or `eval`), `renderer_model`
+    (the tokenizer the `train` client renders with; default the served model),
+    `max_concurrent` (episodes the started server plays at once, default 8: verifiers' local
+    runtime runs each episode's program as its own python process, so more only queue for the
+    CPU; 0 = no bound), `episode_timeout_s` (an episode that has not ended by then is
+    cancelled and fails, default 600)."""
 
     def __init__(
         self,
@@ -352,8 +399,22 @@ class VfServerEnv:
         address: str | None = None,
         client_type: str = "train",
         renderer_model: str | None = None,
+        max_concurrent: int = 8,
+        episode_timeout_s: float = 600.0,
     ):
         self.env_id = env_id
+        if max_concurrent < 0:
+            raise ValueError(
+                f"environment {env_id!r}: args.max_concurrent must be >= 0 (0 = no bound), "
+                f"got {max_concurrent}"
+            )
+        self.max_concurrent = max_concurrent
+        if episode_timeout_s <= 0:
+            raise ValueError(
+                f"environment {env_id!r}: args.episode_timeout_s must be > 0, "
+                f"got {episode_timeout_s}"
+            )
+        self.episode_timeout_s = episode_timeout_s
         if address is None and (python is None or not Path(python).exists()):
             raise ValueError(
                 f"environment {env_id!r}: args.python must be the python of a venv holding the "
@@ -389,9 +450,13 @@ class VfServerEnv:
             if self._client is None:
                 if self.address is None:
                     assert self.python is not None
-                    self.process = VfServerProcess(self.python, self.env_config)
+                    self.process = VfServerProcess(
+                        self.python, self.env_config, self.max_concurrent
+                    )
                     self.address = await asyncio.to_thread(self.process.wait_address)
-                self._client = VfClient(self.address)
+                process = self.process
+                exit_code = (lambda: process.popen.poll()) if process else (lambda: None)
+                self._client = VfClient(self.address, exit_code)
                 await self._client.wait_healthy()
             return self._client
 
@@ -413,17 +478,36 @@ class VfServerEnv:
         }
         server = await self.client()
         with replica_endpoint(client) as (base_url, model, version):
-            episode = await server.run(
-                problem.info["vf_task_data"],
-                self.client_config(base_url, model),
-                model,
-                vf_sampling,
-            )
+            try:
+                episode = await server.run(
+                    problem.info["vf_task_data"],
+                    self.client_config(base_url, model),
+                    model,
+                    vf_sampling,
+                    timeout_s=self.episode_timeout_s,
+                )
+            except VfServerError:
+                await self.forget_dead_server()
+                raise
         traces = [t for t in episode["traces"] if t.get("agent", {}).get("trainable", True)]
         if not traces:
             errors = (episode["head"] or {}).get("errors")
             raise VfServerError(f"episode produced no trainable trace (errors: {errors})")
         return trace_sample(traces[-1], sampling, version)
+
+    async def forget_dead_server(self) -> None:
+        """After a failed episode: when the server we started has exited, drop it, so the next
+        episode starts a new one (the failed episode's group is retried by the worker)."""
+        async with self._starting:
+            if self.process is not None and self.process.popen.poll() is not None:
+                log.warning(
+                    "vf_env_server_exited",
+                    env_id=self.env_id,
+                    code=self.process.popen.returncode,
+                )
+                if self._client is not None:
+                    await self._client.close()
+                self._client, self.process, self.address = None, None, None
 
     async def aclose(self) -> None:
         if self._client is not None:

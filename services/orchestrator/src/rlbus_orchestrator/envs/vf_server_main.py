@@ -5,11 +5,12 @@ environment lives in its own venv and rlbus starts this file with that venv's py
 (`rlbus_orchestrator.envs.vf_server`). It imports only verifiers and the standard library:
 
     python vf_server_main.py tasks '<env config JSON>' > tasks.jsonl   # one task_data per line
-    python vf_server_main.py serve '<env config JSON>' tcp://127.0.0.1:0
+    python vf_server_main.py serve '<env config JSON>' tcp://127.0.0.1:0 [MAX_CONCURRENT]
 
 `tasks` prints the taskset's rows (each task's dumped `TaskData`, what a `run` request ships);
-`serve` binds verifiers' `EnvServer`, prints `address <endpoint>` once it listens, and exits
-when its parent (the rollout worker) is gone.
+`serve` binds verifiers' `EnvServer` (at most MAX_CONCURRENT episodes at once; 0 or absent: no
+bound), prints `address <endpoint>` once it listens, and exits when its parent (the rollout
+worker) is gone.
 """
 
 import json
@@ -46,13 +47,14 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def serve(raw: str, address: str) -> None:
+def serve(raw: str, address: str, max_concurrent: str = "0") -> None:
     import asyncio
 
     from verifiers.v1.serve import EnvServer
 
     exit_with_parent()
-    server = EnvServer(config=env_config(raw), address=address)
+    bound = int(max_concurrent) or None
+    server = EnvServer(config=env_config(raw), address=address, max_concurrent=bound)
     print(f"address {server.address}", flush=True)
     try:
         asyncio.run(server.run())
