@@ -1,17 +1,15 @@
 """A verifiers 0.4 environment served from its own venv (`vf:reverse-text-v1`): the real
 `environments/reverse_text_v1` package, verifiers' real `EnvServer` process, our ZMQ client.
 
-The venv (verifiers==0.4.0 from PyPI + the package, editable) is built once under
-`$RLBUS_TEST_CACHE` (default `/tmp/rlbus-test-cache`) and reused. Inference is a stub of
-vLLM's `/inference/v1/generate` (token ids in, token ids + logprobs out) that answers with the
-right reversal in the tiny model's tokenizer, so the reward is known.
+The venv is built once and reused (tests/vf_support.py). Inference is a real replica in one
+test; elsewhere a stub of vLLM's `/inference/v1/generate` (token ids in, token ids + logprobs
+out) that answers with the right reversal in the tiny model's tokenizer, so the reward is known.
 """
 
 import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from vf_support import make_vf_venv
 
 from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
@@ -36,23 +35,6 @@ IM_END = 258
 LOGPROB = -0.25
 
 pytestmark = pytest.mark.slow
-
-
-def make_vf_venv() -> Path:
-    """The env venv's python (created once; needs PyPI the first time)."""
-    venv = Path(os.environ.get("RLBUS_TEST_CACHE", "/tmp/rlbus-test-cache")) / "vf04-reverse-text"
-    python = venv / "bin" / "python"
-    if not (venv / "ok").exists():
-        uv = os.environ.get("UV") or shutil.which("uv") or str(REPO / ".uv" / "bin" / "uv")
-        shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run([uv, "venv", "-q", "-p", "3.11", str(venv)], check=True)
-        subprocess.run(
-            [uv, "pip", "install", "-q", "--python", str(python), "verifiers==0.4.0"]
-            + ["-e", str(REPO / "environments" / "reverse_text_v1")],
-            check=True,
-        )
-        (venv / "ok").touch()
-    return python
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +178,8 @@ def is_running(pid: int) -> bool:
     return state != "Z"
 
 
-def vf_server_children() -> list[int]:
-    """The pids of this process's living children running `vf_server_main.py`."""
+def children(parent: int, marker: bytes) -> list[int]:
+    """The pids of `parent`'s living children whose command line holds `marker`."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -207,9 +189,65 @@ def vf_server_children() -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        if int(stat[1]) == os.getpid() and stat[0] != "Z" and b"vf_server_main" in cmdline:
+        if int(stat[1]) == parent and stat[0] != "Z" and marker in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+def vf_server_children() -> list[int]:
+    """This process's living `vf_server_main.py` children."""
+    return children(os.getpid(), b"vf_server_main")
+
+
+class StalledEngine(BaseHTTPRequestHandler):
+    """An engine that never answers a generate request (a model stuck mid-episode)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        Engine.do_GET(self)
+
+    def reply(self, payload: dict) -> None:
+        Engine.reply(self, payload)
+
+    def do_POST(self):
+        time.sleep(120)
+
+
+async def test_stopping_the_server_ends_the_episode_programs_it_started(vf_python):
+    """verifiers runs each episode's program in its own session, out of reach of a signal to
+    the worker's process group: stopping the server (`aclose`, or the parent watchdog) must
+    still end them, mid-request."""
+    engine = ThreadingHTTPServer(("127.0.0.1", free_port()), StalledEngine)
+    engine.daemon_threads = True
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    env = load_environment(
+        "vf:reverse-text-v1", {"python": vf_python, "env": {"taskset": {"num_tasks": 2}}}
+    )
+    episode = None
+    try:
+        url = f"http://127.0.0.1:{engine.server_address[1]}/v1"
+        episode = asyncio.ensure_future(
+            env.run_episode(StaticClient(url), env.example("train", 0), SamplingArgs())
+        )
+        deadline = time.monotonic() + 60
+        programs: list[int] = []
+        while not programs and time.monotonic() < deadline and not episode.done():
+            await asyncio.sleep(0.2)
+            if env.process is not None:
+                programs = children(env.process.popen.pid, b"runtimes")
+        assert programs, "no episode program started"
+    finally:
+        await env.aclose()
+        if episode is not None:
+            episode.cancel()
+        engine.shutdown()
+        engine.server_close()
+    deadline = time.monotonic() + 10
+    while any(is_running(pid) for pid in programs) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert not any(is_running(pid) for pid in programs)
 
 
 def test_vf_server_exits_when_its_worker_is_killed(vf_python):

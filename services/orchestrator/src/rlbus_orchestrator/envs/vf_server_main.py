@@ -30,10 +30,21 @@ def print_tasks(raw: str) -> None:
         print(json.dumps(task.data.model_dump(mode="json", serialize_as_any=True)))
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM ends the server the way Ctrl-C does: asyncio cancels the episodes in flight, and
+    verifiers' runtime kills each episode's program group (each runs in its own session, so
+    nothing else would)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def exit_with_parent() -> None:
     """End this server when the rollout worker that started it is gone, even killed with -9
-    (the process is then re-parented, so its parent pid changes)."""
+    (the process is then re-parented, so its parent pid changes): SIGTERM to itself, then a
+    hard exit if the clean stop takes over 10 s."""
     import os
+    import signal
     import threading
     import time
 
@@ -42,6 +53,8 @@ def exit_with_parent() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10.0)
         os._exit(0)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -52,6 +65,7 @@ def serve(raw: str, address: str, max_concurrent: str = "0") -> None:
 
     from verifiers.v1.serve import EnvServer
 
+    stop_on_sigterm()
     exit_with_parent()
     bound = int(max_concurrent) or None
     server = EnvServer(config=env_config(raw), address=address, max_concurrent=bound)
