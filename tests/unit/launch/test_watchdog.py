@@ -83,7 +83,11 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 def test_launcher_sigkilled_every_marked_process_gone_within_10s(tmp_path, launched):
     launcher, launch_id, info = launched("dies")
-    assert sorted(procs.marked_pids(launch_id)) == sorted(info["children"])
+    # A child's /proc environ shows its mark once it has exec'd (not between fork and exec).
+    deadline = time.monotonic() + 10
+    while sorted(procs.marked_pids(launch_id)) != sorted(info["children"]):
+        assert time.monotonic() < deadline, (procs.marked_pids(launch_id), info["children"])
+        time.sleep(0.05)
     assert lock_path(tmp_path).exists()
     killed_at = time.monotonic()
     launcher.kill()
