@@ -160,6 +160,24 @@ async def test_nccl_group_reforms_when_a_replica_leaves_or_joins(bus, tmp_path):
     assert [r.get("version") for r in results(tmp_path / "v1-r1-1.json")] == [1, None]
 
 
+async def test_a_replica_restarted_under_its_id_gets_a_new_group_without_a_failed_version(
+    bus, tmp_path
+):
+    """Same id, same tensor-parallel size, new process (`started_at`): its new workers were
+    never in the group, so the next version forms a new one instead of failing first."""
+    tp = {"r1": 1}
+    await register(bus, "r1")
+    publisher = make_nccl_publisher(bus, tmp_path, 3)
+    first, gen1 = await publish_to_receivers(bus, publisher, 1, tp, tmp_path)
+    stop(gen1, timeout_s=0)  # the replica process dies and starts again under its id
+    await register(bus, "r1")  # a new entry: same id and size, a later started_at
+    second, gen2 = await publish_to_receivers(bus, publisher, 2, tp, tmp_path)
+    assert second.location != first.location and second.ranks == {"r1": 1}
+    await publisher.close()
+    assert stop(gen2) == [0]
+    assert results(tmp_path / "v2-r1-0.json")[0] == {"version": 2, "sums": {"w": 6.0}}
+
+
 async def test_nccl_publisher_fails_in_time_when_a_worker_dies_then_reforms(bus, tmp_path):
     tp = {"r1": 1, "r2": 1}
     await register(bus, "r1")

@@ -100,6 +100,11 @@ def advertised_urls(config: InferenceConfig) -> tuple[str, str]:
     )
 
 
+STARTED_AT = time.time()
+"""When this replica process started: the `started_at` of every entry it writes, so a reader
+tells a restarted replica (same id, new value) from an updated one."""
+
+
 def make_replica_info(
     config: InferenceConfig, *, version: int, status: str, model: str | None = None
 ) -> replicas.ReplicaInfo:
@@ -115,6 +120,7 @@ def make_replica_info(
         capacity=int((config.vllm.model_extra or {}).get("max_num_seqs", 256)),
         status=status,
         tensor_parallel_size=config.vllm.tensor_parallel_size,
+        started_at=STARTED_AT,
     )
 
 

@@ -240,17 +240,21 @@ class NcclWeightPublisher:
         self.host = host or _advertised_host()
         self.group = None
         self.members: Members = ()
+        self.started: tuple[float, ...] = ()
+        """`ReplicaInfo.started_at` of each member of the current group."""
         self.ranks: dict[str, int] = {}
         self.world_size = 1
         self.generation = 0
         self.location: str | None = None
 
-    async def read_members(self) -> Members:
-        """The registered replicas (draining ones excluded) and their tensor-parallel sizes."""
+    async def read_members(self) -> tuple[Members, tuple[float, ...]]:
+        """The registered replicas (draining ones excluded) with their tensor-parallel sizes,
+        and when each started: a replica restarted under the same id is a new member, whose
+        workers were never in the current group."""
         infos = await _retrying("read_replicas", self.bus.read_replicas)
-        return tuple(
-            sorted((i.replica_id, i.tensor_parallel_size) for i in infos if i.status != "draining")
-        )
+        live = sorted((i for i in infos if i.status != "draining"), key=lambda i: i.replica_id)
+        members = tuple((i.replica_id, i.tensor_parallel_size) for i in live)
+        return members, tuple(i.started_at for i in live)
 
     def rank_names(self) -> dict[int, str]:
         """rank -> 'replica <id> worker <k>', for error messages."""
@@ -310,9 +314,10 @@ class NcclWeightPublisher:
             state, bool(getattr(engine.model.config, "tie_word_embeddings", False))
         )
         try:
-            members = await self.read_members()
-            if self.group is None or members != self.members:
-                await self.close()  # a join or a leave: the next version goes to a new group
+            members, started = await self.read_members()
+            if self.group is None or (members, started) != (self.members, self.started):
+                await self.close()  # a join, a leave or a restart: a new group for this version
+                self.started = started
                 announced = await self._open_group(step, members)
             else:
                 announced = await self._announce(step)

@@ -26,6 +26,8 @@ class ReplicaInfo(Message, kw_only=True):
     tensor_parallel_size: int = 1
     """Worker processes of the engine: the ranks it takes in an nccl weight broadcast group."""
     started_at: float = msgspec.field(default_factory=now)
+    """When the replica process started (Unix time): the same in every update of its entry, so
+    a new value under the same id means a restarted replica (new workers, fresh backoff)."""
     updated_at: float = msgspec.field(default_factory=now)
 
 
