@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,6 +67,16 @@ def test_replica_info_points_at_router_and_engine():
         "http://10.0.0.6:9100"
     )
     assert (info.model, info.weights_version) == ("policy", 3)
+
+
+def test_every_entry_of_one_replica_process_names_the_same_start():
+    """`started_at` tells a restart from an update (the broadcast group, the pool's backoff)."""
+    config = make_config()
+    first = replica.make_replica_info(config, version=0, status="starting")
+    time.sleep(0.01)
+    later = replica.make_replica_info(config, version=4, status="ready")
+    assert first.started_at == later.started_at == replica.STARTED_AT
+    assert later.updated_at > first.updated_at
 
 
 def test_a_wildcard_bind_registers_an_address_other_hosts_reach(monkeypatch):
