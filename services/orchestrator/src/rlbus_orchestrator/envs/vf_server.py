@@ -383,8 +383,9 @@ class VfServerEnv:
     Args (`[orchestrator.env.args]`): `python` (the env venv's interpreter, required),
     `env` (verifiers `EnvConfig` fields deep-merged onto `default_env_config`, e.g.
     `{taskset = {num_tasks = 64}}`), `address` (an `EnvServer` already running; otherwise one
-    is started on first use, and started again after it exits), `client_type` (`train`, default, or `eval`), `renderer_model`
-    (the tokenizer the `train` client renders with; default the served model),
+    is started on first use, and again after it exits), `client_type` (`train`, default, or
+    `eval`), `renderer_model` (the tokenizer the `train` client renders with; default the
+    served model),
     `max_concurrent` (episodes the started server plays at once, default 8: verifiers' local
     runtime runs each episode's program as its own python process, so more only queue for the
     CPU; 0 = no bound), `episode_timeout_s` (an episode that has not ended by then is
