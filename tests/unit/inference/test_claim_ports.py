@@ -62,3 +62,24 @@ def test_equal_ports_are_refused_when_the_config_is_loaded_and_again_at_the_star
     clashing = replica(port, 0).model_copy(update={"backend_port": port})
     with pytest.raises(PortInUse, match="--server.port and --backend-port are both"):
         claim_ports(clashing)
+
+
+def test_the_public_port_is_held_from_the_start_so_no_one_takes_it_meanwhile():
+    """Bound at once: another bind of the port fails until the replica lets go (with
+    SO_REUSEADDR too, as uvicorn binds), and a port someone else holds is one line naming the
+    flag."""
+    (port,) = free_ports(1)
+    config = replica(port, 0)
+    held = service.bind_public_port(config)
+    try:
+        for reuse in (0, 1):
+            other = socket.socket()
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, reuse)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+            other.close()
+        with pytest.raises(PortInUse, match=f"--server.port {port}: the public port could not"):
+            service.bind_public_port(config)
+    finally:
+        held.close()
+    service.bind_public_port(config).close()  # released: bindable again

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -103,6 +104,28 @@ class PortInUse(ValueError):
     """A port of the replica is taken or clashes."""
 
 
+def bind_public_port(config: InferenceConfig) -> socket.socket:
+    """`server.port`, bound as soon as the replica starts and served by the gate once the engine
+    and router are up (~10 s later). Bound only then, a port planned by `rl` or a SLURM job was
+    taken in that window by a process that bound port 0 or connected out (both draw from the
+    same ephemeral range), and the replica failed at the end of its start-up. Connections made
+    before the gate serves wait in the listen backlog."""
+    host = config.server.host or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, config.server.port))
+        sock.listen(128)  # bound alone, a second SO_REUSEADDR socket could still share the port
+    except OSError as error:
+        sock.close()
+        raise PortInUse(
+            f"--server.port {config.server.port}: the public port could not be bound on "
+            f"{host}: {error.strerror}; give each replica its own port, or --server.port 0"
+        ) from None
+    return sock
+
+
 def run(config: InferenceConfig) -> None:
     """Serve until SIGTERM/SIGINT (see module docstring). A config value the engine refused, or a
     child (engine, router) that exits or never becomes healthy, ends the process with exit code 1
@@ -116,7 +139,8 @@ def run(config: InferenceConfig) -> None:
             run_attached(config, token)
             return
         config = claim_ports(config)
-        run_service("inference", lambda state: serve(config, state, token))
+        public = bind_public_port(config)
+        run_service("inference", lambda state: serve(config, state, token, public))
     except PortInUse as error:
         sys.exit(f"inference: {error}")
     except (processes.EngineConfigError, processes.ChildExited, processes.StartupTimeout) as error:
@@ -155,7 +179,15 @@ def log_suffix(config: InferenceConfig) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", config.replica_id or str(config.server.port))
 
 
-async def serve(config: InferenceConfig, state: ServiceState, token: str | None = None) -> None:
+async def serve(
+    config: InferenceConfig,
+    state: ServiceState,
+    token: str | None = None,
+    public: socket.socket | None = None,
+) -> None:
+    """The replica until a stop request; `public`: `server.port` already bound
+    (`bind_public_port`; bound here when None)."""
+    public = public or bind_public_port(config)
     stop_startup = threading.Event()  # the stop request, seen by the start-up waits in threads
     state.listeners.append(stop_startup.set)
 
@@ -210,7 +242,7 @@ async def serve(config: InferenceConfig, state: ServiceState, token: str | None 
         )
         gate = PublicGate(processes.router_url(router_port), config.server.cors_allowed_origins)
         gate_server = no_signal_server(gate, config.server.host, config.server.port)
-        tasks.spawn("public_gate", serve_gate(gate_server, config))
+        tasks.spawn("public_gate", serve_gate(gate_server, config, public))
         await wait_serving(gate_server, tasks)
         log.info(
             "inference_ready",
@@ -252,6 +284,7 @@ async def serve(config: InferenceConfig, state: ServiceState, token: str | None 
         if gate is not None:
             await gate.aclose()
         await asyncio.to_thread(processes.end_marked, mark)
+        public.close()  # served: uvicorn closed it already; never served: released here
         log.info("inference_stopped")
 
 
@@ -306,11 +339,12 @@ async def watch_attached(config: InferenceConfig, state: ServiceState, tasks: Ta
             await tasks.wait(state.stop_requested, timeout_s=config.health.interval_s)
 
 
-async def serve_gate(server, config: InferenceConfig) -> None:
-    """Run the public gate; uvicorn's own exit on a failed bind (SystemExit) becomes an error
-    naming the flag, so the supervisor ends the replica with one line."""
+async def serve_gate(server, config: InferenceConfig, public: socket.socket) -> None:
+    """Run the public gate on the bound `public` socket; uvicorn's own exit on a failed start
+    (SystemExit) becomes an error naming the flag, so the supervisor ends the replica with one
+    line."""
     try:
-        await server.serve()
+        await server.serve(sockets=[public])
     except SystemExit:
         raise PortInUse(
             f"--server.port {config.server.port}: the public port could not be bound on "
