@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 MAX_STEPS = 3
 BATCH = ("--orchestrator.batch-size", "16", "--orchestrator.group-size", "4")
-"""16 episodes a step: verifiers' local runtime runs each episode's program as its own python
+"""~16 episodes a step: verifiers' local runtime runs each episode's program as its own python
 process (~0.5 s of CPU each), so the debug config's 128 would take minutes a step on 2 cores."""
 
 
@@ -69,7 +69,8 @@ def test_every_step_trains_on_scored_vf_episodes(finished_run):
     assert trained == list(range(1, MAX_STEPS + 1)), rows
     for step in trained:
         row = rows[step]
-        assert row["reward/num_samples"] == 16
+        # whole groups of 4 until the batch reaches 16 samples (docs/orchestrator.md, "Batches")
+        assert row["reward/num_samples"] >= 16 and row["reward/num_samples"] % 4 == 0
         assert 0.0 < row["reward/mean"] <= 1.0
         assert row["reward/lcs_ratio/mean"] == pytest.approx(row["reward/mean"])
     log = (finished_run.run_dir / "logs" / "orchestrator.log").read_text()
