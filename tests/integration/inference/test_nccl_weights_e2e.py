@@ -6,6 +6,7 @@ group and reaches the replica (docs/weights.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from inference_helpers import (
     connect_run,
     make_base_model,
     make_changed_weights,
+    registered,
     replica_bus_args,
     start_replica,
 )
@@ -85,6 +87,12 @@ async def test_versions_reach_the_replica_and_a_member_that_never_joins_fails_in
     )  # advertises rlbus.netutil.reachable_host(): the replica joins through it
     applied = await bus.nc.subscribe(bus.subjects.weights_applied)
     failed = await bus.nc.subscribe(bus.subjects.weights_failed)
+    # Healthy comes a moment before registered: a version published in between forms a group
+    # without the replica (it then waits for the next version, by design).
+    deadline = time.monotonic() + 30
+    while "replica-a" not in await registered(bus):
+        assert time.monotonic() < deadline, "replica-a never registered"
+        await asyncio.sleep(0.1)
     try:
         assert "publish_failed" not in await publisher.publish(1, make_engine(state))
         assert isinstance(await next_weights_event(applied, 1, 60), weights.WeightsApplied)
