@@ -132,3 +132,35 @@ def test_complete_rows_behind_an_incomplete_one_come_out_at_a_clean_stop():
         joiner.add_metrics(make_metrics("orchestrator", step, r=1.0))
     assert [row["step"] for row, _ in joiner.complete_rows()] == [2, 3]
     assert list(joiner.pending) == [1]
+
+
+def test_a_row_waits_for_earlier_steps_a_killed_monitor_held():
+    """Steps 3-4 went to a monitor that was killed before writing them: they come back only
+    after the consumer's ack wait, so step 5 waits for them (rows stay in step order), and
+    goes out alone once `gap_wait_s` passed without them."""
+    now = [0.0]
+    joiner = StepJoiner(gap_wait_s=60, clock=lambda: now[0])
+    joiner.resume([{"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0}])
+    joiner.add_metrics(make_metrics("orchestrator", 5, r=1.0))
+    assert joiner.add_metrics(make_metrics("trainer", 5, loss=1.0)) == []
+    now[0] = 30.0  # redelivered
+    for step in (3, 4):
+        joiner.add_metrics(make_metrics("orchestrator", step, r=1.0))
+    rows = joiner.add_metrics(make_metrics("trainer", 3, loss=1.0))
+    rows += joiner.add_metrics(make_metrics("trainer", 4, loss=1.0))
+    assert [row["step"] for row, _ in rows] == [3, 4, 5]
+
+    joiner.add_metrics(make_metrics("orchestrator", 7, r=1.0))  # step 6 never comes
+    assert joiner.add_metrics(make_metrics("trainer", 7, loss=1.0)) == []
+    now[0] = 91.0
+    assert [row["step"] for row, _ in joiner.ready()] == [7]
+
+
+def test_a_fresh_file_waits_for_step_one_too():
+    now = [0.0]
+    joiner = StepJoiner(gap_wait_s=60, clock=lambda: now[0])
+    joiner.add_metrics(make_metrics("orchestrator", 2, r=1.0))
+    assert joiner.add_metrics(make_metrics("trainer", 2, loss=1.0)) == []
+    joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))
+    rows = joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))
+    assert [row["step"] for row, _ in rows] == [1, 2]

@@ -7,6 +7,9 @@ the step after a resume) are acked without a second row. A row that is not ready
 stops is not written: its events stay unacked for the next monitor (`held_tokens`), so a partial
 row (e.g. only weights acks for step k+1) never takes the place of the real one.
 
+Rows are written in step order: a row waits up to `gap_wait_s` for earlier steps this monitor
+has not seen (held by a monitor that was killed, redelivered after the ack wait).
+
 A row missing a service is written without it only after `wait_s` (a restarting coordinator or
 trainer republishes a step's metrics a minute or more later, and a row written without them
 would drop them for good), and when `lookahead` later steps are complete.
@@ -65,6 +68,10 @@ class StepJoiner:
     lookahead: int = 2
     wait_s: float = 180.0
     """How long a row waits for a missing service (a restart takes up to a few minutes on CPU)."""
+    gap_wait_s: float = 60.0
+    """How long a row waits for earlier steps this monitor has not seen at all: the events a
+    killed monitor held come back only after the consumer's ack wait (`bus.ack_wait_s`, 30 s),
+    and the later steps must not be written before them (metrics.jsonl is in step order)."""
     max_pending: int = 256
     """A row is released anyway once this many newer steps have data (a service is gone)."""
     clock: Callable[[], float] = time.monotonic
@@ -135,6 +142,9 @@ class StepJoiner:
         out = []
         for step in sorted(self.pending):
             row = self.pending[step]
+            unseen_before = step > max(self.last_written, 0) + 1  # steps 1.. are numbered
+            if unseen_before and now - row.since < self.gap_wait_s and step > crowded:
+                break
             overdue = step <= late and now - row.since >= self.wait_s
             if set(self.expected) <= row.services or overdue or step <= crowded:
                 out.append(self._pop(step))
