@@ -3,6 +3,7 @@ ZMQ frames against an in-process ROUTER playing the server (the real server is e
 tests/integration/orchestrator/test_vf_env_server.py)."""
 
 import asyncio
+import contextlib
 
 import msgpack
 import pytest
@@ -131,22 +132,29 @@ async def fake_server(socket: zmq.asyncio.Socket, seen: list) -> None:
         await socket.send_multipart([client_id, request_id, b"reply", msgpack.packb(reply)])
 
 
-async def test_client_speaks_the_env_server_protocol():
+@contextlib.asynccontextmanager
+async def served(play, exit_code=lambda: None):
+    """(our client, the requests seen) against an in-process ROUTER running `play`."""
     ctx = zmq.asyncio.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     seen: list = []
-    server = asyncio.create_task(fake_server(router, seen))
-    client = VfClient(f"tcp://127.0.0.1:{port}")
+    server = asyncio.create_task(play(router, seen))
+    client = VfClient(f"tcp://127.0.0.1:{port}", exit_code)
     try:
         await client.wait_healthy(timeout_s=5)
-        episode = await client.run({"prompt": "abc"}, {"type": "train"}, "m", {"max_tokens": 8})
+        yield client, seen
     finally:
         await client.close()
         server.cancel()
         router.close()
         ctx.term()
+
+
+async def test_client_speaks_the_env_server_protocol():
+    async with served(fake_server) as (client, seen):
+        episode = await client.run({"prompt": "abc"}, {"type": "train"}, "m", {"max_tokens": 8})
 
     assert [method for method, _ in seen] == [b"health", b"run"]
     assert seen[1][1] == {
@@ -170,23 +178,10 @@ async def silent_server(socket: zmq.asyncio.Socket, seen: list) -> None:
 
 
 async def run_against_silent_server(exit_code, timeout_s):
-    ctx = zmq.asyncio.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    seen: list = []
-    server = asyncio.create_task(silent_server(router, seen))
-    client = VfClient(f"tcp://127.0.0.1:{port}", exit_code)
-    try:
-        await client.wait_healthy(timeout_s=5)
+    async with served(silent_server, exit_code) as (client, seen):
         with pytest.raises(VfServerError) as raised:
             await asyncio.wait_for(client.run({}, {}, "m", {}, timeout_s=timeout_s), 10)
         await asyncio.sleep(0.2)  # the cancel frame is on its way
-    finally:
-        await client.close()
-        server.cancel()
-        router.close()
-        ctx.term()
     return str(raised.value), seen
 
 

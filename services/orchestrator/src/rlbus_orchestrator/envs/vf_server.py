@@ -455,8 +455,7 @@ class VfServerEnv:
                         self.python, self.env_config, self.max_concurrent
                     )
                     self.address = await asyncio.to_thread(self.process.wait_address)
-                process = self.process
-                exit_code = (lambda: process.popen.poll()) if process else (lambda: None)
+                exit_code = self.process.popen.poll if self.process else (lambda: None)
                 self._client = VfClient(self.address, exit_code)
                 await self._client.wait_healthy()
             return self._client
