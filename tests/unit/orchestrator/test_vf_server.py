@@ -24,6 +24,7 @@ from rlbus_orchestrator.envs.vf_server import (
     replica_endpoint,
     trace_sample,
 )
+from rlbus_orchestrator.envs.vf_server_main import name_logprob_tokens
 
 
 def make_node(parent, role, token_ids, mask, logprobs=(), sampled=False, content="x"):
@@ -236,3 +237,29 @@ def test_task_carries_the_verifiers_row_over_the_bus():
     assert decoded.problem.info["vf_task_data"] == row
     assert [m.role for m in decoded.problem.messages] == ["system", "user"]
     assert decoded.problem.answer == "cba"
+
+
+def test_vllm_logprob_entries_get_the_token_name_renderers_checks():
+    """vLLM 0.32's generate answer names entries by `token_id` only; the env server names each
+    `token_id:<id>` under `token` too (renderers checks that), and leaves a named entry alone."""
+    answer = {
+        "choices": [
+            {
+                "token_ids": [5, 7],
+                "logprobs": {
+                    "content": [
+                        {"token_id": 5, "logprob": -0.5},
+                        {"token_id": 7, "token": "token_id:7", "logprob": -0.25},
+                    ]
+                },
+            },
+            {"token_ids": [], "logprobs": None},
+        ]
+    }
+    named = name_logprob_tokens(answer)
+
+    assert named["choices"][0]["logprobs"]["content"] == [
+        {"token_id": 5, "token": "token_id:5", "logprob": -0.5},
+        {"token_id": 7, "token": "token_id:7", "logprob": -0.25},
+    ]
+    assert named["choices"][1] == {"token_ids": [], "logprobs": None}

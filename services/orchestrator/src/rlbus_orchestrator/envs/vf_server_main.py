@@ -11,13 +11,22 @@ environment lives in its own venv and rlbus starts this file with that venv's py
 `serve` binds verifiers' `EnvServer` (at most MAX_CONCURRENT episodes at once; 0 or absent: no
 bound), prints `address <endpoint>` once it listens, and exits when its parent (the rollout
 worker) is gone.
+
+The server's `train` model client reads vLLM's `/inference/v1/generate` answers through
+`renderers`, which wants each logprob entry named `token_id:<id>`; vLLM gives `token_id` only.
+`serve` adapts those answers here, on the verifiers side (`accept_vllm_logprob_entries`), so the
+replica serves vLLM's answer unchanged.
 """
 
 import json
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # verifiers lives in the env venv only
+    from verifiers.v1.configs.env import EnvConfig
 
 
-def env_config(raw: str):
+def env_config(raw: str) -> "EnvConfig":
     from verifiers.v1.utils.loaders import resolve_env_config
 
     return resolve_env_config(json.loads(raw))
@@ -60,6 +69,39 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def name_logprob_tokens(payload: dict[str, Any]) -> dict[str, Any]:
+    """`payload` (a generate answer) with each logprob entry that has only vLLM's `token_id`
+    also named `"token": "token_id:<id>"`, the form `renderers` checks; entries that have a
+    `token` already are left as they are."""
+    for choice in payload.get("choices") or []:
+        logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        for entry in entries or []:
+            if isinstance(entry, dict) and "token" not in entry and "token_id" in entry:
+                entry["token"] = f"token_id:{entry['token_id']}"
+    return payload
+
+
+def accept_vllm_logprob_entries() -> None:
+    """Let verifiers' `train` client read vLLM's generate answers as vLLM writes them.
+
+    renderers 0.1.12 (the newest; verifiers 0.4's pin) checks
+    `choice.logprobs.content[i].token == "token_id:<id>"`, the naming vLLM's
+    `--return-tokens-as-token-ids` gives in the OpenAI API, but vLLM 0.32's token API answers
+    `{"token_id": <id>, "logprob": ...}` whatever that flag says, so every turn failed with
+    `...content[0].token must be 'token_id:122'`. `renderers.client.generate` decodes the
+    answer with the module's `parse_generate_response`, looked up at call time, so wrapping
+    it there names the entries before the check. Remove once renderers reads `token_id`."""
+    import renderers.client
+
+    parse = renderers.client.parse_generate_response
+
+    def parse_naming_tokens(raw: bytes) -> dict[str, Any]:
+        return name_logprob_tokens(parse(raw))
+
+    renderers.client.parse_generate_response = parse_naming_tokens
+
+
 def serve(raw: str, address: str, max_concurrent: str = "0") -> None:
     import asyncio
 
@@ -67,6 +109,7 @@ def serve(raw: str, address: str, max_concurrent: str = "0") -> None:
 
     stop_on_sigterm()
     exit_with_parent()
+    accept_vllm_logprob_entries()
     bound = int(max_concurrent) or None
     server = EnvServer(config=env_config(raw), address=address, max_concurrent=bound)
     print(f"address {server.address}", flush=True)
@@ -76,6 +119,15 @@ def serve(raw: str, address: str, max_concurrent: str = "0") -> None:
         pass
 
 
+def main(argv: list[str]) -> None:
+    command, *args = argv
+    if command == "tasks":
+        print_tasks(*args)
+    elif command == "serve":
+        serve(*args)
+    else:
+        raise SystemExit(f"unknown command {command!r}: tasks or serve")
+
+
 if __name__ == "__main__":
-    command, *args = sys.argv[1:]
-    {"tasks": print_tasks, "serve": serve}[command](*args)
+    main(sys.argv[1:])
