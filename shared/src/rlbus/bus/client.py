@@ -13,29 +13,35 @@ KV bucket named by `RunSubjects` (idempotent; re-run after a reconnect). Publish
 check; a publish that gets no acknowledgement is retried with the same id, so retries never
 duplicate. That connection-level part is `BusCore` (core.py); `Bus` adds what is built on it:
 consumers (`consumer.py`), the step log (`steplog.py`), KV/leases (`kv.py`), live subscriptions,
-control request/reply and the inference replica registry (`read_replicas`).
+control request/reply (`control.py`), the run's KV records: the inference replica registry and the
+run's end (`records.py`), and stream statistics (`stats.py`). Those modules hold the logic; the
+methods here are the one door services use.
 """
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats.errors
 import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
+from rlbus.bus import control as bus_control
+from rlbus.bus import records
 from rlbus.bus.connection import open_connection
 from rlbus.bus.consumer import Consumer, Delivery
-from rlbus.bus.core import BusCore, encode
-from rlbus.bus.errors import BusError, ClaimCheckError
+from rlbus.bus.core import BusCore
+from rlbus.bus.errors import ClaimCheckError
 from rlbus.bus.kv import KV, Lease
+from rlbus.bus.stats import StreamStats, read_stream_stats
 from rlbus.bus.steplog import StepLog
 from rlbus.configs.bus import BusConfig
 from rlbus.obs import tracing
 from rlbus.wire import control, replicas, run
-from rlbus.wire.subjects import RUN_FINISHED_KEY, RunSubjects
+from rlbus.wire.subjects import RunSubjects
 
 log = structlog.get_logger()
 
@@ -44,13 +50,18 @@ class Bus(BusCore):
     """A connected NATS client scoped to one run (see module docstring)."""
 
     def __init__(
-        self, nc, config: BusConfig, subjects: RunSubjects, storage_dir: Path | None, name: str
-    ):
+        self,
+        nc: NATS,
+        config: BusConfig,
+        subjects: RunSubjects,
+        storage_dir: Path | None,
+        name: str,
+    ) -> None:
         super().__init__(nc, config, subjects, storage_dir, name)
         self.step_log = StepLog(self)
         self._consumers: list[Consumer] = []
         self._leases: list[Lease] = []
-        self._subscriptions: list = []
+        self._subscriptions: list[Subscription] = []
 
     @classmethod
     async def connect(
@@ -125,13 +136,13 @@ class Bus(BusCore):
         subject: str,
         decoder: msgspec.msgpack.Decoder,
         handler: Callable[[Any, dict[str, str]], Awaitable[Any]],
-    ):
+    ) -> Subscription:
         """Live (core NATS) subscription: `handler(message, headers)` for each message published to
         `subject` from now on, stream-backed or not. Nothing is replayed or redelivered: use it for
         notifications (e.g. `subjects.weights_applied`), and a durable `consumer` for work.
         Undecodable messages are logged and skipped. Unsubscribed by `close()`."""
 
-        async def on_msg(msg) -> None:
+        async def on_msg(msg: Msg) -> None:
             headers = msg.headers or {}
             try:
                 message = decoder.decode(self.decode_payload(msg.data, headers))
@@ -156,61 +167,37 @@ class Bus(BusCore):
         self._subscriptions.append(sub)
         return sub
 
-    # ---- KV, leases, control ----------------------------------------------------------------
+    # ---- KV, leases, records, control --------------------------------------------------------
 
     def kv(self, bucket: str) -> KV:
         """Wrapper of KV bucket `bucket` (e.g. `bus.subjects.weights_bucket`)."""
         return KV(self, bucket)
 
     async def read_replicas(self) -> list[replicas.ReplicaInfo]:
-        """Every inference replica registered now (the leases in `subjects.replicas_bucket`).
-
-        An entry that does not decode is skipped and quarantined (once per key and revision, kind
-        `replica-entry`), so one bad writer cannot hide the other replicas from the rollout
-        workers and the trainer."""
-        kv = self.kv(self.subjects.replicas_bucket)
-        infos = []
-        for key in await kv.keys():
-            entry = await kv.get(key, replicas.decoder)
-            if entry is None or entry.value is None:  # expired between keys() and get(), or garbage
-                continue
-            infos.append(entry.value)
-        return infos
+        """Every inference replica registered now; undecodable entries are quarantined and
+        skipped (`records.read_replicas`)."""
+        return await records.read_replicas(self)
 
     async def mark_finished(self, last_step: int) -> None:
         """Record that the run is finished (trainer rank 0, after its last step)."""
-        kv = self.kv(self.subjects.state_bucket)
-        await kv.put(RUN_FINISHED_KEY, run.RunFinished(last_step=last_step))
-        log.info("run_marked_finished", last_step=last_step)
+        await records.mark_finished(self, last_step)
 
     async def clear_finished(self) -> None:
         """Forget a finished record (a resumed run with steps left is not finished)."""
-        kv = self.kv(self.subjects.state_bucket)
-        if await kv.get(RUN_FINISHED_KEY) is not None:
-            await kv.delete(RUN_FINISHED_KEY)
-            log.info("run_finished_cleared")
+        await records.clear_finished(self)
 
     async def run_finished(self) -> run.RunFinished | None:
         """The run's `RunFinished` record, or None while the run goes on."""
-        entry = await self.kv(self.subjects.state_bucket).get(RUN_FINISHED_KEY, run.decoder)
-        return entry.value if entry is not None else None
+        return await records.run_finished(self)
 
     async def wait_finished(self, poll_s: float = 2.0) -> run.RunFinished:
-        """Return once the run is finished. Polled (one direct get per `poll_s`): a bus outage
-        only delays the answer (each failed read is logged once per outage)."""
-        failing = False
-        while True:
-            try:
-                record = await self.run_finished()
-                failing = False
-            except Exception as error:  # an outage: keep asking
-                if not failing:
-                    log.warning("run_finished_unreadable", error=repr(error))
-                failing = True
-                record = None
-            if record is not None:
-                return record
-            await asyncio.sleep(poll_s)
+        """Return once the run is finished (polled every `poll_s`, through bus outages)."""
+        return await records.wait_finished(self, poll_s)
+
+    async def stream_stats(self, stream: str) -> StreamStats:
+        """A snapshot of `stream`: its message count and sequences, and the pending and
+        ack-pending counts of its durable consumers (queue depth and consumer lag)."""
+        return await read_stream_stats(self.js, stream)
 
     def lease(
         self,
@@ -248,60 +235,11 @@ class Bus(BusCore):
         A service that is not listening yet ("no responders") or a connection that is
         reconnecting is retried until the deadline; then the error is raised with a log line
         naming the service and how long it waited."""
-        headers = tracing.inject_headers({})
-        started = time.monotonic()
-        deadline = started + timeout_s
-        while True:
-            try:
-                reply = await self.nc.request(
-                    self.subjects.control(service),
-                    encode(request),
-                    timeout=max(deadline - time.monotonic(), 0.01),
-                    headers=headers,
-                )
-            except (
-                nats.errors.NoRespondersError,
-                nats.errors.ConnectionReconnectingError,
-                nats.errors.TimeoutError,
-            ) as error:
-                if time.monotonic() + 0.1 > deadline:
-                    log.warning(
-                        "control_request_timeout",
-                        service=service,
-                        waited_s=round(time.monotonic() - started, 1),
-                        error=type(error).__name__,
-                    )
-                    raise
-                await asyncio.sleep(0.1)
-                continue
-            try:
-                return control.reply_decoder.decode(reply.data)
-            except msgspec.DecodeError as error:  # a garbage reply is the replier's bug: say so
-                raise BusError(f"the control reply of {service} does not decode: {error}") from None
+        return await bus_control.request(self, service, request, timeout_s)
 
-    async def serve_control(
-        self,
-        service: str,
-        handler: Callable[[control.ControlRequest], Awaitable[control.ControlReply]],
-    ) -> None:
+    async def serve_control(self, service: str, handler: bus_control.ControlHandler) -> None:
         """Answer control requests for `service` with `handler` until the bus closes."""
-
-        async def on_request(msg) -> None:
-            try:
-                request = control.decoder.decode(msg.data)
-            except msgspec.DecodeError as error:
-                reply = control.ControlReply(
-                    ok=False, service=service, message=f"undecodable request: {error}"
-                )
-            else:
-                with tracing.consumer_span("control", headers=msg.headers, subject=msg.subject):
-                    reply = await handler(request)
-            await msg.respond(encode(reply))
-
-        self._subscriptions.append(
-            await self.nc.subscribe(self.subjects.control(service), cb=on_request)
-        )
-        await self.nc.flush()  # the subscription is live on the server before we return
+        self._subscriptions.append(await bus_control.serve(self, service, handler))
 
     async def close(self) -> None:
         """Stop consumers and leases (releasing them), then drain and close the connection."""

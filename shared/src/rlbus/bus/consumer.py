@@ -31,6 +31,8 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from rlbus.bus import claimcheck
 from rlbus.bus.core import MSG_ID_HEADER, BusCore
@@ -57,7 +59,9 @@ class Delivery(Generic[T]):
 
     __slots__ = ("data", "msg", "_consumer", "settled", "claim")
 
-    def __init__(self, data: T, msg, consumer: "Consumer", claim: ClaimCheck | None = None):
+    def __init__(
+        self, data: T, msg: Msg, consumer: "Consumer[T]", claim: ClaimCheck | None = None
+    ) -> None:
         self.data = data
         self.msg = msg
         self._consumer = consumer
@@ -84,6 +88,7 @@ class Delivery(Generic[T]):
 
     @property
     def stream_seq(self) -> int:
+        """The message's sequence in its stream."""
         return self.msg.metadata.sequence.stream
 
     def _settle(self) -> None:
@@ -118,6 +123,53 @@ class Delivery(Generic[T]):
         await self.msg.in_progress()
 
 
+async def settle_quietly(settling: Awaitable[Any]) -> None:
+    """Await an ack/nak/term, logging a failure: a disconnected client cannot settle, and the
+    server redelivers after AckWait anyway."""
+    try:
+        await settling
+    except Exception as error:
+        log.warning("settle_failed", error=repr(error))
+
+
+async def run_handler(
+    handler: Callable[[Delivery[T]], Awaitable[Any]], delivery: Delivery[T], family: str
+) -> None:
+    """`handler(delivery)`, inside a CONSUMER span `process <family>` when spans are recorded
+    (hot path: no span bookkeeping otherwise)."""
+    if not tracing.enabled():
+        await handler(delivery)
+        return
+    with tracing.consumer_span(
+        f"process {family}", headers=delivery.msg.headers, subject=delivery.subject
+    ):
+        await handler(delivery)
+
+
+async def quarantine(bus: BusCore, stream: str, msg: Msg, reason: str) -> None:
+    """Copy `msg` to the dead-letter stream, then terminate it. A failed copy raises and leaves
+    the message unsettled: it comes back after AckWait and is tried again."""
+    metadata = msg.metadata
+    log.error(
+        "message_dead_lettered",
+        stream=stream,
+        subject=msg.subject,
+        msg_id=(msg.headers or {}).get(MSG_ID_HEADER),
+        num_delivered=metadata.num_delivered,
+        reason=reason,
+    )
+    await bus.dead_letter(
+        stream,
+        msg.subject,
+        msg.data,
+        msg.headers,
+        reason,
+        num_delivered=metadata.num_delivered,
+        stream_seq=metadata.sequence.stream,
+    )
+    await settle_quietly(msg.term())
+
+
 class Consumer(Generic[T]):
     """Runs `handler` on messages of a durable pull consumer (see module docstring)."""
 
@@ -135,7 +187,7 @@ class Consumer(Generic[T]):
         nak_delay_s: float = 1.0,
         fetch_timeout_s: float = 0.5,
         filter_subject: str | None = None,
-    ):
+    ) -> None:
         assert concurrency >= 1
         self.bus = bus
         self.stream = stream
@@ -150,12 +202,12 @@ class Consumer(Generic[T]):
         self.filter_subject = filter_subject
         self.num_handled = 0
         self.num_dead = 0
-        self._sub = None
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._queue: asyncio.Queue[Msg | None] = asyncio.Queue()
         self._workers: list[asyncio.Task] = []
         self._num_in_flight = 0  # fetched and not yet finished (queued or running)
         self._slot_freed = asyncio.Event()
-        self._unsettled: set[Delivery] = set()
+        self._unsettled: set[Delivery[T]] = set()
         self._stopping = False
         self._task: asyncio.Task | None = None
         self._heartbeat_task: asyncio.Task | None = None
@@ -170,10 +222,7 @@ class Consumer(Generic[T]):
         """Ensure the durable exists and bind a pull subscription to it."""
         await self.bus.ensure_consumer(self._spec())
         if self._sub is not None:  # re-binding after a recovery: drop the old inbox subscription
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                pass
+            await self._unsubscribe()
         self._sub = await self.bus.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
 
     async def run(self) -> None:
@@ -204,7 +253,7 @@ class Consumer(Generic[T]):
                 continue
             for msg in await self._fetch(min(self.batch, free)):
                 if self._stopping:  # fetched during stop: hand back at once
-                    await self._settle_quietly(msg.nak())
+                    await settle_quietly(msg.nak())
                     continue
                 self._num_in_flight += 1
                 self._queue.put_nowait(msg)
@@ -222,7 +271,7 @@ class Consumer(Generic[T]):
                 self._num_in_flight -= 1
                 self._slot_freed.set()
 
-    async def _fetch(self, count: int) -> list:
+    async def _fetch(self, count: int) -> list[Msg]:
         assert self._sub is not None
         try:
             return await self._sub.fetch(count, timeout=self.fetch_timeout_s)
@@ -252,83 +301,50 @@ class Consumer(Generic[T]):
             log.warning("consumer_recover_failed", stream=self.stream, error=repr(error))
             await asyncio.sleep(0.5)
 
-    async def _handle(self, msg) -> None:
-        headers = msg.headers
-        max_deliver = self.bus.config.max_deliver
+    async def _handle(self, msg: Msg) -> None:
+        """Decode `msg` (undecodable: quarantined), run the handler, settle what it left."""
         try:
-            claim = self.bus.claim_of(msg.data, headers)
+            claim = self.bus.claim_of(msg.data, msg.headers)
             payload = msg.data if claim is None else claimcheck.load(self.bus.storage_dir, claim)
             data = self.decoder.decode(payload)
         except (msgspec.DecodeError, ClaimCheckError) as error:
-            await self._dead_letter(msg, f"{type(error).__name__}: {error}")
+            self.num_dead += 1
+            await quarantine(self.bus, self.stream, msg, f"{type(error).__name__}: {error}")
             return
         delivery = Delivery(data, msg, self, claim)
         self._unsettled.add(delivery)
         try:
-            if tracing.enabled():
-                with tracing.consumer_span(
-                    f"process {self.bus.subjects.family(msg.subject)}",
-                    headers=headers,
-                    subject=msg.subject,
-                ):
-                    await self.handler(delivery)
-            else:
-                await self.handler(delivery)
+            await run_handler(self.handler, delivery, self.bus.subjects.family(msg.subject))
         except Exception as error:
-            num_delivered = delivery.num_delivered
-            log.exception(
-                "handler_failed",
-                stream=self.stream,
-                msg_id=delivery.msg_id,
-                num_delivered=num_delivered,
-                error=repr(error),
-            )
-            if not delivery.settled:
-                if num_delivered >= max_deliver:
-                    delivery._settle()
-                    await self._dead_letter(
-                        msg,
-                        f"handler failed on {num_delivered} deliveries "
-                        f"(bus.max_deliver={max_deliver}): {type(error).__name__}: {error}",
-                    )
-                else:
-                    delay = nak_delay(self.nak_delay_s, num_delivered)
-                    await self._settle_quietly(delivery.nak(delay))
+            await self._after_failure(delivery, error)
         else:
             if self.auto_ack and not delivery.settled:
-                await self._settle_quietly(delivery.ack())
+                await settle_quietly(delivery.ack())
         self.num_handled += 1
 
-    async def _dead_letter(self, msg, reason: str) -> None:
-        """Quarantine `msg` (copy to the dead-letter stream), then terminate it. A failed copy
-        leaves the message unsettled: it comes back after AckWait and is tried again."""
-        self.num_dead += 1
-        metadata = msg.metadata
-        log.error(
-            "message_dead_lettered",
+    async def _after_failure(self, delivery: Delivery[T], error: Exception) -> None:
+        """The handler raised: nak with a backoff, or quarantine from `bus.max_deliver` on."""
+        num_delivered = delivery.num_delivered
+        max_deliver = self.bus.config.max_deliver
+        log.exception(
+            "handler_failed",
             stream=self.stream,
-            subject=msg.subject,
-            msg_id=(msg.headers or {}).get(MSG_ID_HEADER),
-            num_delivered=metadata.num_delivered,
-            reason=reason,
+            msg_id=delivery.msg_id,
+            num_delivered=num_delivered,
+            error=repr(error),
         )
-        await self.bus.dead_letter(
-            self.stream,
-            msg.subject,
-            msg.data,
-            msg.headers,
-            reason,
-            num_delivered=metadata.num_delivered,
-            stream_seq=metadata.sequence.stream,
+        if delivery.settled:
+            return
+        if num_delivered < max_deliver:
+            await settle_quietly(delivery.nak(nak_delay(self.nak_delay_s, num_delivered)))
+            return
+        delivery._settle()
+        self.num_dead += 1
+        reason = (
+            f"handler failed on {num_delivered} deliveries "
+            f"(bus.max_deliver={max_deliver}): {type(error).__name__}: {error}"
         )
-        await self._settle_quietly(msg.term())
-
-    @staticmethod
-    async def _settle_quietly(coro) -> None:
-        try:
-            await coro
-        except Exception as error:  # disconnected: the server redelivers after AckWait anyway
-            log.warning("settle_failed", error=repr(error))
+        await quarantine(self.bus, self.stream, delivery.msg, reason)
 
     async def _heartbeat(self) -> None:
         interval = max(self.bus.config.ack_wait_s / 3, 0.2)
@@ -353,25 +369,12 @@ class Consumer(Generic[T]):
             msg = self._queue.get_nowait()
             if msg is not None:
                 self._num_in_flight -= 1
-                await self._settle_quietly(msg.nak())
-        for _ in self._workers:
-            self._queue.put_nowait(None)
-        if self._workers:
-            done, pending = await asyncio.wait(self._workers, timeout=timeout_s)
-            for worker in pending:
-                worker.cancel()
-            if pending:
-                log.warning(
-                    "consumer_handlers_cancelled", stream=self.stream, num_cancelled=len(pending)
-                )
-                await asyncio.gather(*pending, return_exceptions=True)
+                await settle_quietly(msg.nak())
+        await self._stop_workers(timeout_s)
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                pass
+            await self._unsubscribe()
         log.info(
             "consumer_stopped",
             stream=self.stream,
@@ -379,10 +382,32 @@ class Consumer(Generic[T]):
             num_handled=self.num_handled,
         )
 
+    async def _stop_workers(self, timeout_s: float) -> None:
+        """Let each worker finish its handler, cancelling those still running after `timeout_s`."""
+        for _ in self._workers:
+            self._queue.put_nowait(None)
+        if not self._workers:
+            return
+        _, pending = await asyncio.wait(self._workers, timeout=timeout_s)
+        for worker in pending:
+            worker.cancel()
+        if pending:
+            log.warning(
+                "consumer_handlers_cancelled", stream=self.stream, num_cancelled=len(pending)
+            )
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _unsubscribe(self) -> None:
+        assert self._sub is not None
+        try:
+            await self._sub.unsubscribe()
+        except Exception:  # the connection is gone: so is the subscription
+            pass
+
     async def __aenter__(self) -> "Consumer[T]":
         await self.subscribe()
         self._task = asyncio.create_task(self.run())
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.stop()

@@ -18,16 +18,20 @@ quarantined once per revision (`BusCore.dead_letter`, kind from the bucket, e.g.
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from functools import partial
 from typing import Any, NamedTuple
 
 import msgspec
-import nats.errors
 import nats.js.errors
 import structlog
+from nats.js import api
+from nats.js.kv import KeyValue
 
 from rlbus.bus.core import RETRYABLE_PUBLISH_ERRORS, BusCore, encode, retry_transient
 from rlbus.bus.errors import CasMismatch, LeaseHeld
+from rlbus.bus.kvwatch import watch_updates
 
 log = structlog.get_logger()
 
@@ -37,7 +41,7 @@ DELETED = ("DEL", "PURGE")
 """`KV-Operation` header values of a delete marker."""
 WATCH_CHECK_S = 5.0
 """A watch that got nothing for this long checks whether the bucket moved on without it (a
-watcher nats-py could not re-create during an outage) and, if so, starts a new one."""
+watcher nats-py could not re-create during an outage) and, if so, starts a new one (kvwatch.py)."""
 KV_RETRY_ERRORS = RETRYABLE_PUBLISH_ERRORS
 """Errors after which a get/put/delete/keys is retried (until `bus.publish_retry_s`)."""
 
@@ -54,18 +58,20 @@ class Entry(NamedTuple):
 class KV:
     """One KV bucket of the run (see module docstring)."""
 
-    def __init__(self, bus: BusCore, bucket: str):
+    def __init__(self, bus: BusCore, bucket: str) -> None:
         self.bus = bus
         self.bucket = bucket
-        self._kv = None
+        self._kv: KeyValue | None = None
 
-    async def handle(self):
+    async def handle(self) -> KeyValue:
         """The underlying nats-py KeyValue (created lazily)."""
         if self._kv is None:
             self._kv = await self.bus.js.key_value(self.bucket)
         return self._kv
 
-    async def _retried(self, what: str, key: str, operation: Callable[[Any], Any]) -> Any:
+    async def _retried(
+        self, what: str, key: str, operation: Callable[[KeyValue], Awaitable[Any]]
+    ) -> Any:
         """`await operation(kv)`, retried on connection trouble until `bus.publish_retry_s` (a NATS
         outage is waited out, with a log line naming what waits). Safe for get/put/delete/keys:
         repeating one changes nothing a reader sees (a put may add a revision of the same value)."""
@@ -78,7 +84,7 @@ class KV:
             key=key,
         )
 
-    async def _run(self, operation: Callable[[Any], Any]) -> Any:
+    async def _run(self, operation: Callable[[KeyValue], Awaitable[Any]]) -> Any:
         return await operation(await self.handle())
 
     def _decode(self, data: bytes | None, decoder: msgspec.msgpack.Decoder | None) -> Any:
@@ -116,13 +122,13 @@ class KV:
             )
 
     async def decode_or_quarantine(
-        self, key: str, revision: int, data: bytes, decoder: msgspec.msgpack.Decoder | None
+        self, key: str, revision: int, data: bytes | None, decoder: msgspec.msgpack.Decoder | None
     ) -> tuple[bool, Any]:
         """`(True, value)`, or `(False, None)` for an entry that does not decode (quarantined)."""
         try:
             return True, self._decode(data, decoder)
         except msgspec.DecodeError as error:  # ValidationError is a DecodeError too
-            await self.quarantine(key, revision, data, error)
+            await self.quarantine(key, revision, data or b"", error)
             return False, None
 
     async def get(self, key: str, decoder: msgspec.msgpack.Decoder | None = None) -> Entry | None:
@@ -156,7 +162,7 @@ class KV:
                 last = await self._last_message(key)
                 if last is None or (last.headers or {}).get("KV-Operation") not in DELETED:
                     raise CasMismatch(f"{self.bucket}/{key} already exists") from None
-                return await self._write(key, encode(value), last.seq, headers)
+                return await self._write(key, encode(value), last.seq or 0, headers)
         try:
             return await (await self.handle()).create(key, encode(value), msg_ttl=ttl_s)
         except nats.js.errors.KeyWrongLastSequenceError as error:
@@ -193,7 +199,7 @@ class KV:
             raise
         return ack.seq
 
-    async def _last_message(self, key: str):
+    async def _last_message(self, key: str) -> api.RawStreamMsg | None:
         """The newest raw message of `key` (a delete marker included), or None."""
         try:
             return await self.bus.js.get_last_msg(f"KV_{self.bucket}", f"$KV.{self.bucket}.{key}")
@@ -209,6 +215,7 @@ class KV:
         return dict(message.headers or {})
 
     async def delete(self, key: str, *, revision: int | None = None) -> None:
+        """Delete `key` (only if still at `revision`, when given)."""
         await self._retried("delete", key, lambda kv: kv.delete(key, last=revision))
 
     async def keys(self) -> list[str]:
@@ -222,7 +229,7 @@ class KV:
         stream = f"KV_{self.bucket}"
         prefix = f"$KV.{self.bucket}."
 
-        async def subjects(_kv) -> list[str]:
+        async def subjects(_kv: KeyValue) -> list[str]:
             info = await self.bus.js.stream_info(stream, subjects_filter=prefix + ">")
             return sorted(info.state.subjects or {})
 
@@ -230,7 +237,7 @@ class KV:
         for subject in await self._retried("keys", ">", subjects):
             key = subject[len(prefix) :]
             try:
-                entry = await self._retried("get", key, lambda kv, key=key: kv.get(key))
+                entry = await self._retried("get", key, partial(KeyValue.get, key=key))
             except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
                 continue
             if entry.value:
@@ -248,74 +255,20 @@ class KV:
         """Yield entries as they change (current values first when `initial`); deletes have value
         None; an entry that does not decode is quarantined and skipped (module docstring).
 
-        Survives NATS outages: after `check_s` without an entry the watch compares the newest
-        revision in the bucket with the last one it yielded and, when it fell behind, starts a new
-        nats-py watcher, yielding only revisions it had not yielded (nothing twice, nothing lost
-        beyond intermediate values of one key)."""
-        last_revision = 0
-        first_watcher = True
-        while True:
-            try:
-                watcher = await (await self.handle()).watch(key)
-            except Exception as error:  # the server is away: try again
-                log.warning("kv_watch_start_failed", bucket=self.bucket, key=key, error=repr(error))
-                await asyncio.sleep(min(check_s, 1.0))
-                continue
-            try:
-                while True:
-                    try:
-                        entry = await watcher.updates(timeout=check_s)
-                    except (TimeoutError, nats.errors.TimeoutError):
-                        if await self._fell_behind(key, last_revision):
-                            log.warning(
-                                "kv_watch_restarted",
-                                bucket=self.bucket,
-                                key=key,
-                                after=last_revision,
-                            )
-                            break
+        Survives NATS outages (kvwatch.py): after `check_s` without an entry the watch checks
+        whether the bucket moved on without it and, if so, starts a new nats-py watcher,
+        yielding nothing twice."""
+        updates = watch_updates(self.handle, self.bucket, key, initial=initial, check_s=check_s)
+        async with aclosing(updates):  # closing the watch stops the nats-py watcher at once
+            async for update in updates:
+                value = None
+                if update.operation not in DELETED:
+                    ok, value = await self.decode_or_quarantine(
+                        update.key, update.revision or 0, update.value, decoder
+                    )
+                    if not ok:
                         continue
-                    if entry is None:  # end of the initial values
-                        continue
-                    if entry.revision <= last_revision:
-                        continue
-                    if (
-                        first_watcher
-                        and not initial
-                        and entry.delta is not None
-                        and entry.delta > 0
-                    ):
-                        continue
-                    last_revision = entry.revision
-                    value = None
-                    if entry.operation not in ("DEL", "PURGE"):
-                        ok, value = await self.decode_or_quarantine(
-                            entry.key, entry.revision, entry.value, decoder
-                        )
-                        if not ok:
-                            continue
-                    yield Entry(entry.key, value, entry.revision, entry.operation)
-            finally:
-                first_watcher = False
-                try:
-                    await watcher.stop()
-                except Exception:
-                    pass
-
-    async def _fell_behind(self, key: str, last_revision: int) -> bool:
-        """Whether the bucket holds a revision of `key` (any key for `>`) newer than `last_revision`
-        (False when the server cannot say now: the watch keeps waiting)."""
-        try:
-            if "*" in key or ">" in key:
-                info = await self.bus.js.stream_info(f"KV_{self.bucket}")
-                return info.state.last_seq > last_revision
-            entry = await (await self.handle()).get(key)
-            return entry.revision > last_revision
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return False
-        except Exception as error:
-            log.debug("kv_watch_check_failed", bucket=self.bucket, error=repr(error))
-            return False
+                yield Entry(update.key, value, update.revision or 0, update.operation)
 
     async def watch_presence(self, *, poll_s: float = 1.0) -> AsyncIterator[tuple[str, str]]:
         """Yield `("added", key)` / `("expired", key)` as keys appear and disappear (TTL leases)."""
@@ -345,7 +298,7 @@ class Lease:
         on_lost: Callable[[], Any] | None = None,
         wait_s: float = 0.0,
         grace_s: float | None = None,
-    ):
+    ) -> None:
         if int(ttl_s) != ttl_s or ttl_s < 1:
             raise ValueError(f"lease ttl_s must be a whole number of seconds >= 1 (got {ttl_s})")
         self.bus = bus
@@ -369,6 +322,7 @@ class Lease:
 
     @property
     def held(self) -> bool:
+        """Whether this lease holds its key now (acquired, not lost, not released)."""
         return self.revision is not None and not self.lost.is_set()
 
     async def acquire(self) -> "Lease":
@@ -509,5 +463,5 @@ class Lease:
     async def __aenter__(self) -> "Lease":
         return await self.acquire()
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.release()
