@@ -4,6 +4,7 @@ tests/integration/orchestrator/test_vf_env_server.py)."""
 
 import asyncio
 import contextlib
+import re
 
 import msgpack
 import pytest
@@ -202,6 +203,115 @@ async def test_a_dead_server_fails_the_episode_within_seconds_not_never():
     error, _ = await run_against_silent_server(lambda: exited["code"], timeout_s=None)
     assert "exited with code -9 during run" in error
     assert loop.time() - started < 5
+
+
+async def answer_run(socket: zmq.asyncio.Socket, client_id: bytes, request_id: bytes) -> None:
+    """A successful run's deltas and reply, as verifiers' EnvServer sends them."""
+    trace = make_trace()
+    for delta in (
+        {"trace": "t1", "open": {"id": "t1"}, "nodes": trace["nodes"]},
+        {"trace": "t1", "calls": trace["calls"], "set": {"ok": True}},
+    ):
+        await socket.send_multipart([client_id, request_id, b"delta", msgpack.packb(delta)])
+    reply = {"success": True, "head": {"id": "e"}, "traces": [{"id": "t1", "nodes": 3, "calls": 1}]}
+    await socket.send_multipart([client_id, request_id, b"reply", msgpack.packb(reply)])
+
+
+def breaking_server(bad_answer: list[bytes], num_runs: int):
+    """A server that answers health, holds the first `num_runs` runs, then sends `bad_answer`
+    (frames after the client id) and plays every later run."""
+
+    async def play(socket: zmq.asyncio.Socket, seen: list) -> None:
+        while True:
+            client_id, request_id, method, payload = await socket.recv_multipart()
+            seen.append(method)
+            if method == b"health":
+                reply = msgpack.packb({"success": True})
+                await socket.send_multipart([client_id, request_id, b"reply", reply])
+            elif seen.count(b"run") == num_runs:
+                await socket.send_multipart([client_id, *bad_answer])
+            elif seen.count(b"run") > num_runs:
+                await answer_run(socket, client_id, request_id)
+
+    return play
+
+
+BAD_ANSWERS = {
+    "two frames": ([b"r", b"reply"], "expected 3 frames from the env server, got 2"),
+    "undecodable": ([b"r", b"reply", b"\xc1"], "undecodable reply payload"),
+    "not a map": ([b"r", b"delta", msgpack.packb([1, 2])], "delta payload is a list, not a map"),
+    "unknown kind": ([b"r", b"shout", msgpack.packb({})], "unknown answer kind b'shout'"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_ANSWERS.values(), ids=BAD_ANSWERS.keys())
+async def test_a_bad_frame_fails_every_pending_episode_at_once_with_the_cause(bad):
+    bad_answer, cause = bad
+    async with served(breaking_server(bad_answer, num_runs=3)) as (client, seen):
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        episodes = [client.run({}, {}, "m", {}, timeout_s=60) for _ in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*episodes, return_exceptions=True), 10)
+        failed_after_s = loop.time() - started
+        with pytest.raises(VfServerError, match=re.escape(cause)):
+            await asyncio.wait_for(client.run({}, {}, "m", {}, timeout_s=60), 1)
+
+    assert failed_after_s < 2  # at once, not after the 60 s episode timeout
+    assert [type(result) for result in results] == [VfServerError] * 3
+    assert all(cause in str(result) for result in results)
+    assert seen.count(b"run") == 3  # the later episode failed without reaching the server
+
+
+async def test_a_delta_that_does_not_fit_its_run_fails_that_run_only():
+    async def play(socket: zmq.asyncio.Socket, seen: list) -> None:
+        while True:
+            client_id, request_id, method, _ = await socket.recv_multipart()
+            seen.append(method)
+            reply = msgpack.packb({"success": True})
+            if method == b"health":
+                await socket.send_multipart([client_id, request_id, b"reply", reply])
+            elif seen.count(b"run") == 1:  # a delta for a trace it never opened
+                delta = msgpack.packb({"trace": "t9", "nodes": []})
+                await socket.send_multipart([client_id, request_id, b"delta", delta])
+            else:
+                await answer_run(socket, client_id, request_id)
+
+    async with served(play) as (client, _):
+        with pytest.raises(VfServerError, match="bad delta"):
+            await asyncio.wait_for(client.run({}, {}, "m", {}, timeout_s=60), 5)
+        episode = await asyncio.wait_for(client.run({}, {}, "m", {}, timeout_s=60), 5)
+        assert client.failure is None  # the receive loop lives on
+
+    assert [len(t["nodes"]) for t in episode["traces"]] == [3]
+
+
+class StaticClient:
+    """A rollout worker's client without a replica pool: the replica is named directly."""
+
+    base_url, model = "http://127.0.0.1:1/v1", "m"
+
+
+async def test_vf_environment_connects_again_after_its_connection_failed():
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    server = asyncio.create_task(breaking_server([b"r", b"reply"], num_runs=1)(router, []))
+    env = load_environment("vf:r", {"address": f"tcp://127.0.0.1:{port}"})
+    problem = problem_of({"prompt": "abc"})
+    try:
+        with pytest.raises(VfServerError, match="expected 3 frames"):
+            await asyncio.wait_for(env.run_episode(StaticClient(), problem, SamplingArgs()), 10)
+        sample = await asyncio.wait_for(
+            env.run_episode(StaticClient(), problem, SamplingArgs()), 10
+        )
+    finally:
+        await env.aclose()
+        server.cancel()
+        router.close()
+        ctx.term()
+
+    assert sample.completion_token_ids == [6, 7]
 
 
 def test_vf_environment_without_a_venv_says_how_to_make_one():

@@ -15,7 +15,9 @@ Wire (ZMQ DEALER -> ROUTER, msgpack payloads; read from verifiers/v1/serve/{serv
   `run` (`{task_data, client, model, sampling}`) or `cancel` (`{request_id}`);
 - answers: three frames `[request_id, kind, msgpack(data)]`, kind `delta` zero or more times
   (a run's traces as they grow: `{trace, open?, nodes?, calls?, errors?, set?, discard?}`),
-  then one `reply` (`{success, error, head, traces: [{id, nodes, calls}]}`).
+  then one `reply` (`{success, error, head, traces: [{id, nodes, calls}]}`). An answer outside
+  this shape ends the client's receive loop, which fails every pending request with it
+  (`VfClient`); `VfServerEnv` then connects again.
 
 A trace's nodes carry token ids, a trainable mask and logprobs only when the server's model
 client is verifiers' `train` client (it renders prompts itself and calls the replica's
@@ -34,9 +36,9 @@ import json
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 import structlog
@@ -45,7 +47,7 @@ import zmq.asyncio
 
 from rlbus.wire.rollouts import RolloutSample
 from rlbus.wire.tasks import ChatMessage, Problem, SamplingArgs
-from rlbus_orchestrator.client import NoReplicaError
+from rlbus_orchestrator.client import NoReplicaError, ReplicaPool
 from rlbus_orchestrator.envs.base import ChatClient, Split
 
 log = structlog.get_logger()
@@ -96,7 +98,7 @@ def load_tasks(python: str, env_config: dict[str, Any]) -> list[dict[str, Any]]:
 class VfServerProcess:
     """An `EnvServer` started with the env venv's python; stopped by its pid."""
 
-    def __init__(self, python: str, env_config: dict[str, Any], max_concurrent: int = 0):
+    def __init__(self, python: str, env_config: dict[str, Any], max_concurrent: int = 0) -> None:
         config = json.dumps(env_config)
         self.popen = subprocess.Popen(
             [python, str(SERVER_MAIN), "serve", config, "tcp://127.0.0.1:0", str(max_concurrent)],
@@ -128,9 +130,14 @@ class VfServerProcess:
 
 
 class VfClient:
-    """Our client of verifiers' `EnvServer` protocol (see module docstring)."""
+    """Our client of verifiers' `EnvServer` protocol (see module docstring).
 
-    def __init__(self, address: str, exit_code: Callable[[], int | None] = lambda: None):
+    One receive loop serves every request in flight. It is supervised: when it dies (a frame
+    outside the protocol, a socket error, anything), every pending request fails at once with
+    a `VfServerError` naming the cause, and so does every later request (`failure`); the
+    client is not restarted, its owner (`VfServerEnv`) connects a new one."""
+
+    def __init__(self, address: str, exit_code: Callable[[], int | None] = lambda: None) -> None:
         self.address = address
         self.exit_code = exit_code
         """The server process's exit code, None while it runs (or when it is not ours)."""
@@ -140,20 +147,51 @@ class VfClient:
         self.socket.connect(address)
         self._replies: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._deltas: dict[str, Callable[[dict[str, Any]], None]] = {}
-        self._receiver: asyncio.Task | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self.failure: str | None = None
+        """Why the receive loop ended (None while it runs): every request fails with it."""
 
     async def _receive(self) -> None:
         while True:
-            frames = await self.socket.recv_multipart()
-            if len(frames) != 3:
-                raise VfServerError(f"expected 3 frames from the env server, got {len(frames)}")
-            request_id, kind, data = frames[0].decode(), frames[1], frames[2]
-            payload = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            request_id, kind, payload = decoded_answer(await self.socket.recv_multipart())
             if kind == b"delta":
-                if request_id in self._deltas:
-                    self._deltas[request_id](payload)
+                self._apply_delta(request_id, payload)
             elif (future := self._replies.pop(request_id, None)) and not future.done():
                 future.set_result(payload)
+
+    def _apply_delta(self, request_id: str, delta: dict[str, Any]) -> None:
+        """Hand a delta to its run; one that does not fit the run fails that run only."""
+        on_delta = self._deltas.get(request_id)
+        if on_delta is None:
+            return
+        try:
+            on_delta(delta)
+        except Exception as error:  # any bad delta is that run's error, not the loop's
+            self._deltas.pop(request_id, None)
+            if (future := self._replies.pop(request_id, None)) and not future.done():
+                future.set_exception(
+                    VfServerError(f"env server at {self.address} sent a bad delta: {error!r}")
+                )
+
+    async def _receive_supervised(self) -> None:
+        """The receive loop; whatever ends it fails every pending request with the cause."""
+        try:
+            await self._receive()
+        except asyncio.CancelledError:
+            self._fail_pending(f"the client of the env server at {self.address} was closed")
+            raise
+        except Exception as error:  # any death of the loop is reported, not lost
+            log.error("vf_client_receive_failed", address=self.address, error=repr(error))
+            cause = f"{type(error).__name__}: {error}"
+            self._fail_pending(f"env server connection {self.address} failed ({cause})")
+
+    def _fail_pending(self, failure: str) -> None:
+        self.failure = failure
+        replies, self._replies = self._replies, {}
+        self._deltas.clear()
+        for future in replies.values():
+            if not future.done():
+                future.set_exception(VfServerError(failure))
 
     async def request(
         self,
@@ -164,8 +202,10 @@ class VfClient:
         on_delta: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Send one request; its reply (raises `VfServerError` when it did not succeed)."""
+        if self.failure is not None:
+            raise VfServerError(self.failure)
         if self._receiver is None:
-            self._receiver = asyncio.create_task(self._receive())
+            self._receiver = asyncio.create_task(self._receive_supervised())
         request_id = uuid.uuid4().hex
         future = self._replies[request_id] = asyncio.get_running_loop().create_future()
         if on_delta is not None:
@@ -176,9 +216,7 @@ class VfClient:
             reply = await self.wait_reply(method, future, timeout_s)
         except TimeoutError:
             if method == "run":  # the server stops playing it (its reply is dropped)
-                cancel = msgpack.packb({"request_id": request_id}, use_bin_type=True)
-                with contextlib.suppress(zmq.ZMQError):
-                    await self.socket.send_multipart([uuid.uuid4().hex.encode(), b"cancel", cancel])
+                await self.send_cancel(request_id)
             raise
         finally:
             self._replies.pop(request_id, None)
@@ -187,25 +225,30 @@ class VfClient:
             raise VfServerError(f"env server {method} failed: {reply.get('error')}")
         return reply
 
+    async def send_cancel(self, request_id: str) -> None:
+        cancel = msgpack.packb({"request_id": request_id}, use_bin_type=True)
+        with contextlib.suppress(zmq.ZMQError):
+            await self.socket.send_multipart([uuid.uuid4().hex.encode(), b"cancel", cancel])
+
     async def wait_reply(
-        self, method: str, future: asyncio.Future, timeout_s: float | None
+        self, method: str, future: asyncio.Future[dict[str, Any]], timeout_s: float | None
     ) -> dict[str, Any]:
         """The reply, checking every second that the server process still runs (a dead server
-        never answers); TimeoutError past `timeout_s`."""
+        never answers); TimeoutError past `timeout_s`; the receive loop's failure at once."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
+        while not future.done():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"env server {method} did not answer in {timeout_s:g} s")
-            try:
-                return await asyncio.wait_for(asyncio.shield(future), min(left or 1.0, 1.0))
-            except TimeoutError:
-                if (code := self.exit_code()) is not None:
-                    raise VfServerError(
-                        f"env server at {self.address} exited with code {code} during {method}"
-                    ) from None
+            await asyncio.wait({future}, timeout=1.0 if left is None else min(left, 1.0))
+            if not future.done() and (code := self.exit_code()) is not None:
+                raise VfServerError(
+                    f"env server at {self.address} exited with code {code} during {method}"
+                )
+        return future.result()
 
     async def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        """Returns once the server answers `health`; `VfServerError` past `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -220,7 +263,7 @@ class VfClient:
         task_data: dict[str, Any],
         client: dict[str, Any],
         model: str,
-        sampling: dict,
+        sampling: dict[str, Any],
         timeout_s: float | None = None,
     ) -> dict[str, Any]:
         """One episode: `{"head": ..., "traces": [trace dict, ...]}` (traces as dumped
@@ -239,12 +282,30 @@ class VfClient:
         return {"head": reply.get("head"), "traces": finished_traces(traces, reply["traces"])}
 
     async def close(self) -> None:
+        """Stop receiving (requests still pending fail) and close the socket."""
         if self._receiver is not None:
             self._receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._receiver
         self.socket.close()
         self.ctx.term()
+
+
+def decoded_answer(frames: list[bytes]) -> tuple[str, bytes, dict[str, Any]]:
+    """(request id, kind, payload) of one answer; `VfServerError` for frames outside the
+    protocol (the receive loop cannot tell whose they were, so they end it)."""
+    if len(frames) != 3:
+        raise VfServerError(f"expected 3 frames from the env server, got {len(frames)}")
+    request_id, kind, data = frames
+    if kind not in (b"delta", b"reply"):
+        raise VfServerError(f"unknown answer kind {kind!r} from the env server")
+    try:
+        payload = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except ValueError as error:  # msgpack's decode errors are ValueErrors
+        raise VfServerError(f"undecodable {kind.decode()} payload: {error!r}") from error
+    if not isinstance(payload, dict):
+        raise VfServerError(f"{kind.decode()} payload is a {type(payload).__name__}, not a map")
+    return request_id.decode(), kind, payload
 
 
 def apply_delta(traces: dict[str, dict[str, Any]], delta: dict[str, Any]) -> None:
@@ -280,7 +341,8 @@ def finished_traces(
 
 def last_branch(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The root-to-leaf path ending at the last node (one training sequence)."""
-    path, index = [], len(nodes) - 1
+    path: list[dict[str, Any]] = []
+    index: int | None = len(nodes) - 1
     while index is not None:
         path.append(nodes[index])
         index = nodes[index].get("parent")
@@ -355,24 +417,40 @@ def problem_of(task_data: dict[str, Any]) -> Problem:
     )
 
 
+@runtime_checkable
+class PooledClient(Protocol):
+    """The rollout worker's `InferenceClient`: it picks replicas from its pool."""
+
+    pool: ReplicaPool
+    model: str
+
+
+@runtime_checkable
+class NamedReplicaClient(Protocol):
+    """A client without a pool (tests): it names its replica."""
+
+    base_url: str
+    model: str
+
+
 @contextlib.contextmanager
-def replica_endpoint(client: ChatClient):
+def replica_endpoint(client: ChatClient) -> Iterator[tuple[str, str, int]]:
     """(OpenAI API root, model, weights version) of the replica an episode should use, counted
     as outstanding on it while the episode runs: the rollout worker's `InferenceClient` picks
     from its replica pool (least outstanding); a client without a pool (tests) names one with
     `base_url` and `model`."""
-    pool = getattr(client, "pool", None)
-    if pool is None:
-        yield client.base_url, client.model, 0  # type: ignore[attr-defined]
+    if not isinstance(client, PooledClient):
+        assert isinstance(client, NamedReplicaClient), "a client with a pool or a base_url"
+        yield client.base_url, client.model, 0
         return
-    replica = pool.pick(set())
+    replica = client.pool.pick(set())
     if replica is None:  # the worker naks the task and waits for a replica
         raise NoReplicaError("no inference replica is ready for the environment server")
     info = replica.info
     replica.outstanding += 1
     replica.num_requests += 1
     try:
-        yield info.base_url, info.model or client.model, info.weights_version  # type: ignore[attr-defined]
+        yield info.base_url, info.model or client.model, info.weights_version
     finally:
         replica.outstanding -= 1
 
@@ -402,7 +480,7 @@ class VfServerEnv:
         renderer_model: str | None = None,
         max_concurrent: int = 8,
         episode_timeout_s: float = 600.0,
-    ):
+    ) -> None:
         self.env_id = env_id
         if max_concurrent < 0:
             raise ValueError(
@@ -448,6 +526,11 @@ class VfServerEnv:
     async def client(self) -> VfClient:
         """The connection to the server, starting the server first when it is ours."""
         async with self._starting:
+            if self._client is not None and self._client.failure is not None:
+                # its receive loop died (its episodes failed with the cause): connect again
+                log.warning("vf_env_reconnecting", env_id=self.env_id, failure=self._client.failure)
+                await self._client.close()
+                self._client = None
             if self._client is None:
                 if self.address is None:
                     assert self.python is not None
