@@ -21,8 +21,9 @@ import nats
 import structlog
 from nats.js import api
 
-from rlbus.bus import Bus, NatsServer
+from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
+from rlbus_launch.natsserver import NatsServer
 
 COUNTS = {1024: 4000, 64 * 1024: 1500, 1024 * 1024: 150}
 DECODER = msgspec.msgpack.Decoder(bytes)

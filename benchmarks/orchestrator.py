@@ -31,7 +31,7 @@ import time
 import uuid
 from pathlib import Path
 
-from rlbus import procs
+from rlbus import process_marks
 from rlbus.netutil import free_port
 
 
@@ -292,14 +292,14 @@ async def run_group_compare(args) -> None:
         times = await group_compare(url, model, args)
     finally:
         if engine is not None:
-            procs.stop_group(engine)
+            process_marks.stop_group(engine)
     print_group_compare(times, url, args)
 
 
 async def main_async(args) -> None:
     import structlog
 
-    from rlbus.bus import NatsServer
+    from rlbus_launch.natsserver import NatsServer
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     fake = None

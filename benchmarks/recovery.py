@@ -4,7 +4,7 @@
 
 One debug run (configs/debug/rl.toml, checkpoint every step, one rollout-worker process) is
 started; once it trains, each kind is killed once, in a seeded order, each kill only after the
-run trained a step since the previous one (rlbus.chaos). Printed per kind: seconds from the kill
+run trained a step since the previous one (rlbus_launch.chaos). Printed per kind: seconds from the kill
 to the next step the trainer finished, that time as a multiple of the run's median step time
 measured in the same run, and the steps lost (steps trained again after the kill). Goal (issue
 13): 0 lost, recovery under 60 s on CPU.
@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlbus import chaos, procs
+from rlbus import process_marks
+from rlbus_launch import chaos
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -55,7 +56,7 @@ def main() -> int:
         if launcher.poll() is None:
             launcher.kill()
         if launch_id:
-            procs.terminate(procs.marked_pids(launch_id), grace_s=5)
+            process_marks.terminate(process_marks.marked_pids(launch_id), grace_s=5)
     rows = chaos.recovery(kills, run_dir)
     times = [at for _, at in chaos.trained_steps(run_dir)]
     kill_times = [kill.at for kill in kills]

@@ -4,7 +4,7 @@
 
 Each mode runs in its own process (so peak memory is its own): a Qwen3 model built by
 `rlbus-tiny-model` with the given sizes, the trainer engine (FSDP2 over one gloo rank, AdamW), and
-`--steps` RL steps of random packed batches (`rlbus_trainer.testing.make_train_batch`). The first
+`--steps` RL steps of random packed batches (`tests/trainer_support.py`: `make_train_batch`). The first
 step is warm-up and not timed. Printed: tokens/s, peak memory (CUDA max allocated on a GPU, the
 process's max RSS on CPU) and the ratio of each to the plain mode.
 
@@ -24,6 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS)]  # + trainer_support (make_train_batch)
+
 MODES = {
     "plain": {"optim_cpu_offload": False},
     "optim_cpu_offload": {"optim_cpu_offload": True},
@@ -36,11 +39,11 @@ def run_mode(mode: str, model_dir: str, steps: int, seq_len: int) -> dict:
     import time
 
     import torch
+    from trainer_support import make_train_batch
 
     from rlbus.configs.trainer import TrainerConfig
     from rlbus_trainer.engine import build_engine, setup_distributed
     from rlbus_trainer.loss import build_loss_fn
-    from rlbus_trainer.testing import make_train_batch
 
     config = TrainerConfig(
         model={"name": model_dir, **MODES[mode]},

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from rlbus import procs
+from rlbus import process_marks
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -204,7 +204,7 @@ def run_process(argv: list[str], console: Path, env: dict | None = None) -> int:
             return proc.wait()
         finally:
             if proc.poll() is None:
-                procs.stop_group(proc, STOP_WAIT_S)
+                process_marks.stop_group(proc, STOP_WAIT_S)
 
 
 def rl_argv(config: Path, output_dir: Path, run_name: str, max_steps: int, extra: list[str]):
@@ -232,7 +232,7 @@ def start_time(work: Path, name: str) -> float:
 
 
 def read_rlbus(work: Path, name: str) -> tuple[list[Step], str]:
-    from rlbus.plot import read_metrics
+    from rlbus_launch.plot import read_metrics
 
     metrics = work / name / "metrics.jsonl"
     rows = read_metrics(metrics) if metrics.exists() else []

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from rlbus import netutil
-from rlbus.bus import Bus, NatsServer
+from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
+from rlbus_launch.natsserver import NatsServer
 
 
 @pytest.fixture

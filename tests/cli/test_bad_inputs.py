@@ -28,8 +28,8 @@ from rlbus.configs import (
 )
 from rlbus.configs.base import parse_cli
 from rlbus.configs.paths import exit_if_paths_missing
+from rlbus.lifecycle import Terminated, errors_in_one_line
 from rlbus.netutil import free_port
-from rlbus.runtime import Terminated, errors_in_one_line
 
 TINY_MODEL = REPO / "examples" / "reverse-text" / "model"
 """A saved model directory that ships with the repo (config.json included)."""

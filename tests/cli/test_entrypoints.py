@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import REPO, error_text
 
-LOAD = "from rlbus.runtime import load_service_run; load_service_run({module!r}, 'demo')"
+LOAD = "from rlbus.lifecycle import load_service_run; load_service_run({module!r}, 'demo')"
 
 
 def run_python(code: str, tmp_path) -> subprocess.CompletedProcess:
@@ -49,7 +49,7 @@ def test_a_missing_dependency_inside_the_service_keeps_its_traceback(tmp_path):
 def test_entry_point_modules_import_no_service_body(tmp_path):
     code = (
         "import sys, rlbus_inference.entrypoint, rlbus_orchestrator.entrypoint, "
-        "rlbus_trainer.entrypoint, rlbus_trainer.sft_entrypoint, rlbus.launch.rl, rlbus.launch.sft\n"
+        "rlbus_trainer.entrypoint, rlbus_trainer.sft_entrypoint, rlbus_launch.rl, rlbus_launch.sft\n"
         "heavy = {'torch', 'vllm', 'transformers', 'rlbus_inference.service', "
         "'rlbus_orchestrator.service', 'rlbus_trainer.service', 'rlbus_trainer.sft'}\n"
         "print(sorted(heavy & set(sys.modules)))"

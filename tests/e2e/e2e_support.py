@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from rlbus import procs
-from rlbus.launch.lock import read_lock
+from rlbus import process_marks
+from rlbus_launch.lock import read_lock
 
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_RL = REPO / "configs" / "debug" / "rl.toml"
@@ -110,7 +110,7 @@ class RlLaunch:
         except subprocess.TimeoutExpired:
             pass
         for launch_id in launch_ids(self.run_dir):
-            procs.terminate(procs.marked_pids(launch_id), grace_s=0)
+            process_marks.terminate(process_marks.marked_pids(launch_id), grace_s=0)
 
 
 def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.5) -> None:
@@ -202,7 +202,8 @@ def launch_ids(run_dir: Path) -> list[str]:
 def marked_alive(launch_id: str) -> list[str]:
     """`pid N (command) [service]` of every live process carrying the launch's mark."""
     return [
-        f"{procs.describe(pid)} [{procs.service_of(pid)}]" for pid in procs.marked_pids(launch_id)
+        f"{process_marks.describe(pid)} [{process_marks.service_of(pid)}]"
+        for pid in process_marks.marked_pids(launch_id)
     ]
 
 

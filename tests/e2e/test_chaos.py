@@ -15,7 +15,8 @@ import threading
 import pytest
 from e2e_support import RlLaunch, log_events, metrics_lines
 
-from rlbus import chaos, procs
+from rlbus import process_marks
+from rlbus_launch import chaos
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +68,7 @@ def test_twenty_sigkills_over_every_process_kind_and_the_run_heals(tmp_path, sta
     finally:
         run.kill()
         if launch_id:
-            procs.terminate(procs.marked_pids(launch_id), grace_s=2)
+            process_marks.terminate(process_marks.marked_pids(launch_id), grace_s=2)
     kinds_hit = {kill.kind for kill in monkey.kills}
     expected = set(CHEAP + VLLM)
     assert len(monkey.kills) >= 20, f"seed {seed}: only {len(monkey.kills)} kills happened"
@@ -101,6 +102,6 @@ def test_twenty_sigkills_over_every_process_kind_and_the_run_heals(tmp_path, sta
     assert "monitor died (killed by SIGKILL); restarting in" in output, f"seed {seed}"
     assert "monitor is back (pid " in output, f"seed {seed}"
     # No process of the run survives it.
-    assert procs.marked_pids(launch_id) == [], f"seed {seed}: survivors"
+    assert process_marks.marked_pids(launch_id) == [], f"seed {seed}: survivors"
     for row in chaos.recovery(monkey.kills, run.run_dir):
         print(row)

@@ -25,7 +25,7 @@ from e2e_support import (
     wait_for,
 )
 
-from rlbus.launch.lock import LOCK_FILE, read_lock
+from rlbus_launch.lock import LOCK_FILE, read_lock
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""rlbus.chaos: process kinds from real command lines, descendants through /proc, recovery rows."""
+"""rlbus_launch.chaos: process kinds from real command lines, descendants through /proc, recovery rows."""
 
 import json
 import os
@@ -7,12 +7,12 @@ import subprocess
 import sys
 import time
 
-from rlbus import chaos
+from rlbus_launch import chaos
 
 # Command lines as `ps` showed them for a debug run (interpreter paths shortened).
 CMDLINES = {
     "/v/bin/nats-server -c /r/configs/nats.conf": "nats-server",
-    "/v/bin/python -m rlbus.monitors @ /r/configs/rl.toml --bus.url nats://127.0.0.1:1": "monitor",
+    "/v/bin/python -m rlbus_launch.monitor @ /r/configs/rl.toml --bus.url nats://127.0.0.1:1": "monitor",
     "/v/bin/python -m rlbus_inference.entrypoint @ /r/configs/inference.toml": "inference-leader",
     "/v/bin/python -m vllm.entrypoints.openai.api_server --host 0.0.0.0 --port 1": "api-server",
     "VLLM::EngineCore": "engine-core",
@@ -91,7 +91,7 @@ def test_a_kind_absent_for_a_moment_is_retried_later_in_the_round(monkeypatch, t
 
     steps = iter(range(1, 1000))
     monkeypatch.setattr(chaos, "processes_by_kind", by_kind)
-    monkeypatch.setattr(chaos.procs, "alive", lambda pid: True)
+    monkeypatch.setattr(chaos.process_marks, "alive", lambda pid: True)
     monkeypatch.setattr(chaos.ChaosMonkey, "newest_step", lambda self: next(steps))
     killed = []
     monkeypatch.setattr(

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from rlbus.plot import plot_run, read_metrics
+from rlbus_launch.plot import plot_run, read_metrics
 
 
 def make_metrics(run_dir, rows):
@@ -36,7 +36,7 @@ def test_plot_writes_a_png_per_chart_with_data_only(tmp_path):
 
 def test_plot_command_fails_clearly_without_metrics(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "rlbus.plot", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-m", "rlbus_launch.plot", str(tmp_path)], capture_output=True, text=True
     )
     assert result.returncode != 0
     assert "metrics.jsonl does not exist" in result.stderr
@@ -46,7 +46,7 @@ def test_plot_command_fails_clearly_without_metrics(tmp_path):
 def test_plot_command_fails_when_no_known_metric(tmp_path, rows):
     make_metrics(tmp_path, rows)
     result = subprocess.run(
-        [sys.executable, "-m", "rlbus.plot", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-m", "rlbus_launch.plot", str(tmp_path)], capture_output=True, text=True
     )
     assert result.returncode != 0
     assert "no known metric" in result.stderr

@@ -1,4 +1,4 @@
-"""rlbus.procs: marked processes are found across sessions and ended; the parent-death signal."""
+"""rlbus.process_marks: marked processes are found across sessions and ended; the parent-death signal."""
 
 import os
 import signal
@@ -7,13 +7,13 @@ import sys
 import time
 import uuid
 
-from rlbus import procs
+from rlbus import process_marks
 
 
 def _spawn_marked(launch_id: str, service: str, *, new_session: bool = True) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"],
-        env={**os.environ, **procs.mark_env(launch_id, service)},
+        env={**os.environ, **process_marks.mark_env(launch_id, service)},
         start_new_session=new_session,
     )
 
@@ -25,17 +25,19 @@ def test_marked_pids_finds_only_this_launch_and_service_then_terminate_ends_them
     c = _spawn_marked(other, "trainer")
     try:
         deadline = time.monotonic() + 10
-        while len(procs.marked_pids(launch_id)) < 2 and time.monotonic() < deadline:
+        while len(process_marks.marked_pids(launch_id)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert procs.marked_pids(launch_id) == sorted([a.pid, b.pid])
-        assert procs.marked_pids(launch_id, "trainer") == [a.pid]
-        assert procs.service_of(b.pid) == "inference"
-        assert str(a.pid) in procs.describe(a.pid) and "time.sleep" in procs.describe(a.pid)
-        assert procs.terminate(procs.marked_pids(launch_id), grace_s=5) == []
+        assert process_marks.marked_pids(launch_id) == sorted([a.pid, b.pid])
+        assert process_marks.marked_pids(launch_id, "trainer") == [a.pid]
+        assert process_marks.service_of(b.pid) == "inference"
+        assert str(a.pid) in process_marks.describe(
+            a.pid
+        ) and "time.sleep" in process_marks.describe(a.pid)
+        assert process_marks.terminate(process_marks.marked_pids(launch_id), grace_s=5) == []
         a.wait(5), b.wait(5)
         assert a.returncode == -signal.SIGTERM and b.returncode == -signal.SIGTERM
-        assert procs.marked_pids(launch_id) == []
-        assert procs.alive(c.pid)
+        assert process_marks.marked_pids(launch_id) == []
+        assert process_marks.alive(c.pid)
     finally:
         for p in (a, b, c):
             if p.poll() is None:
@@ -49,9 +51,9 @@ def test_die_with_parent_signals_a_grandchild_when_its_parent_is_killed():
     # its pid, then waits; killing the middle one must end the grandchild too.
     middle_code = (
         "import subprocess, sys, time\n"
-        "from rlbus import procs\n"
+        "from rlbus import process_marks\n"
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
-        " preexec_fn=procs.die_with_parent)\n"
+        " preexec_fn=process_marks.die_with_parent)\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
@@ -59,19 +61,19 @@ def test_die_with_parent_signals_a_grandchild_when_its_parent_is_killed():
         [sys.executable, "-c", middle_code],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, **procs.mark_env(launch_id, "x")},
+        env={**os.environ, **process_marks.mark_env(launch_id, "x")},
     )
     try:
         grandchild = int(middle.stdout.readline())
-        assert procs.alive(grandchild)
+        assert process_marks.alive(grandchild)
         middle.kill()
         middle.wait(5)
         deadline = time.monotonic() + 5
-        while procs.alive(grandchild) and time.monotonic() < deadline:
+        while process_marks.alive(grandchild) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not procs.alive(grandchild)
+        assert not process_marks.alive(grandchild)
     finally:
         if middle.poll() is None:
             middle.kill()
             middle.wait()
-        procs.terminate(procs.marked_pids(launch_id), grace_s=1)
+        process_marks.terminate(process_marks.marked_pids(launch_id), grace_s=1)

@@ -1,11 +1,11 @@
-"""Run-directory rules (rlbus.runs), one test per rule of docs/run-directories.md."""
+"""Run-directory rules (rlbus.rundirs), one test per rule of docs/run-directories.md."""
 
 import os
 import re
 
 import pytest
 
-from rlbus.runs import (
+from rlbus.rundirs import (
     CHECKPOINT_COMPLETE,
     RunDirError,
     checkpoint_dir,

@@ -1,4 +1,4 @@
-"""The service shell (rlbus.runtime): control semantics, supervised tasks, signals, layering."""
+"""The service shell (rlbus.lifecycle): control semantics, supervised tasks, signals, layering."""
 
 import ast
 import asyncio
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.runtime import ServiceState, TaskFailed, TaskSupervisor, control_handler
+from rlbus.lifecycle import ServiceState, TaskFailed, TaskSupervisor, control_handler
 from rlbus.wire import control
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,7 +99,7 @@ async def test_join_returns_once_every_task_returned():
 SERVICE = """
 import asyncio, sys
 from rlbus.obs.logging import setup_logging
-from rlbus.runtime import TaskSupervisor, run_service
+from rlbus.lifecycle import TaskSupervisor, run_service
 
 setup_logging("demo", json_console=True)
 
@@ -199,7 +199,7 @@ def test_no_service_imports_the_launchers():
         str(path.relative_to(REPO)): sorted(
             n
             for n in imported_modules(path)
-            if n == "rlbus.launch" or n.startswith("rlbus.launch.")
+            if n == "rlbus_launch" or n.startswith("rlbus_launch.")
         )
         for path in (REPO / "services").rglob("*.py")
     }
@@ -209,7 +209,7 @@ def test_no_service_imports_the_launchers():
 FOREIGN_LOOP = """
 import asyncio
 from rlbus.obs.logging import setup_logging
-from rlbus.runtime import terminate_on_failure
+from rlbus.lifecycle import terminate_on_failure
 
 setup_logging("engine", json_console=True)
 

@@ -7,7 +7,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from rlbus.obs import traceview, tracing
+from rlbus.obs import tracing
+from rlbus_launch import traceview
 
 
 def write_step(traces_dir, step: int, rollouts: int) -> None:

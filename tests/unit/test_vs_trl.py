@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlbus import procs
-from rlbus.plot import read_metrics
+from rlbus import process_marks
+from rlbus_launch.plot import read_metrics
 from rlbus_orchestrator.envs.reverse_text import ReverseTextEnv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,7 +168,7 @@ def test_stop_group_ends_the_whole_process_group():
     )
     child = int(proc.stdout.readline())
     try:
-        procs.stop_group(proc, vs_trl.STOP_WAIT_S)
+        process_marks.stop_group(proc, vs_trl.STOP_WAIT_S)
         assert proc.returncode is not None
         deadline = time.monotonic() + 10  # the child got the signal; give it time to exit
         while not is_gone(child) and time.monotonic() < deadline:

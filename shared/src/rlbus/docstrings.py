@@ -1,7 +1,7 @@
 """Attribute docstrings (PEP 224: a string right under an annotated field), read from source.
 
 One reader for the two places that need them: config help text (`rlbus.configs.base`) and the
-bus message reference (`rlbus.wire.schema`).
+bus message reference (`rlbus_launch.schema`).
 """
 
 import ast

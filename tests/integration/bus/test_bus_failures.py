@@ -13,10 +13,11 @@ import time
 import pytest
 from bus_factories import make_batch, make_task, wait_for
 
-from rlbus.bus import Bus, BusAuthError, LeaseHeld, NatsServer
+from rlbus.bus import Bus, BusAuthError, LeaseHeld
 from rlbus.bus.errors import PoisonBatch
 from rlbus.configs.bus import BusConfig
 from rlbus.wire import tasks
+from rlbus_launch.natsserver import NatsServer
 
 DYING_WORKER = textwrap.dedent(
     """

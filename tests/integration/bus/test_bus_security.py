@@ -21,12 +21,13 @@ import pytest
 import structlog
 from bus_factories import make_task
 
-from rlbus.bus import Bus, NatsServer
+from rlbus.bus import Bus
 from rlbus.bus.errors import BusAuthError, BusTLSError
 from rlbus.bus.natsauth import ROLES, write_security_dir
 from rlbus.configs.bus import BusConfig
 from rlbus.secrets import write_secret_file
 from rlbus.wire.subjects import RunSubjects
+from rlbus_launch.natsserver import NatsServer
 
 RUN = "sec"
 FAIL_FAST_S = 10.0

@@ -1,4 +1,4 @@
-"""`python -m rlbus.bus.deadletters`: the listing of a run's quarantined messages, on a run-dir-shaped
+"""`python -m rlbus_launch.deadletters`: the listing of a run's quarantined messages, on a run-dir-shaped
 store with a real nats-server (live, and stopped: the command starts a temporary one)."""
 
 import json
@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.bus import Bus, NatsServer
+from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
+from rlbus_launch.natsserver import NatsServer
 
 RUN_ID = "dl-run"
 
 
 def run_command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rlbus.bus.deadletters", *args],
+        [sys.executable, "-m", "rlbus_launch.deadletters", *args],
         capture_output=True,
         text=True,
         timeout=120,

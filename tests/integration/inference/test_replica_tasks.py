@@ -14,9 +14,9 @@ from inference_helpers import registered
 from rlbus.bus.errors import LeaseHeld
 from rlbus.configs.bus import BusConfig
 from rlbus.configs.inference import InferenceConfig
-from rlbus.runtime import ServiceState, TaskFailed
+from rlbus.lifecycle import ServiceState, TaskFailed
 from rlbus.wire import events
-from rlbus_inference.processes import FAILED_PREFIX
+from rlbus_inference.engine_process import FAILED_PREFIX
 from rlbus_inference.replica import run_replica_tasks
 
 

@@ -25,9 +25,9 @@ def start_monitor(config, tmp_path, *, prelude: str | None = None, args: tuple[s
     path = tmp_path / "rl.toml"
     path.write_text(config_to_toml(config))
     if prelude is None:
-        argv = [sys.executable, "-m", "rlbus.monitors", "@", str(path)]
+        argv = [sys.executable, "-m", "rlbus_launch.monitor", "@", str(path)]
     else:
-        code = prelude + "\nfrom rlbus.monitors.service import main\nmain(sys.argv[1:])\n"
+        code = prelude + "\nfrom rlbus_launch.monitor.service import main\nmain(sys.argv[1:])\n"
         argv = [sys.executable, "-c", code, "@", str(path)]
     return subprocess.Popen([*argv, *args], start_new_session=True)
 

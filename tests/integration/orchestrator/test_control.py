@@ -11,10 +11,10 @@ from orch_support import good_rollout
 
 from rlbus.configs.bus import BusConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
-from rlbus.runtime import ServiceState
+from rlbus.lifecycle import ServiceState
 from rlbus.wire import control
 from rlbus.wire import tasks as tasks_wire
-from rlbus_orchestrator.coordinator import STATE_KEY
+from rlbus_orchestrator.state_store import STATE_KEY
 from rlbus_orchestrator.service import serve
 
 BATCH_SIZE = 4

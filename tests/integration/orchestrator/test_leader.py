@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from rlbus.runtime import ServiceState
+from rlbus.lifecycle import ServiceState
 from rlbus.wire import run
 from rlbus.wire.subjects import COORDINATOR_LEADER_KEY
 from rlbus_orchestrator.leader import LeaderLost, become_leader, watch_lease

@@ -23,7 +23,7 @@ from orch_support import (
 )
 
 from rlbus.bus import Bus
-from rlbus_orchestrator.coordinator import read_saved_state
+from rlbus_orchestrator.state_store import read_saved_state
 from rlbus_orchestrator.service import serve
 
 

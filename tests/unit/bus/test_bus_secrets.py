@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from rlbus.bus import server
 from rlbus.configs import RLConfig
 from rlbus.configs.base import config_to_toml, parse_cli
 from rlbus.configs.bus import BusConfig
-from rlbus.launch.plan import build_rl_launch
 from rlbus.secrets import SecretError, write_secret_file
+from rlbus_launch import natsserver as server
+from rlbus_launch.plan import build_rl_launch
 
 ROOT = Path(__file__).resolve().parents[3]
 DEBUG_RL = ROOT / "configs" / "debug" / "rl.toml"

@@ -1,8 +1,8 @@
 """Import boundaries of the bus, read from the source with `ast` (TYPE_CHECKING blocks included).
 
-- Inside `rlbus.bus`, imports run one way: errors/stats/kvwatch <- claimcheck <-
-  core/connection <- consumer/kv/steplog/control <- records <- client (no module takes helpers
-  back from a module above it).
+- Inside `rlbus.bus`, imports run one way: errors/stats/kvwatch/topology <- claimcheck <-
+  quarantine <- core/connection <- consumer/kv/steplog/control <- records <- client (no module
+  takes helpers back from a module above it).
 - nats-py is imported only inside `shared/src/rlbus/bus/` and by `benchmarks/bus.py`, whose job is
   to compare bare nats-py with the facade (docs/bus.md, "Benchmark").
 """
@@ -21,15 +21,17 @@ BUS_LAYERS = {
     "natsauth": 0,  # users, permissions and TLS files: imports no other bus module
     "stats": 0,  # the stream-statistics snapshot
     "kvwatch": 0,  # raw KV updates through outages (KV decodes them)
+    "topology": 0,  # server-side configs of streams, durables and buckets
     "claimcheck": 1,
-    "core": 2,
-    "connection": 2,
-    "consumer": 3,
-    "kv": 3,
-    "steplog": 3,
-    "control": 3,  # control request/reply
-    "records": 4,  # the replica registry and the run's end, read through KV
-    "client": 5,
+    "quarantine": 2,  # dead-letter headers and records
+    "core": 3,
+    "connection": 3,
+    "consumer": 4,
+    "kv": 4,
+    "steplog": 4,
+    "control": 4,  # control request/reply
+    "records": 5,  # the replica registry and the run's end, read through KV
+    "client": 6,
 }
 
 

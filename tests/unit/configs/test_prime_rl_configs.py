@@ -10,7 +10,8 @@ import tomli
 from rlbus.configs import RLConfig, SFTConfig
 from rlbus.configs import orchestrator as orchestrator_config
 from rlbus.configs.base import known_flag_paths, parse_cli
-from rlbus.configs.migrate import RL_RULES, SFT_RULES, guess_kind, main, migrate
+from rlbus.configs.migrate import RL_RULES, SFT_RULES, migrate
+from rlbus_launch.migrate_config import guess_kind, main
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "prime_rl"
 

@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rlbus.configs.inference import InferenceConfig
+from rlbus.lifecycle import ServiceState, TaskSupervisor
 from rlbus.netutil import free_port
-from rlbus.runtime import ServiceState, TaskSupervisor
-from rlbus_inference import processes
+from rlbus_inference import engine_process
 from rlbus_inference.service import watch_attached
 
 
@@ -41,7 +41,9 @@ async def test_the_watch_ends_after_the_attached_server_stops_answering():
             assert not watch.done()  # healthy: still watching
             server.shutdown()
             server.server_close()
-            with pytest.raises(processes.ChildExited, match=f"127.0.0.1:{port} failed 2 health"):
+            with pytest.raises(
+                engine_process.ChildExited, match=f"127.0.0.1:{port} failed 2 health"
+            ):
                 await asyncio.wait_for(watch, 5)
         finally:
             watch.cancel()

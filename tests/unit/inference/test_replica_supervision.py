@@ -12,8 +12,8 @@ import pytest
 from rlbus.configs.inference import InferenceConfig
 from rlbus.netutil import free_port
 from rlbus.wire import weights
-from rlbus_inference import guard, processes
-from rlbus_inference.replica import WeightAgent, WeightApplyError, WeightRejected
+from rlbus_inference import engine_plugin, engine_process
+from rlbus_inference.weight_agent import WeightAgent, WeightApplyError, WeightRejected
 
 
 @pytest.fixture
@@ -31,36 +31,37 @@ def sleepers():
 
 
 def test_how_it_ended_names_the_signal_or_the_code():
-    assert processes.how_it_ended(-9) == "was killed by SIGKILL"
-    assert processes.how_it_ended(3) == "exited with code 3"
-    assert processes.how_it_ended(None) == "exited"
+    assert engine_process.how_it_ended(-9) == "was killed by SIGKILL"
+    assert engine_process.how_it_ended(3) == "exited with code 3"
+    assert engine_process.how_it_ended(None) == "exited"
 
 
 def test_zombie_returncode_reads_the_status_of_an_unreaped_process(sleepers):
     (proc,) = sleepers(1)
     proc.send_signal(signal.SIGKILL)
     deadline = 50
-    while (code := processes.zombie_returncode(proc.pid)) is None and deadline:
+    while (code := engine_process.zombie_returncode(proc.pid)) is None and deadline:
         deadline -= 1
         subprocess.run(["sleep", "0.1"])
     assert code == -signal.SIGKILL
 
 
-def watch_of(sleepers, **health) -> tuple[processes.ChildWatch, list[subprocess.Popen]]:
-    engine, router = sleepers(2)
+def watch_of(sleepers, **health) -> tuple[engine_process.ChildWatch, subprocess.Popen]:
+    (engine,) = sleepers(1)
     config = InferenceConfig(
         backend_port=free_port(), server={"host": "127.0.0.1"}, health=health or {}
     )
-    children = {"engine": (engine, Path("/logs/e.log")), "router": (router, None)}
-    return processes.ChildWatch(config, children, engine_log=Path("/logs/e.log")), [engine, router]
+    children = {"engine": (engine, Path("/logs/e.log"))}
+    return engine_process.ChildWatch(config, children, engine_log=Path("/logs/e.log")), engine
 
 
-def test_a_child_that_exits_is_named_with_how_it_ended(sleepers):
-    watch, (_, router) = watch_of(sleepers)
-    watch.check_processes()  # all alive: nothing raised
-    router.send_signal(signal.SIGKILL)
-    router.wait()
-    with pytest.raises(processes.ChildExited, match=rf"^router \(pid {router.pid}\) was killed"):
+def test_a_child_that_exits_is_named_with_how_it_ended_and_its_log(sleepers):
+    watch, engine = watch_of(sleepers)
+    watch.check_processes()  # alive: nothing raised
+    engine.send_signal(signal.SIGKILL)
+    engine.wait()
+    expected = rf"^engine \(pid {engine.pid}\) was killed by SIGKILL; its output is in /logs/e.log"
+    with pytest.raises(engine_process.ChildExited, match=expected):
         watch.check_processes()
 
 
@@ -69,7 +70,7 @@ async def test_health_failing_n_times_in_a_row_is_a_death(sleepers):
     async with httpx.AsyncClient() as http:
         await watch.check_health(http)
         assert watch.failures == 1
-        with pytest.raises(processes.ChildExited) as raised:
+        with pytest.raises(engine_process.ChildExited) as raised:
             await watch.check_health(http)
     assert str(raised.value).startswith("engine /health failed 2 times in a row")
     assert str(raised.value).endswith("its output is in /logs/e.log")
@@ -95,7 +96,7 @@ def agent_with(answer, tmp_path=None, changes=None) -> tuple[WeightAgent, Events
 
     http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
     config = InferenceConfig(weights_apply_timeout_s=1.0)
-    agent = WeightAgent(bus, config, http, on_change)
+    agent = WeightAgent(bus, config, http, on_change, replica_id="r0")
     agent.loaded_version = 5
     return agent, bus
 
@@ -123,7 +124,7 @@ def test_records_that_can_never_apply_are_named(tmp_path):
 async def test_engine_answers_are_refusals_or_retryable(status, error):
     agent, _ = agent_with(lambda request: httpx.Response(status, text="why"))
     with pytest.raises(error, match=f"/update_weights answered {status}: why"):
-        await agent.post("/update_weights", {})
+        await agent.loader.post("/update_weights", {})
 
 
 async def test_an_engine_that_does_not_answer_in_time_is_a_retryable_failure():
@@ -132,7 +133,7 @@ async def test_an_engine_that_does_not_answer_in_time_is_a_retryable_failure():
 
     agent, _ = agent_with(hang)
     with pytest.raises(WeightApplyError, match=r"no answer from /update_weights within 1 s"):
-        await agent.post("/update_weights", {})
+        await agent.loader.post("/update_weights", {})
 
 
 async def test_a_refused_record_is_reported_once_and_never_retried(tmp_path):
@@ -174,25 +175,25 @@ async def test_a_replica_serving_an_adapter_advertises_it_as_its_model(tmp_path)
     assert [(s, m.version) for s, m in bus.published] == [("applied", 6)]
 
 
-def test_the_guard_acts_only_in_a_marked_engine_core(monkeypatch):
-    monkeypatch.delenv(guard.GUARD_ENV, raising=False)
-    assert not guard.is_engine_core()
-    guard.register()  # not an EngineCore: no parent-death signal asked for
+def test_the_engine_plugin_acts_only_in_a_marked_engine(monkeypatch):
+    monkeypatch.delenv(engine_plugin.GUARD_ENV, raising=False)
+    assert not engine_plugin.is_engine_core()
+    engine_plugin.register()  # not marked: no patch check, no parent-death signal asked for
 
 
 def test_leftovers_of_the_mark_are_ended_but_not_our_ancestors(sleepers):
     import os
 
-    from rlbus import procs
+    from rlbus import process_marks
 
-    mark = procs.mark_env(f"unit-{os.getpid()}", "inference-u")
+    mark = process_marks.mark_env(f"unit-{os.getpid()}", "inference-u")
     leftover = subprocess.Popen(["sleep", "60"], env={**os.environ, **mark})
     try:
         # This process stands in for an ancestor carrying the mark (as `uv run` would).
         os.environ.update(mark)
-        processes.end_marked(mark, grace_s=2.0)
+        engine_process.end_marked(mark, grace_s=2.0)
         assert leftover.wait(5) == -signal.SIGTERM
-        assert os.getppid() in processes.ancestors(os.getpid())
+        assert os.getppid() in engine_process.ancestors(os.getpid())
     finally:
         for key in mark:
             os.environ.pop(key, None)

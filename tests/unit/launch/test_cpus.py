@@ -1,6 +1,6 @@
 """CPU placement of inference and trainer on GPU-less hosts."""
 
-from rlbus.launch.cpus import bind_trainer, plan_cpus
+from rlbus_launch.cpus import bind_trainer, plan_cpus
 
 
 def test_two_cores_give_one_to_each():
@@ -34,7 +34,7 @@ def orchestrator_argvs(monkeypatch, tmp_path, where: str) -> dict[str, list[str]
     import shutil
 
     from rlbus.configs import RLConfig
-    from rlbus.launch import plan
+    from rlbus_launch import plan
 
     monkeypatch.setattr(plan, "usable_cores", lambda: [0, 1])
     monkeypatch.setattr(plan, "host_has_gpus", lambda: False)

@@ -1,4 +1,4 @@
-"""`rl`'s healing loop (`rlbus.launch.rl.watch`) with real short-lived processes standing in for
+"""`rl`'s healing loop (`rlbus_launch.rl.watch`) with real short-lived processes standing in for
 the services: a death is restarted with the same argv and announced; a spent budget or a config
 error stops the run with one line naming the service and the setting."""
 
@@ -8,11 +8,11 @@ import time
 
 from rlbus.configs import RLConfig
 from rlbus.configs.common import SupervisionConfig
-from rlbus.launch.plan import Launch
-from rlbus.launch.progress import Progress
-from rlbus.launch.restarts import RestartPolicy
-from rlbus.launch.rl import watch
-from rlbus.launch.supervisor import ServiceProcess, Supervisor
+from rlbus_launch.plan import Launch
+from rlbus_launch.progress import Progress
+from rlbus_launch.restarts import RestartPolicy
+from rlbus_launch.rl import watch
+from rlbus_launch.supervisor import ServiceProcess, Supervisor
 
 DIES_ONCE = """
 import os, signal, sys, time

@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from rlbus import procs
-from rlbus.launch.lock import (
+from rlbus import process_marks
+from rlbus_launch.lock import (
     LOCK_FILE,
     LauncherLock,
     lock_path,
@@ -75,7 +75,7 @@ def test_live_marked_processes_are_refused_even_when_the_launcher_is_gone(tmp_pa
     dead = sleeper(started)
     dead.kill()
     dead.wait(10)
-    orphan = sleeper(started, procs.mark_env(launch_id, "trainer"))
+    orphan = sleeper(started, process_marks.mark_env(launch_id, "trainer"))
     put_lock(tmp_path, dead.pid, launch_id)
     message = refusal(tmp_path)
     assert message is not None
@@ -85,7 +85,7 @@ def test_live_marked_processes_are_refused_even_when_the_launcher_is_gone(tmp_pa
 
 def test_a_stale_lock_is_ignored(tmp_path, started):
     launch_id = uuid.uuid4().hex
-    gone = sleeper(started, procs.mark_env(launch_id, "monitor"))
+    gone = sleeper(started, process_marks.mark_env(launch_id, "monitor"))
     gone.kill()
     gone.wait(10)
     put_lock(tmp_path, gone.pid, launch_id)

@@ -9,8 +9,8 @@ import pytest
 
 from rlbus.configs import InferenceConfig, RLConfig
 from rlbus.configs.base import parse_cli
-from rlbus.launch.plan import build_rl_launch
-from rlbus.launch.rl import main as rl_main
+from rlbus_launch.plan import build_rl_launch
+from rlbus_launch.rl import main as rl_main
 
 ROOT = Path(__file__).resolve().parents[3]
 DEBUG_RL = str(ROOT / "configs" / "debug" / "rl.toml")

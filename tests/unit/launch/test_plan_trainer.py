@@ -3,7 +3,7 @@
 import sys
 
 from rlbus.configs import RLConfig
-from rlbus.launch.plan import build_rl_launch
+from rlbus_launch.plan import build_rl_launch
 
 
 def trainer_argv(tmp_path, *ranks: str) -> list[str]:

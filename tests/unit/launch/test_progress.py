@@ -2,7 +2,7 @@
 
 import json
 
-from rlbus.launch.progress import MetricsTail, Progress, replica_versions, step_line
+from rlbus_launch.progress import MetricsTail, Progress, replica_versions, step_line
 
 
 def make_row(step: int, **values) -> dict:

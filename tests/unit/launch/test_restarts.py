@@ -6,7 +6,7 @@ import signal
 from rlbus.configs import RLConfig
 from rlbus.configs.base import parse_cli
 from rlbus.configs.common import SupervisionConfig
-from rlbus.launch.restarts import (
+from rlbus_launch.restarts import (
     GiveUp,
     Restart,
     RestartPolicy,
@@ -103,7 +103,7 @@ def test_supervision_flags_parse_like_every_other_field():
 def test_a_torchrun_job_whose_rank_cannot_resume_is_not_restarted():
     """torchrun's agent exits 1 whatever its ranks did; its failure summary names the rank's
     code, and a 2 (config error, checkpoint gone) must stop the run instead of being retried."""
-    from rlbus.launch.restarts import GiveUp, RestartPolicy, rank_exit_code
+    from rlbus_launch.restarts import GiveUp, RestartPolicy, rank_exit_code
 
     torchrun = ["python", "-m", "torch.distributed.run", "-m", "rlbus_trainer.entrypoint"]
     summary = (

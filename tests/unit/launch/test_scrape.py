@@ -1,15 +1,15 @@
-"""Where `rl` runs each process's Prometheus /metrics (rlbus.launch.plan) and the targets file it
-keeps for Prometheus (rlbus.launch.scrape)."""
+"""Where `rl` runs each process's Prometheus /metrics (rlbus_launch.plan) and the targets file it
+keeps for Prometheus (rlbus_launch.scrape)."""
 
 import json
 import tomllib
 
 from rlbus.configs import RLConfig
 from rlbus.configs.base import parse_cli
-from rlbus.launch.plan import build_rl_launch
-from rlbus.launch.scrape import TARGETS_FILE, ScrapeTargets, service_of
-from rlbus.launch.scripts import write_configs
 from rlbus.obs import metrics
+from rlbus_launch.plan import build_rl_launch
+from rlbus_launch.scrape import TARGETS_FILE, ScrapeTargets, service_of
+from rlbus_launch.scripts import write_configs
 
 
 def plan(tmp_path, *flags: str):

@@ -9,7 +9,7 @@ import pytest
 
 from rlbus.configs import RLConfig, SlurmConfig
 from rlbus.configs.base import parse_cli
-from rlbus.launch.slurm import SlurmSetupError, one_node_gpus, rl_job
+from rlbus_launch.slurm import SlurmSetupError, one_node_gpus, rl_job
 
 ROOT = Path(__file__).resolve().parents[3]
 DEBUG_RL = ROOT / "configs" / "debug" / "rl.toml"

@@ -10,16 +10,16 @@ import time
 
 import pytest
 
-from rlbus import procs
-from rlbus.launch.lock import lock_path, read_lock
+from rlbus import process_marks
+from rlbus_launch.lock import lock_path, read_lock
 
 LAUNCHER = """
 import signal, sys
 from pathlib import Path
 from rlbus.configs import RLConfig
-from rlbus.launch.plan import Launch
-from rlbus.launch.rl import supervise
-from rlbus.launch.supervisor import ServiceProcess
+from rlbus_launch.plan import Launch
+from rlbus_launch.rl import supervise
+from rlbus_launch.supervisor import ServiceProcess
 
 run_dir = Path(sys.argv[1])
 stubborn = (
@@ -57,13 +57,13 @@ def launcher(tmp_path):
             assert popen.poll() is None, "the launcher exited early"
             time.sleep(0.1)
         assert launch_id is not None, "the stand-in services did not come up"
-        assert len(procs.marked_pids(launch_id)) == 2
+        assert len(process_marks.marked_pids(launch_id)) == 2
         yield popen, launch_id
     finally:
         popen.kill()
         popen.wait(10)
         if launch_id is not None:
-            procs.terminate(procs.marked_pids(launch_id), grace_s=0)
+            process_marks.terminate(process_marks.marked_pids(launch_id), grace_s=0)
 
 
 def test_a_second_ctrl_c_stops_everything_now(tmp_path, launcher):
@@ -75,7 +75,7 @@ def test_a_second_ctrl_c_stops_everything_now(tmp_path, launcher):
     popen.send_signal(signal.SIGINT)
     assert popen.wait(10) == 128 + signal.SIGINT
     assert time.monotonic() - second_at < 10
-    assert procs.marked_pids(launch_id) == []
+    assert process_marks.marked_pids(launch_id) == []
     assert not lock_path(tmp_path).exists()
 
 
@@ -85,5 +85,5 @@ def test_sighup_stops_without_a_drain_and_exits_129(tmp_path, launcher):
     os.kill(popen.pid, signal.SIGHUP)
     assert popen.wait(10) == 128 + signal.SIGHUP
     assert time.monotonic() - hung_up_at < 10
-    assert procs.marked_pids(launch_id) == []
+    assert process_marks.marked_pids(launch_id) == []
     assert not lock_path(tmp_path).exists()

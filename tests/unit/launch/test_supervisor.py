@@ -3,8 +3,8 @@ import sys
 import time
 import uuid
 
-from rlbus import procs
-from rlbus.launch.supervisor import ServiceProcess, Supervisor
+from rlbus import process_marks
+from rlbus_launch.supervisor import ServiceProcess, Supervisor
 
 
 def make_service(tmp_path, name, code):
@@ -94,12 +94,12 @@ def test_marked_processes_that_left_the_group_are_ended_with_their_service(tmp_p
     supervisor.start(service)
     try:
         escaped = started_child(service)
-        assert procs.service_of(escaped) == "trainer"
-        assert sorted(procs.marked_pids(launch_id)) == sorted([service.pid, escaped])
+        assert process_marks.service_of(escaped) == "trainer"
+        assert sorted(process_marks.marked_pids(launch_id)) == sorted([service.pid, escaped])
         supervisor.stop_all(timeout_s=0.5)
-        assert not pid_alive(escaped) and procs.marked_pids(launch_id) == []
+        assert not pid_alive(escaped) and process_marks.marked_pids(launch_id) == []
     finally:
-        procs.terminate(procs.marked_pids(launch_id), grace_s=0)
+        process_marks.terminate(process_marks.marked_pids(launch_id), grace_s=0)
 
 
 def test_stop_now_kills_every_group_and_marked_process_at_once(tmp_path):
@@ -114,9 +114,9 @@ def test_stop_now_kills_every_group_and_marked_process_at_once(tmp_path):
         began = time.monotonic()
         supervisor.stop_now()
         assert time.monotonic() - began < 10
-        assert procs.marked_pids(launch_id) == [] and not any(pid_alive(p) for p in escaped)
+        assert process_marks.marked_pids(launch_id) == [] and not any(pid_alive(p) for p in escaped)
     finally:
-        procs.terminate(procs.marked_pids(launch_id), grace_s=0)
+        process_marks.terminate(process_marks.marked_pids(launch_id), grace_s=0)
 
 
 def test_a_restarted_service_runs_the_same_argv_and_appends_to_its_log(tmp_path):

@@ -12,15 +12,15 @@ import uuid
 
 import pytest
 
-from rlbus import procs
-from rlbus.launch.lock import lock_path
+from rlbus import process_marks
+from rlbus_launch.lock import lock_path
 
 LAUNCHER = """
 import json, os, subprocess, sys, time
 from pathlib import Path
-from rlbus import procs
-from rlbus.launch.lock import write_lock
-from rlbus.launch.watchdog import start_watchdog
+from rlbus import process_marks
+from rlbus_launch.lock import write_lock
+from rlbus_launch.watchdog import start_watchdog
 
 launch_id, run_dir, clean = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "clean"
 watchdog = start_watchdog(launch_id, run_dir, grace_s=2.0)
@@ -29,7 +29,7 @@ stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); 
 children = [
     subprocess.Popen(
         [sys.executable, "-c", stubborn],
-        env={**os.environ, **procs.mark_env(launch_id, f"svc{i}")},
+        env={**os.environ, **process_marks.mark_env(launch_id, f"svc{i}")},
         start_new_session=True,
     )
     for i in range(2)
@@ -76,17 +76,17 @@ def launched(tmp_path):
 
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(procs.alive(p) for p in pids):
+    while time.monotonic() < deadline and any(process_marks.alive(p) for p in pids):
         time.sleep(0.1)
-    return [p for p in pids if procs.alive(p)]
+    return [p for p in pids if process_marks.alive(p)]
 
 
 def test_launcher_sigkilled_every_marked_process_gone_within_10s(tmp_path, launched):
     launcher, launch_id, info = launched("dies")
     # A child's /proc environ shows its mark once it has exec'd (not between fork and exec).
     deadline = time.monotonic() + 10
-    while sorted(procs.marked_pids(launch_id)) != sorted(info["children"]):
-        assert time.monotonic() < deadline, (procs.marked_pids(launch_id), info["children"])
+    while sorted(process_marks.marked_pids(launch_id)) != sorted(info["children"]):
+        assert time.monotonic() < deadline, (process_marks.marked_pids(launch_id), info["children"])
         time.sleep(0.05)
     assert lock_path(tmp_path).exists()
     killed_at = time.monotonic()

@@ -1,6 +1,6 @@
-from rlbus.monitors.join import StepJoiner
 from rlbus.wire.events import StepMetrics
 from rlbus.wire.weights import WeightsApplied, WeightsFailed
+from rlbus_launch.monitor.join import StepJoiner
 
 
 def make_metrics(service, step, **metrics):

@@ -1,7 +1,7 @@
-"""The monitor's `dead_letters/total` on the launcher's Step line (rlbus.launch.progress); kept here,
+"""The monitor's `dead_letters/total` on the launcher's Step line (rlbus_launch.progress); kept here,
 next to the monitor that writes the count, to leave tests/unit/launch to the launcher's tests."""
 
-from rlbus.launch.progress import step_line
+from rlbus_launch.progress import step_line
 
 
 def test_step_line_shows_quarantined_only_when_there_are_some():

@@ -1,6 +1,6 @@
 import json
 
-from rlbus.monitors.sinks import JsonlSink
+from rlbus.obs.sinks import JsonlSink
 
 
 def test_a_torn_last_line_is_cut_before_the_next_row(tmp_path):

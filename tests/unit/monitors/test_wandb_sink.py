@@ -10,10 +10,10 @@ from wandb_support import offline_runs, use_offline_wandb
 from rlbus.configs import RLConfig
 from rlbus.configs.base import parse_cli
 from rlbus.configs.common import MonitorsConfig, WandbMonitorConfig
-from rlbus.monitors.join import StepJoiner
-from rlbus.monitors.sinks import WandbSink, check_sinks_installed, wandb_mode, wandb_run_id
+from rlbus.obs.sinks import WandbSink, check_sinks_installed, wandb_mode, wandb_run_id
 from rlbus.wire.events import StepMetrics
 from rlbus.wire.weights import WeightsApplied
+from rlbus_launch.monitor.join import StepJoiner
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ import jsonschema
 import msgspec
 
 import rlbus.wire
-from rlbus.wire import schema, tasks
+from rlbus.wire import tasks
 from rlbus.wire.base import Message
+from rlbus_launch import schema
 
 
 class Task(tasks.Task, kw_only=True):
@@ -72,7 +73,7 @@ def test_every_wire_message_has_a_registry_entry():
     messages = {cls for cls in wire_structs() if issubclass(cls, Message) and cls is not Message}
     registered = {spec.cls for spec in schema.REGISTRY}
     missing = sorted(cls.__name__ for cls in messages - registered)
-    assert missing == [], "add these to rlbus.wire.schema.REGISTRY (route and example)"
+    assert missing == [], "add these to rlbus_launch.schema.REGISTRY (route and example)"
     assert len(registered) == len(schema.REGISTRY)
 
 

@@ -1,4 +1,4 @@
-"""`inference`: parse InferenceConfig, then the service shell (rlbus.runtime) runs the replica.
+"""`inference`: parse InferenceConfig, then the service shell (rlbus.lifecycle) runs the replica.
 
     inference --vllm.model <dir> [--vllm.<any vLLM option> ...] [--server.port 8000]
     inference @ examples/reverse-text/rl.toml [--server.port 8000]   # an `rl` config's server
@@ -17,14 +17,14 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-from rlbus import runtime
+from rlbus import lifecycle
 from rlbus.configs import InferenceConfig
 from rlbus.configs.base import parse_cli
 from rlbus.configs.inference import attach_url_flags
 from rlbus.configs.paths import exit_if_paths_missing
-from rlbus.runs import run_id_of, slug
+from rlbus.rundirs import run_id_of, slug
 
-SLURM_SUBMIT = "rlbus.launch.slurm"
+SLURM_SUBMIT = "rlbus_launch.slurm"
 """`inference --slurm` hands its argv to this module (by exec, not import: no service imports a
 launcher); it renders and submits the replica's sbatch script (docs/slurm.md)."""
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         args = sys.argv[1:] if argv is None else argv
         os.execv(sys.executable, [sys.executable, "-m", SLURM_SUBMIT, *args])
     exit_if_paths_missing(config)
-    runtime.main(
+    lifecycle.main(
         log_name(config),
         config,
         "rlbus_inference.service",

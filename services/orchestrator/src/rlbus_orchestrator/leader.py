@@ -22,7 +22,7 @@ import structlog
 from rlbus.bus.client import Bus
 from rlbus.bus.errors import LeaseHeld
 from rlbus.bus.kv import Lease
-from rlbus.runtime import ServiceState
+from rlbus.lifecycle import ServiceState
 from rlbus.wire import run
 from rlbus.wire.subjects import COORDINATOR_LEADER_KEY
 

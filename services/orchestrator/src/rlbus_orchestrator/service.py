@@ -8,7 +8,7 @@ Roles (`--role`):
 
 Environments are resolved before connecting to the bus, so a missing environment package fails
 at once with the install command. Signals and control requests on `control.orchestrator` reach
-the `ServiceState` of the service shell (rlbus.runtime); docs/orchestrator.md has the semantics:
+the `ServiceState` of the service shell (rlbus.lifecycle); docs/orchestrator.md has the semantics:
 - SIGTERM/SIGINT and `Drain`: stop issuing, let in-flight rollouts come back and be batched, exit 0;
 - `Stop`: exit now (in-flight tasks and pooled rollouts are redelivered to the next orchestrator);
 - `Pause`/`Resume`: the coordinator stops/restarts issuing tasks; workers finish what was issued.
@@ -19,20 +19,20 @@ import asyncio
 import structlog
 
 from rlbus.configs.orchestrator import OrchestratorConfig
-from rlbus.runs import run_dir_of, run_id_of
-from rlbus.runtime import (
+from rlbus.lifecycle import (
     ServiceState,
     TaskSupervisor,
     control_handler,
     drain_when_finished,
     run_service,
 )
+from rlbus.rundirs import run_dir_of, run_id_of
 
 log = structlog.get_logger()
 
 
 def require_run_id(config: OrchestratorConfig) -> str:
-    """The run id (rlbus.runs.run_id_of); the orchestrator cannot run without one."""
+    """The run id (rlbus.rundirs.run_id_of); the orchestrator cannot run without one."""
     run_id = run_id_of(config.bus.run_id, config.run.name)
     if not run_id:
         raise ValueError(

@@ -24,7 +24,7 @@ A background loop refreshes the replica registry (bus KV `replicas`, or `inferen
 second, and at once when a replica is backed off.
 
 On `stop` the workers stop fetching; the episodes in flight finish and are published (drain),
-unless the service was asked to `Stop`, or the drain budget (rlbus.runtime.DRAIN_BUDGET_S, from
+unless the service was asked to `Stop`, or the drain budget (rlbus.lifecycle.DRAIN_BUDGET_S, from
 the drain request) runs out: then they are abandoned and redelivered.
 """
 
@@ -43,9 +43,9 @@ import structlog
 from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
 from rlbus.configs.orchestrator import InferenceHttpConfig
+from rlbus.lifecycle import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
 from rlbus.obs import tracing
 from rlbus.obs.metrics import count_rollout
-from rlbus.runtime import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
 from rlbus.wire import tasks as tasks_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus.wire.tasks import SamplingArgs, Task

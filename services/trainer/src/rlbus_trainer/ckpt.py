@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 # The path rule, the completeness marker and resume-step resolution are the run directory's
-# contract, shared with the launcher: one home in rlbus.runs.
-from rlbus.runs import (
+# contract, shared with the launcher: one home in rlbus.rundirs.
+from rlbus.rundirs import (
     CHECKPOINT_COMPLETE,
     CHECKPOINTS_DIR,
     checkpoint_dir,
@@ -117,7 +117,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, progress: dict) -> Path:
 
 def load_for_resume(engine, run_dir: Path, resume) -> int:
     """SFT: with `resume` (a ResumeConfig, or None for a fresh start) load the checkpoint the run
-    continues from (rlbus.runs.resolve_resume_step) and return its step; 0 when there is none."""
+    continues from (rlbus.rundirs.resolve_resume_step) and return its step; 0 when there is none."""
     if resume is None:
         return 0
     step = resolve_resume_step(run_dir, resume.step)

@@ -1,4 +1,4 @@
-"""`trainer`: parse TrainerConfig, then the service shell (rlbus.runtime) runs the RL trainer
+"""`trainer`: parse TrainerConfig, then the service shell (rlbus.lifecycle) runs the RL trainer
 (one process per rank).
 
 `rl` starts it as `python -m torch.distributed.run --standalone --nproc-per-node N
@@ -6,19 +6,19 @@
 torch is imported by `rlbus_trainer.service`, after parsing, so `--help` is instant.
 
 Under torchrun each rank first asks the kernel for SIGKILL when its parent (torchrun's agent)
-dies (rlbus.procs.die_with_parent): the ranks live in sessions of their own, so a SIGKILLed agent
+dies (rlbus.process_marks.die_with_parent): the ranks live in sessions of their own, so a SIGKILLed agent
 would otherwise leave them running. A bare `trainer` (no torchrun) keeps its parent's rules.
 """
 
 import os
 import signal
 
-from rlbus import runtime
+from rlbus import lifecycle
 from rlbus.configs import TrainerConfig
 from rlbus.configs.base import parse_cli
 from rlbus.configs.paths import exit_if_paths_missing
-from rlbus.procs import die_with_parent
-from rlbus.runs import ensure_run_name, run_id_of
+from rlbus.process_marks import die_with_parent
+from rlbus.rundirs import ensure_run_name, run_id_of
 
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
 """Set by torchrun's agent in every rank it starts."""
@@ -35,14 +35,14 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_cli(TrainerConfig, argv, prog="trainer")
     exit_if_paths_missing(config)
     run_dir = ensure_run_name(config, "trainer")
-    runtime.main(
+    lifecycle.main(
         "trainer",
         config,
         "rlbus_trainer.service",
         command="trainer",
         run_dir=run_dir,
         run_id=run_id_of(config.bus.run_id, config.run.name),
-        rank=runtime.process_rank(),
+        rank=lifecycle.process_rank(),
     )
 
 

@@ -1,6 +1,6 @@
 """The RL trainer service: `run(config)` on every torchrun rank.
 
-    setup: process group, bus, where to start (rlbus.runs.trainer_start), engine (model + FSDP2 +
+    setup: process group, bus, where to start (rlbus.rundirs.trainer_start), engine (model + FSDP2 +
            optimizer), its checkpoint, publisher
     for step in next_step ..:
         wait    every rank polls the step log for step N; an all-reduce keeps ranks in lockstep,
@@ -23,9 +23,9 @@ log. The bus may already announce weights version S > K: steps K+1..S are retrai
 published again (the version never goes backwards, and weights.py refuses it anyway); their
 metrics carry `retrained = 1.0`. When S < K (killed between checkpoint K and its publish), version
 K is published right after loading. Without a checkpoint but with S > 0 the trainer exits 2 with
-one line (rlbus.runs.trainer_start) instead of retraining from step 1.
+one line (rlbus.rundirs.trainer_start) instead of retraining from step 1.
 
-Ending (signals and control requests reach rank 0's `ServiceState`, rlbus.runtime; all ranks agree
+Ending (signals and control requests reach rank 0's `ServiceState`, rlbus.lifecycle; all ranks agree
 through an all-reduce, so they end on the same step):
 - Drain (SIGTERM/SIGINT, control `Drain`): finish the step in hand (train, checkpoint, publish),
   then exit 0 at the next poll;
@@ -44,8 +44,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from rlbus.runs import never_reread_through
-from rlbus.runtime import ServiceState, control_handler, run_service
+from rlbus.lifecycle import ServiceState, control_handler, run_service
+from rlbus.rundirs import never_reread_through
 from rlbus.wire import events
 from rlbus.wire.batches import MicroBatch, TrainBatch
 
@@ -205,7 +205,7 @@ async def connect_and_start(config, world, run_dir, run_id):
     """(bus, TrainerStart, bus version): where this trainer continues, decided before the engine
     is built; a run that cannot be continued ends here with exit 2 and one line."""
     from rlbus.bus import Bus
-    from rlbus.runs import RunDirError, trainer_start
+    from rlbus.rundirs import RunDirError, trainer_start
     from rlbus_trainer.engine import teardown_distributed
     from rlbus_trainer.weights import latest_version
 
@@ -230,7 +230,7 @@ async def run_async(config, stop: ServiceState | None = None) -> int:
     """The service body (see module docstring); returns the last trained step."""
     from rlbus.obs import tracing
     from rlbus.obs.metrics import record_train_step
-    from rlbus.runs import require_run_dir, run_id_of
+    from rlbus.rundirs import require_run_dir, run_id_of
     from rlbus_trainer import ckpt
     from rlbus_trainer.batch_check import batch_problem
     from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed

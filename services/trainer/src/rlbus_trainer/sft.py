@@ -4,7 +4,7 @@ Same engine as RL (model, FSDP2, optimizer, offload, checkpoints), fed from loca
 the bus: step s trains on examples [(s-1)*batch_size, s*batch_size) of the data (sft_data.py),
 split round-robin over ranks and packed into rows of seq_len. Validation loss every
 `data.val_interval` steps when `data.val_path` is set. At the end rank 0 writes `<run_dir>/model/`,
-an HF directory that `inference` and `rl` load. The `sft` command (rlbus.launch.sft) names the
+an HF directory that `inference` and `rl` load. The `sft` command (rlbus_launch.sft) names the
 run, writes the resolved config and starts torchrun, whose ranks (sft_entrypoint.py) call
 `run(config)`.
 """
@@ -34,8 +34,8 @@ def run(config) -> Path | None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from rlbus.monitors.sinks import build_sinks
-    from rlbus.runs import require_run_dir
+    from rlbus.obs.sinks import build_sinks
+    from rlbus.rundirs import require_run_dir
     from rlbus_trainer import ckpt
     from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
     from rlbus_trainer.hf_dir import write_hf_dir

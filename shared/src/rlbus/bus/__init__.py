@@ -7,7 +7,9 @@
 - `Consumer` / `Delivery` (consumer.py): pull-consume runner with ack/nak/term/in_progress.
 - `StepLog` (steplog.py): train batches keyed by step.
 - `KV` / `Lease` (kv.py): bucket wrappers and TTL leases with heartbeats.
-- `NatsServer` (server.py): the embedded nats-server (`rlbus-nats`).
+
+The embedded nats-server (`rlbus-nats`) is not here: it is a tool that runs the bus, in
+`rlbus_launch.natsserver`.
 
 See docs/bus.md for usage.
 """
@@ -25,7 +27,6 @@ from rlbus.bus.errors import (
     StepNotFound,
 )
 from rlbus.bus.kv import KV, Entry, Lease
-from rlbus.bus.server import NatsServer
 from rlbus.bus.steplog import StepLog
 
 __all__ = [
@@ -42,7 +43,6 @@ __all__ = [
     "Entry",
     "Lease",
     "LeaseHeld",
-    "NatsServer",
     "StepLog",
     "StepNotFound",
     "encode",

@@ -38,7 +38,9 @@ class PoisonBatch(BusError):
     """A step-log entry that cannot be turned into a `TrainBatch` (undecodable bytes, a missing or
     corrupt claim check). Carries the stored message so the trainer can dead-letter it as is."""
 
-    def __init__(self, step: int, subject: str, data: bytes, headers: dict[str, str], reason: str):
+    def __init__(
+        self, step: int, subject: str, data: bytes, headers: dict[str, str], reason: str
+    ) -> None:
         super().__init__(f"batch of step {step} at {subject}: {reason}")
         self.step = step
         self.subject = subject

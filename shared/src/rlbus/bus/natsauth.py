@@ -30,9 +30,18 @@ import json
 import secrets
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlbus.secrets import read_secret_file, write_secret_file
 from rlbus.wire.subjects import RunSubjects
+
+if TYPE_CHECKING:  # cryptography is imported where a certificate is made (start-up time)
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric.types import (
+        CertificateIssuerPrivateKeyTypes,
+        CertificateIssuerPublicKeyTypes,
+        PrivateKeyTypes,
+    )
 
 ROLES = ("trainer", "orchestrator", "worker", "inference", "monitor", "admin")
 """One NATS user per role; `admin` (the sidecar's run-end watcher, operators) may do anything."""
@@ -102,7 +111,7 @@ def nats_users(security_dir: Path) -> list[dict]:
 # ---- TLS ---------------------------------------------------------------------------------------
 
 
-def _key_pem(key) -> bytes:
+def _key_pem(key: "PrivateKeyTypes") -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return key.private_bytes(
@@ -112,14 +121,19 @@ def _key_pem(key) -> bytes:
     )
 
 
-def _load_key(path: Path):
+def _load_key(path: Path) -> "CertificateIssuerPrivateKeyTypes":
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
 
     data = read_secret_file(path, field="TLS key").encode()
-    return serialization.load_pem_private_key(data, password=None)
+    key = serialization.load_pem_private_key(data, password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey), f"{path}: not the EC key write_ca made"
+    return key
 
 
-def _builder(subject_cn: str, issuer_cn: str, public_key, days: int):
+def _builder(
+    subject_cn: str, issuer_cn: str, public_key: "CertificateIssuerPublicKeyTypes", days: int
+) -> "x509.CertificateBuilder":
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
@@ -165,7 +179,7 @@ def write_ca(security_dir: Path, *, days: int = CERT_DAYS) -> None:
     (security_dir / "ca.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def _san(host: str):
+def _san(host: str) -> "x509.GeneralName":
     from cryptography import x509
 
     try:

@@ -18,6 +18,9 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import api
 
 from rlbus.bus import claimcheck
 from rlbus.bus.core import BusCore
@@ -40,11 +43,11 @@ TRANSIENT_READ_ERRORS = (
 class StepLog:
     """Read/write access to the run's batches stream (see module docstring)."""
 
-    def __init__(self, bus: BusCore, poll_s: float = 0.5):
+    def __init__(self, bus: BusCore, poll_s: float = 0.5) -> None:
         self.bus = bus
         self.poll_s = poll_s
         self._arrived = asyncio.Event()
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def publish(self, batch: batches.TrainBatch) -> bool:
         """Store `batch` as step `batch.step`; False when that step was already stored."""
@@ -112,6 +115,7 @@ class StepLog:
         return None if raw is None else (raw.data or b"", dict(raw.headers or {}))
 
     async def exists(self, step: int) -> bool:
+        """Whether step `step`'s batch is stored."""
         return await self._raw(step) is not None
 
     async def last_step(self) -> int | None:
@@ -137,14 +141,14 @@ class StepLog:
             log.info("batch_claims_deleted", through_step=through_step, subjects=len(removed))
         return removed
 
-    async def _raw(self, step: int):
+    async def _raw(self, step: int) -> api.RawStreamMsg | None:
         subjects = self.bus.subjects
         return await self.bus.last_stored(subjects.batches_stream, subjects.batch(step))
 
     async def _subscribe(self) -> None:
         if self._sub is None:
 
-            async def on_batch(msg) -> None:
+            async def on_batch(msg: Msg) -> None:
                 self._arrived.set()
 
             self._sub = await self.bus.nc.subscribe(self.bus.subjects.batches_all, cb=on_batch)

@@ -14,11 +14,9 @@ name are left alone: they are rlbus keys already (most of prime-rl's layout is: 
 unknown ones, which validation reports with a "did you mean".
 """
 
-import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 Status = Literal["move", "convert", "drop", "human"]
@@ -514,85 +512,3 @@ def _human_errors(kind: str, changes: list[Change]) -> Exception:
             )
         )
     return ValidationError.from_exception_data(f"{kind} config", details)
-
-
-# --- `rl migrate-config` ----------------------------------------------------------------------
-
-PROG = "rl migrate-config"
-EXIT_OK = 0
-EXIT_NEEDS_HUMAN = 2
-
-
-def guess_kind(data: dict) -> Literal["rl", "sft"]:
-    """`rl` configs have orchestrator/trainer/inference blocks; `sft` ones have `data` or `optim`
-    at the top."""
-    if any(k in data for k in ("orchestrator", "trainer")):
-        return "rl"
-    return "sft" if any(k in data for k in ("data", "optim", "val")) else "rl"
-
-
-def validation_problems(data: dict, kind: Literal["rl", "sft"]) -> list[str]:
-    """What keeps the migrated `data` from loading as an rlbus config (empty: it loads)."""
-    from pydantic import ValidationError
-
-    from rlbus.configs.base import format_validation_error
-    from rlbus.configs.rl import RLConfig
-    from rlbus.configs.sft import SFTConfig
-
-    cls = RLConfig if kind == "rl" else SFTConfig
-    try:
-        cls.model_validate(_deep_copy(data))  # the validators fill in defaults in place
-    except ValidationError as error:
-        return format_validation_error(cls, error).splitlines()[1:]
-    return []
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Convert a prime-rl config into an rlbus one (docs/migration.md). Exit 0: "
-        "converted; 2: some keys need a human (listed, left out of the output).",
-    )
-    parser.add_argument("input", type=Path, help="the prime-rl TOML config")
-    parser.add_argument(
-        "-o", "--output", type=Path, help="write the rlbus TOML here (default: stdout)"
-    )
-    parser.add_argument("--kind", choices=["rl", "sft"], help="config kind (default: guessed)")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Convert, report each key on stderr, write the result; returns the exit code."""
-    import tomli_w
-
-    from rlbus.configs.base import _none_as_string
-    from rlbus.configs.files import ConfigFileProblem, load_table
-
-    args = parse_args(argv)
-    try:
-        data = load_table(str(args.input))
-    except ConfigFileProblem as problem:
-        print(f"migrate-config: {problem}", file=sys.stderr)
-        return EXIT_NEEDS_HUMAN
-    kind = args.kind or guess_kind(data)
-    migrated, changes = migrate(data, kind)
-    for change in changes:
-        print(f"{change.status:8} {change.line()}", file=sys.stderr)
-    problems = validation_problems(migrated, kind)
-    for problem in problems:
-        print(f"invalid  {problem}", file=sys.stderr)
-    text = tomli_w.dumps(_none_as_string(migrated))
-    if args.output is None:
-        sys.stdout.write(text)
-    else:
-        args.output.write_text(text)
-    human = [c for c in changes if c.status == "human"]
-    if human or problems:
-        print(
-            f"{len(human) + len(problems)} key(s) need a human: set the rlbus keys named above "
-            f"(docs/migration.md); the output leaves them out",
-            file=sys.stderr,
-        )
-        return EXIT_NEEDS_HUMAN
-    print(f"converted {len(changes)} key(s): `{kind} @ OUT.toml` loads it", file=sys.stderr)
-    return EXIT_OK

@@ -25,7 +25,7 @@ from rlbus.configs.migrate import migrate_for_load
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import TrainerConfig
-from rlbus.runs import resolve_run_dir
+from rlbus.rundirs import resolve_run_dir
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 accepts for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks)."""
@@ -142,7 +142,7 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
         ]
 
     def _replica_port_errors(self) -> list[tuple[str, str]]:
-        """Replica i serves on server.port + i and backend_port + i (rlbus.launch.plan), so with
+        """Replica i serves on server.port + i and backend_port + i (rlbus_launch.plan), so with
         explicit ports the two ranges must not overlap, nor leave the port range; ports left
         unset are picked free per replica."""
         count = self.deployment.num_infer_replicas

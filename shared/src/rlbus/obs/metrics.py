@@ -1,6 +1,6 @@
 """Prometheus metrics of every rlbus process, and the `/metrics` server that serves them.
 
-    serve_metrics(service, config.metrics)   rlbus.runtime (every service) and the `rl` launcher:
+    serve_metrics(service, config.metrics)   rlbus.lifecycle (every service) and the `rl` launcher:
                                              a daemon thread serves REGISTRY on metrics.host and
                                              metrics.port (0: a free port) and logs one
                                              `metrics_serving` line with the URL
@@ -233,7 +233,7 @@ SERVICE_COMPONENTS: dict[str, tuple[str, ...]] = {
     "orchestrator-worker": ("workers", "http", "bus"),
     "inference": ("inference", "http", "bus"),
 }
-"""The components of each service (its name as rlbus.runtime.main gets it; `inference-<id>` is an
+"""The components of each service (its name as rlbus.lifecycle.main gets it; `inference-<id>` is an
 inference replica)."""
 
 ALL_METRICS = tuple(dict.fromkeys(m for metrics in COMPONENTS.values() for m in metrics))

@@ -1,6 +1,6 @@
 """Control: request/reply commands to a service (core NATS request on `subjects.control(service)`).
 
-Sender: the launcher or a user tool. Receiver: `rlbus.runtime.control_handler` in the service,
+Sender: the launcher or a user tool. Receiver: `rlbus.lifecycle.control_handler` in the service,
 which answers with `ControlReply`. What each request does per service: docs/launcher.md.
 """
 

@@ -1,6 +1,6 @@
 """The monitor process: consumes the events stream of a run and writes the joined rows.
 
-It runs in the service shell (rlbus.runtime): the first SIGTERM/SIGINT stops it cleanly (rows not
+It runs in the service shell (rlbus.lifecycle): the first SIGTERM/SIGINT stops it cleanly (rows not
 ready yet are handed back to the bus for the next monitor, see monitors/join.py) and exits 0, a
 second one exits at once. Every row carries `dead_letters/total`, the number of messages the run
 has quarantined (docs/bus.md, "Dead letters").
@@ -16,13 +16,13 @@ import structlog
 
 from rlbus.bus import Bus
 from rlbus.configs import RLConfig
-from rlbus.monitors.join import StepJoiner
-from rlbus.monitors.sinks import build_sinks
-from rlbus.runs import run_dir_of, run_id_of
-from rlbus.runtime import run_service
+from rlbus.lifecycle import run_service
+from rlbus.obs.sinks import build_sinks
+from rlbus.rundirs import run_dir_of, run_id_of
 from rlbus.wire import events
 from rlbus.wire.events import Lifecycle, StepMetrics
 from rlbus.wire.weights import WeightsApplied, WeightsFailed
+from rlbus_launch.monitor.join import StepJoiner
 
 log = structlog.get_logger()
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     from rlbus.configs.base import parse_cli
     from rlbus.obs.logging import setup_logging
 
-    config = parse_cli(RLConfig, argv, prog="python -m rlbus.monitors")
+    config = parse_cli(RLConfig, argv, prog="python -m rlbus_launch.monitor")
     run_dir = run_dir_of(config)
     # Logging only: the monitor makes no spans of its own.
     setup_logging(

@@ -3,11 +3,11 @@
     rl @ examples/reverse-text/rl.toml [--flags]
       1. parse RLConfig (defaults < @ files < flags), name the run (`<envs>--<model>--<id>`);
          `--inference.attach [URL]` uses a running `inference` instead of starting vLLM
-      2. apply the run-directory rules (rlbus.runs): fresh, --resume or --clean
-      3. plan the processes (rlbus.launch.plan) and write configs/ and scripts/ into the run dir
-      4. --dry-run: print where they are and stop; otherwise start them (rlbus.launch.supervisor)
-         under a watchdog (rlbus.launch.watchdog) and the run-directory lock (rlbus.launch.lock),
-         restart the ones that die (rlbus.launch.restarts), and stop all when the trainer
+      2. apply the run-directory rules (rlbus.rundirs): fresh, --resume or --clean
+      3. plan the processes (rlbus_launch.plan) and write configs/ and scripts/ into the run dir
+      4. --dry-run: print where they are and stop; otherwise start them (rlbus_launch.supervisor)
+         under a watchdog (rlbus_launch.watchdog) and the run-directory lock (rlbus_launch.lock),
+         restart the ones that die (rlbus_launch.restarts), and stop all when the trainer
          finished, a restart budget is spent, or on Ctrl-C / SIGTERM / SIGHUP.
 
 The launcher never imports a service package; it starts them by module name.
@@ -26,26 +26,7 @@ from rlbus.configs import RLConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
 from rlbus.configs.inference import attach_url_flags
 from rlbus.configs.paths import exit_if_paths_missing
-from rlbus.launch.lock import refusal, remove_lock, write_lock
-from rlbus.launch.plan import Launch, build_rl_launch
-from rlbus.launch.progress import Progress
-from rlbus.launch.restarts import (
-    GiveUp,
-    Restart,
-    RestartPolicy,
-    describe_exit,
-    launcher_exit_code,
-    rank_exit_code,
-)
-from rlbus.launch.scrape import ScrapeTargets
-from rlbus.launch.scripts import describe_written, write_launch
-from rlbus.launch.supervisor import ServiceProcess, Supervisor
-from rlbus.launch.watchdog import start_watchdog
-from rlbus.monitors.sinks import check_sinks_installed
-from rlbus.obs.logging import setup_logging
-from rlbus.obs.metrics import count_restart
-from rlbus.runs import RunPlan, prepare_run_dir_or_exit, resolve_run_dir, rl_run_name, run_id_of
-from rlbus.runtime import (
+from rlbus.lifecycle import (
     DRAIN_BUDGET_S,
     EXIT_SIGNAL_BASE,
     Terminated,
@@ -53,7 +34,27 @@ from rlbus.runtime import (
     errors_in_one_line,
     raise_terminated,
 )
+from rlbus.obs.logging import setup_logging
+from rlbus.obs.metrics import count_restart
+from rlbus.obs.sinks import check_sinks_installed
+from rlbus.rundirs import RunPlan, resolve_run_dir, rl_run_name, run_id_of
 from rlbus.secrets import SecretError
+from rlbus_launch.lock import refusal, remove_lock, write_lock
+from rlbus_launch.plan import Launch, build_rl_launch
+from rlbus_launch.progress import Progress
+from rlbus_launch.restarts import (
+    GiveUp,
+    Restart,
+    RestartPolicy,
+    describe_exit,
+    launcher_exit_code,
+    rank_exit_code,
+)
+from rlbus_launch.rundir import prepare_run_dir_or_exit
+from rlbus_launch.scrape import ScrapeTargets
+from rlbus_launch.scripts import describe_written, write_launch
+from rlbus_launch.supervisor import ServiceProcess, Supervisor
+from rlbus_launch.watchdog import start_watchdog
 
 log = structlog.get_logger()
 
@@ -72,7 +73,7 @@ def name_run(config: RLConfig) -> tuple[RLConfig, bool]:
 
 def refuse_if_in_use(run_dir: Path) -> None:
     """Exit 2 naming the live processes when another launch still runs in `run_dir` (its
-    `launcher.json`, rlbus.launch.lock), before anything touches the directory."""
+    `launcher.json`, rlbus_launch.lock), before anything touches the directory."""
     message = refusal(run_dir)
     if message is not None:
         exit_with_config_error(message, title="Run directory in use")
@@ -303,7 +304,7 @@ def supervise(launch: Launch, poll_s: float = 0.5) -> int:
     launcher's exit code: 0 when the trainer finished; a failed service's code (128 + N when it
     was killed by signal N) when it may not be restarted; 130 on Ctrl-C, 143 on SIGTERM (both
     drain first), 129 on SIGHUP (no drain). Every path stops all and checks that no process of
-    the launch survives; the watchdog (`rlbus.launch.watchdog`) covers the launcher's own death."""
+    the launch survives; the watchdog (`rlbus_launch.watchdog`) covers the launcher's own death."""
     launch_id = uuid.uuid4().hex
     supervisor = Supervisor()
     names = [p.name for p in launch.processes]
@@ -408,8 +409,8 @@ def point_latest(run_dir: Path) -> None:
 
 
 SUBCOMMANDS = {
-    "dead-letters": "rlbus.bus.deadletters",
-    "migrate-config": "rlbus.configs.migrate",
+    "dead-letters": "rlbus_launch.deadletters",
+    "migrate-config": "rlbus_launch.migrate_config",
 }
 """`rl <subcommand> ...`: tools about a run, each a module with `main(argv) -> exit code`."""
 
@@ -439,8 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     check_sinks_installed(config.monitors)
     command = "rl " + " ".join(sys.argv[1:] if argv is None else argv)
     with errors_in_one_line("rl", inputs=config_inputs(config)):
-        if config.slurm is not None:  # render and submit a batch job instead (rlbus.launch.slurm)
-            from rlbus.launch.slurm import submit_rl
+        if config.slurm is not None:  # render and submit a batch job instead (rlbus_launch.slurm)
+            from rlbus_launch.slurm import submit_rl
 
             config, run = prepare_rl(config)
             sys.exit(submit_rl(config, run.run_dir, command))

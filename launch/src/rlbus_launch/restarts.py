@@ -1,5 +1,5 @@
 """When the `rl` launcher restarts a service that died, and when it gives up (pure policy, no
-processes: `rlbus.launch.rl` acts on the decisions).
+processes: `rlbus_launch.rl` acts on the decisions).
 
 - exit codes 2 (config error) and 3 (service not installed) are deterministic: the same argv
   fails the same way again, so they are never restarted;
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rlbus.configs.base import EXIT_CONFIG_ERROR
 from rlbus.configs.common import SupervisionConfig
-from rlbus.runtime import EXIT_SERVICE_MISSING, EXIT_SIGNAL_BASE
+from rlbus.lifecycle import EXIT_SERVICE_MISSING, EXIT_SIGNAL_BASE
 
 NEVER_RESTARTED = {
     EXIT_CONFIG_ERROR: "a config error",

@@ -17,8 +17,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from rlbus.configs.base import config_to_toml
-from rlbus.launch.supervisor import ServiceProcess
 from rlbus.secrets import write_secret_file
+from rlbus_launch.supervisor import ServiceProcess
 
 CONFIGS_DIR = "configs"
 SCRIPTS_DIR = "scripts"

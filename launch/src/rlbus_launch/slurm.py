@@ -37,7 +37,9 @@ from pydantic import BaseModel
 from rlbus.bus.natsauth import client_flags, write_security_dir
 from rlbus.configs import InferenceConfig, RLConfig, SFTConfig, SlurmConfig
 from rlbus.configs.base import parse_cli
-from rlbus.launch.plan import (
+from rlbus.rundirs import run_id_of
+from rlbus.secrets import write_secret_file
+from rlbus_launch.plan import (
     NATS_STORE_DIR,
     SECRETS_DIR,
     build_rl_launch,
@@ -45,9 +47,7 @@ from rlbus.launch.plan import (
     torchrun_argv,
     trainer_argv,
 )
-from rlbus.launch.scripts import config_path, write_configs
-from rlbus.runs import run_id_of
-from rlbus.secrets import write_secret_file
+from rlbus_launch.scripts import config_path, write_configs
 
 log = structlog.get_logger()
 
@@ -93,7 +93,7 @@ class Job:
     """The sidecar's users, permissions and CA (written at submit time)."""
     run_id: str | None = None
     secret_files: dict[Path, str] = field(default_factory=dict)
-    """0600 files with the credentials of a given bus.url (rlbus.launch.plan.bus_secret_files)."""
+    """0600 files with the credentials of a given bus.url (rlbus_launch.plan.bus_secret_files)."""
     node_lines: list[str] = field(default_factory=list)
     """Bash lines that name the nodes of each role (multi-node jobs)."""
 
@@ -425,7 +425,7 @@ def rl_job(config: RLConfig, run_dir: Path) -> tuple[Job, dict[str, BaseModel]]:
     monitor = [
         sys.executable,
         "-m",
-        "rlbus.monitors",
+        "rlbus_launch.monitor",
         "@",
         str(config_path(run_dir, "rl").absolute()),
     ]
@@ -609,7 +609,7 @@ def submit_inference(config: InferenceConfig, command: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m rlbus.launch.slurm ARGS...`: what `inference --slurm ARGS...` execs."""
+    """`python -m rlbus_launch.slurm ARGS...`: what `inference --slurm ARGS...` execs."""
     config = parse_cli(InferenceConfig, argv, prog="inference")
     return submit_inference(config, "inference " + " ".join(argv))
 

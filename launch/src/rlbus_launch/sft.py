@@ -19,14 +19,15 @@ import structlog
 from rlbus.configs import SFTConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
 from rlbus.configs.paths import exit_if_paths_missing
-from rlbus.launch.plan import torchrun_argv
-from rlbus.launch.restarts import shell_exit_code
-from rlbus.launch.scripts import config_path, describe_written, write_launch
-from rlbus.launch.supervisor import ServiceProcess
-from rlbus.monitors.sinks import check_sinks_installed
+from rlbus.lifecycle import EXIT_SERVICE_MISSING, config_inputs, errors_in_one_line
 from rlbus.obs.logging import log_file_path, setup_logging
-from rlbus.runs import prepare_run_dir_or_exit, sft_run_name
-from rlbus.runtime import EXIT_SERVICE_MISSING, config_inputs, errors_in_one_line
+from rlbus.obs.sinks import check_sinks_installed
+from rlbus.rundirs import sft_run_name
+from rlbus_launch.plan import torchrun_argv
+from rlbus_launch.restarts import shell_exit_code
+from rlbus_launch.rundir import prepare_run_dir_or_exit
+from rlbus_launch.scripts import config_path, describe_written, write_launch
+from rlbus_launch.supervisor import ServiceProcess
 
 log = structlog.get_logger()
 
@@ -89,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     check_sinks_installed(config.monitors)
     command = "sft " + " ".join(sys.argv[1:] if argv is None else argv)
     with errors_in_one_line("sft", inputs=config_inputs(config)):
-        if config.slurm is not None:  # render and submit a batch job instead (rlbus.launch.slurm)
-            from rlbus.launch.slurm import submit_sft
+        if config.slurm is not None:  # render and submit a batch job instead (rlbus_launch.slurm)
+            from rlbus_launch.slurm import submit_sft
 
             resolved, run_dir = prepare_sft(config)
             sys.exit(submit_sft(config, resolved, run_dir, command))

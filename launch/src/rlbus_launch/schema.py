@@ -11,8 +11,8 @@ headers, and a small example. From it this module generates two checked-in files
   claim-check and dead-letter conventions;
 - docs/bus-messages.md: the same for people, one section per message.
 
-    ./uvw run python -m rlbus.wire.schema --write   # regenerate both after changing a wire struct
-    ./uvw run python -m rlbus.wire.schema --check   # exit 1 naming a stale file (tests run it)
+    ./uvw run python -m rlbus_launch.schema --write   # regenerate both after changing a wire struct
+    ./uvw run python -m rlbus_launch.schema --check   # exit 1 naming a stale file (tests run it)
 
 Names of subjects, streams, durables and buckets come from `RunSubjects` of a placeholder run,
 header names from `rlbus.bus`, so the documents follow the code. (This is the one module of
@@ -57,11 +57,11 @@ from rlbus.wire.subjects import (
     RunSubjects,
 )
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[3]
 DOCS_DIR = ROOT / "docs"
 JSON_NAME = "bus-schema.json"
 MARKDOWN_NAME = "bus-messages.md"
-REGENERATE = "./uvw run python -m rlbus.wire.schema --write"
+REGENERATE = "./uvw run python -m rlbus_launch.schema --write"
 
 # ---- names of a placeholder run ---------------------------------------------------------------
 
@@ -264,13 +264,13 @@ def kv_route(
     )
 
 
-EVENTS_READ_BY = "ad hoc durable `monitor` on `<prefix>.events.>` (rlbus.monitors)"
+EVENTS_READ_BY = "ad hoc durable `monitor` on `<prefix>.events.>` (rlbus_launch.monitor)"
 CONTROL_SUBJECT = pattern(_S.control("<service>"))
 CONTROL_REQUEST = Route(
     "request",
     CONTROL_SUBJECT,
     "the launcher (`rl` drain/stop/pause/resume) or a user tool",
-    "the service named by the subject (`rlbus.runtime.control_handler`)",
+    "the service named by the subject (`rlbus.lifecycle.control_handler`)",
     "not stored",
     "core subscription of the service",
     headers=CONTROL_HEADERS,
@@ -592,7 +592,7 @@ def type_text(t: mi.Type) -> str:
             return " | ".join(json.dumps(value) for value in t.values)
         case mi.StructType():
             return t.cls.__name__
-    raise TypeError(f"no spelling for {t!r}: teach rlbus.wire.schema.type_text this type")
+    raise TypeError(f"no spelling for {t!r}: teach rlbus_launch.schema.type_text this type")
 
 
 def default_of(field: mi.Field) -> dict[str, Any]:
@@ -953,7 +953,7 @@ def shown(path: Path) -> str:
 
 def main(argv: list[str] | None = None, registry: tuple[MessageSpec, ...] = REGISTRY) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rlbus.wire.schema",
+        prog="python -m rlbus_launch.schema",
         description="Generate the bus contract (docs/bus-schema.json, docs/bus-messages.md) "
         "from rlbus.wire. Without --write or --check, print the JSON.",
     )

@@ -1,14 +1,14 @@
 """The launcher's watchdog: ends a run whose `rl` launcher died without stopping it.
 
-    python -m rlbus.launch.watchdog --launch-id <hex> --run-dir <run_dir> [--grace-s 4]
+    python -m rlbus_launch.watchdog --launch-id <hex> --run-dir <run_dir> [--grace-s 4]
 
 The launcher starts it first, in its own session and without the run's mark, with a pipe on its
 stdin, and writes `done` there after it stopped every service itself. When the pipe closes
 without `done` (the launcher was SIGKILLed, crashed, or lost its terminal), the watchdog SIGTERMs
-every process carrying the launch's mark (`rlbus.procs.marked_pids`), SIGKILLs what is left after
+every process carrying the launch's mark (`rlbus.process_marks.marked_pids`), SIGKILLs what is left after
 `--grace-s`, logs `launcher_lost` to `<run_dir>/logs/rl.log`, removes the run-directory lock
-(`rlbus.launch.lock`) if it is still this launch's, and exits. The services' parent-death signal
-(`procs.die_with_parent`) has normally already asked the direct children to stop.
+(`rlbus_launch.lock`) if it is still this launch's, and exits. The services' parent-death signal
+(`process_marks.die_with_parent`) has normally already asked the direct children to stop.
 """
 
 import argparse
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import structlog
 
-from rlbus import procs
+from rlbus import process_marks
 
 log = structlog.get_logger()
 
@@ -53,9 +53,13 @@ class Watchdog:
 
 def start_watchdog(launch_id: str, run_dir: Path, grace_s: float = GRACE_S) -> Watchdog:
     """Start the watchdog of one launch (own session: a terminal hang-up does not reach it)."""
-    env = {k: v for k, v in os.environ.items() if k not in (procs.LAUNCH_ID_ENV, procs.SERVICE_ENV)}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (process_marks.LAUNCH_ID_ENV, process_marks.SERVICE_ENV)
+    }
     popen = subprocess.Popen(
-        [sys.executable, "-m", "rlbus.launch.watchdog", "--launch-id", launch_id,
+        [sys.executable, "-m", "rlbus_launch.watchdog", "--launch-id", launch_id,
          "--run-dir", str(run_dir), "--grace-s", str(grace_s)],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -84,13 +88,13 @@ def wait_for_launcher() -> bool:
 
 def end_launch(launch_id: str, run_dir: Path, grace_s: float) -> list[int]:
     """End every marked process of the launch; returns the pids that were found."""
-    from rlbus.launch.lock import remove_lock
+    from rlbus_launch.lock import remove_lock
 
-    found = procs.marked_pids(launch_id)
-    survivors = procs.terminate(found, grace_s=grace_s)
+    found = process_marks.marked_pids(launch_id)
+    survivors = process_marks.terminate(found, grace_s=grace_s)
     # A service may have spawned something while we waited: one more sweep, no grace.
-    late = procs.marked_pids(launch_id)
-    survivors += procs.terminate(late, grace_s=0.5)
+    late = process_marks.marked_pids(launch_id)
+    survivors += process_marks.terminate(late, grace_s=0.5)
     log.warning(
         "launcher_lost",
         launch_id=launch_id,
@@ -103,7 +107,7 @@ def end_launch(launch_id: str, run_dir: Path, grace_s: float) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rlbus.launch.watchdog")
+    parser = argparse.ArgumentParser(prog="python -m rlbus_launch.watchdog")
     parser.add_argument("--launch-id", required=True)
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--grace-s", type=float, default=GRACE_S)

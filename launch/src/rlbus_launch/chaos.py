@@ -1,6 +1,6 @@
 """Fault injection for a live run: find its processes by kind and SIGKILL them on a seeded schedule.
 
-    python -m rlbus.chaos <launcher pid> <run_dir> --kills 20 --seed 7
+    python -m rlbus_launch.chaos <launcher pid> <run_dir> --kills 20 --seed 7
 
 Used by the chaos test (tests/e2e/test_chaos.py) and benchmarks/recovery.py, and by anyone who
 wants to see a deployment heal before trusting it with a week of GPU time. Processes are found as
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from rlbus import procs
-from rlbus.launch.lock import LOCK_FILE
+from rlbus import process_marks
+from rlbus_launch.lock import LOCK_FILE
 
 KINDS = (
     "coordinator",
@@ -64,7 +64,7 @@ def kind_of(cmdline: str) -> str | None:
         return "trainer-rank"
     if "rlbus_orchestrator.entrypoint" in cmdline:
         return "rollout-worker" if "--role worker" in cmdline else "coordinator"
-    if "rlbus.monitors" in cmdline:
+    if "rlbus_launch.monitor" in cmdline:
         return "monitor"
     if cmdline.split(" ", 1)[0].endswith("nats-server"):
         return "nats-server"
@@ -94,7 +94,7 @@ def descendants(root: int) -> list[int]:
     found, todo = [], [root]
     while todo:
         for child in children.get(todo.pop(), []):
-            if procs.alive(child):
+            if process_marks.alive(child):
                 found.append(child)
             todo.append(child)
     return sorted(found)
@@ -195,7 +195,7 @@ class ChaosMonkey:
         self.say(f"chaos: seed {self.seed}, {self.num_kills} kills over {', '.join(self.kinds)}")
         schedule: list[str] = []
         skips: dict[str, int] = {}
-        while len(self.kills) < self.num_kills and procs.alive(self.launcher_pid):
+        while len(self.kills) < self.num_kills and process_marks.alive(self.launcher_pid):
             if not schedule:
                 schedule = list(self.kinds)
                 rng.shuffle(schedule)
@@ -226,7 +226,7 @@ class ChaosMonkey:
     def _wait_for_step_after(self, step: int) -> bool:
         deadline = time.monotonic() + self.recover_timeout_s
         while time.monotonic() < deadline:
-            if not procs.alive(self.launcher_pid):
+            if not process_marks.alive(self.launcher_pid):
                 return False
             if self.newest_step() > step:
                 return True
@@ -270,7 +270,7 @@ def recovery(kills: list[Kill], run_dir: Path) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rlbus.chaos", description=__doc__.split("\n")[0]
+        prog="python -m rlbus_launch.chaos", description=__doc__.split("\n")[0]
     )
     parser.add_argument("launcher_pid", type=int, help="pid of the running `rl` launcher")
     parser.add_argument("run_dir", type=Path, help="its run directory")
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"--kinds: unknown {', '.join(unknown)}; known: {', '.join(KINDS)}", file=sys.stderr)
         return 2
-    if not procs.alive(args.launcher_pid):
+    if not process_marks.alive(args.launcher_pid):
         print(f"launcher_pid: no live process {args.launcher_pid}", file=sys.stderr)
         return 2
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)

@@ -1,5 +1,5 @@
 """Launching rlbus processes (the launchers only: what a service itself runs on is in
-`rlbus.runtime` and `rlbus.runs`, and no service imports this package).
+`rlbus.lifecycle` and `rlbus.rundirs`, and no service imports this package).
 
 - `plan`: the processes of an RL run (`rl`) as argv lists, with their resolved configs.
 - `scripts`: writes those configs (TOML) and one launch script per process into the run directory.

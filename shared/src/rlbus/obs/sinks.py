@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from rlbus.configs.common import MonitorsConfig, WandbMonitorConfig
-from rlbus.monitors.join import JoinedRow
 
 WANDB_MISSING = (
     "monitors.wandb is enabled but wandb is not installed: install it with "
@@ -23,6 +22,17 @@ WANDB_ID_FILE = "wandb/rlbus_run_id"
 """Under the run directory: the id of the run's wandb run, made on first use."""
 WANDB_ID_RESERVED = re.compile(r"[:;,#?/'\\\s]+")
 """Characters wandb refuses in a run id."""
+
+
+class JoinedRow(dict):
+    """A step's row as metrics.jsonl holds it (a plain dict to every sink), plus `service_keys`:
+    each service metric's key under its service's name (`loss` -> `trainer/loss`), which the
+    wandb sink logs it as. The row's own keys cannot say which service sent them: a name two
+    services send is prefixed only for the one that reported second."""
+
+    def __init__(self, values: dict[str, Any], service_keys: dict[str, str]):
+        super().__init__(values)
+        self.service_keys = service_keys
 
 
 class JsonlSink:

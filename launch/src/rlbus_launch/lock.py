@@ -3,7 +3,7 @@
 Written when the launcher starts services, removed when it exits cleanly (or by its watchdog
 when it died). A new `rl` on the same run directory reads it before touching anything (before
 `--clean` deletes a byte): a live launcher pid or live processes carrying the launch's mark
-(`rlbus.procs`) make it refuse; a stale file (nothing alive) is ignored.
+(`rlbus.process_marks`) make it refuse; a stale file (nothing alive) is ignored.
 """
 
 import json
@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlbus import procs
+from rlbus import process_marks
 
 LOCK_FILE = "launcher.json"
 
@@ -71,10 +71,10 @@ def live_processes(lock: LauncherLock) -> list[str]:
     if lock.host and lock.host != socket.gethostname():
         return [f"launcher pid {lock.pid} on host {lock.host} (cannot be checked from here)"]
     found = []
-    if lock.pid != os.getpid() and procs.alive(lock.pid):
-        found.append(f"{procs.describe(lock.pid)} [rl launcher]")
-    for pid in procs.marked_pids(lock.launch_id):
-        found.append(f"{procs.describe(pid)} [{procs.service_of(pid) or '?'}]")
+    if lock.pid != os.getpid() and process_marks.alive(lock.pid):
+        found.append(f"{process_marks.describe(lock.pid)} [rl launcher]")
+    for pid in process_marks.marked_pids(lock.launch_id):
+        found.append(f"{process_marks.describe(pid)} [{process_marks.service_of(pid) or '?'}]")
     return found
 
 

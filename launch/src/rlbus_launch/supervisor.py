@@ -5,8 +5,8 @@ of their own: stopping a service signals its whole group, then waits, then kills
 Each service's stdout and stderr go to `<run_dir>/logs/<service>.log`.
 
 With a launch id, a service also carries the run's mark in its environment
-(`rlbus.procs.mark_env`, inherited by everything it spawns) and the kernel's parent-death signal
-(`procs.die_with_parent`, SIGTERM when the launcher dies): processes that leave the group
+(`rlbus.process_marks.mark_env`, inherited by everything it spawns) and the kernel's parent-death signal
+(`process_marks.die_with_parent`, SIGTERM when the launcher dies): processes that leave the group
 (torchrun's ranks) are still found by their mark and ended with the service.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-from rlbus import procs
+from rlbus import process_marks
 
 log = structlog.get_logger()
 
@@ -36,7 +36,7 @@ class ServiceProcess:
     cwd: Path | None = None
     popen: subprocess.Popen | None = None
     launch_id: str | None = None
-    """Set by the launcher: the service's processes carry `procs.mark_env(launch_id, name)`."""
+    """Set by the launcher: the service's processes carry `process_marks.mark_env(launch_id, name)`."""
 
     def start(self) -> None:
         """Start (or, after it died, start again) this service with the same argv; output is
@@ -45,7 +45,7 @@ class ServiceProcess:
         log_file = open(self.log_path, "ab", buffering=0)
         env = {**os.environ, **self.env}
         if self.launch_id is not None:
-            env.update(procs.mark_env(self.launch_id, self.name))
+            env.update(process_marks.mark_env(self.launch_id, self.name))
         self.popen = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,
@@ -54,7 +54,7 @@ class ServiceProcess:
             env=env,
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=procs.die_with_parent if self.launch_id is not None else None,
+            preexec_fn=process_marks.die_with_parent if self.launch_id is not None else None,
         )
         log_file.close()
         log.info("service_started", service=self.name, pid=self.popen.pid, log=str(self.log_path))
@@ -78,7 +78,7 @@ class ServiceProcess:
         """Live processes carrying this service's mark (none without a launch id)."""
         if self.launch_id is None:
             return []
-        return procs.marked_pids(self.launch_id, self.name)
+        return process_marks.marked_pids(self.launch_id, self.name)
 
     def end_leftovers(self, grace_s: float = 5.0) -> list[int]:
         """SIGKILL the group, then SIGTERM (SIGKILL after `grace_s`) every process still carrying
@@ -86,7 +86,7 @@ class ServiceProcess:
         if self.popen is not None:
             self.signal_group(signal.SIGKILL)
         found = self.leftovers()
-        survivors = procs.terminate(found, grace_s=grace_s)
+        survivors = process_marks.terminate(found, grace_s=grace_s)
         if found:
             log.info("leftovers_ended", service=self.name, pids=found, survivors=survivors)
         return found

@@ -1,11 +1,17 @@
 """Helpers for the trainer's tests (and other services' tests that need a trained model):
-config factories and running SFT ranks under torchrun in a killable process group."""
+config factories and running SFT ranks under torchrun in a killable process group.
+(tests/conftest.py puts this folder on sys.path; benchmarks/trainer.py adds it itself.)"""
 
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
+import time
+
+from rlbus.wire.batches import MicroBatch, TrainBatch
 
 RANK_SCRIPT = textwrap.dedent(
     """
@@ -81,8 +87,6 @@ def is_alive(pid: int) -> bool:
 
 def kill_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> list[int]:
     """kill -9 torchrun and every rank below it, wait until they are dead; returns their PIDs."""
-    import time
-
     pids = [proc.pid, *descendants(proc.pid)]
     for pid in pids:
         try:
@@ -143,11 +147,6 @@ def read_metrics(run_dir) -> list[dict]:
 def make_train_batch(step: int, *, num_ranks: int = 1, num_sequences: int = 8, seed: int = 0):
     """A deterministic RL `TrainBatch` for step `step`: random prompts + completions, one packed
     micro-batch per rank, advantages of both signs, inference logprobs of a near-uniform policy."""
-    import math
-    import random
-
-    from rlbus.wire.batches import MicroBatch, TrainBatch
-
     rng = random.Random(f"train-batch/{seed}/{step}")
     per_rank = []
     for _ in range(num_ranks):

@@ -2,7 +2,7 @@
 
 The file is in Prometheus' file-based service discovery format (`file_sd_configs`), one entry per
 process that serves /metrics: the launcher itself (`rl`: its restart counter) and each service it
-started, on the ports rlbus.launch.plan wrote into their configs:
+started, on the ports rlbus_launch.plan wrote into their configs:
 
     [{"targets": ["127.0.0.1:40123"],
       "labels": {"service": "trainer", "instance": "trainer", "run": "<run name>"}}, ...]
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import structlog
 
-from rlbus.launch.plan import Launch
 from rlbus.obs import metrics
+from rlbus_launch.plan import Launch
 
 log = structlog.get_logger()
 

@@ -20,23 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlbus.obs.sinks import JoinedRow
 from rlbus.wire.events import StepMetrics
 from rlbus.wire.weights import WeightsApplied, WeightsFailed
 
 JOINED_SERVICES = ("orchestrator", "trainer")
 MONITOR_PREFIXES = ("weights/", "dead_letters/")
 """Keys the monitor adds to a row itself (weights acks, the dead-letter count)."""
-
-
-class JoinedRow(dict):
-    """A step's row as metrics.jsonl holds it (a plain dict to every sink), plus `service_keys`:
-    each service metric's key under its service's name (`loss` -> `trainer/loss`), which the
-    wandb sink logs it as. The row's own keys cannot say which service sent them: a name two
-    services send is prefixed only for the one that reported second."""
-
-    def __init__(self, values: dict[str, Any], service_keys: dict[str, str]):
-        super().__init__(values)
-        self.service_keys = service_keys
 
 
 def has_step_metrics(row: dict[str, Any]) -> bool:

@@ -293,23 +293,3 @@ def run_id_of(
     if bus_run_id or run_name:
         return bus_run_id or run_name
     return Path(run_dir).name if run_dir else None
-
-
-def prepare_run_dir_or_exit(config: Any, *, name_given: bool) -> RunPlan:
-    """`prepare_run_dir` for a named launcher config (`rl`, `sft`); a violation is printed in a
-    box and exits, like any other config error."""
-    from rlbus.configs.base import exit_with_config_error
-
-    try:
-        return prepare_run_dir(
-            config.output_dir,
-            config.run.name,
-            config.run.dir,
-            resume=config.resume is not None,
-            resume_step=config.resume.step if config.resume else None,
-            clean=config.clean,
-            name_was_given=name_given,
-            ckpt_enabled=config.ckpt is not None,
-        )
-    except RunDirError as error:
-        exit_with_config_error(str(error), title="Run directory")

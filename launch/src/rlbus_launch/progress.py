@@ -1,7 +1,7 @@
 """Live progress of an RL run on the launcher's terminal, read from `<run_dir>/metrics.jsonl`.
 
 The monitor process writes one JSON row per step (trainer and orchestrator metrics joined, once
-across any restart: rlbus.monitors). `MetricsTail` reads the new complete lines on each poll and
+across any restart: rlbus_launch.monitor). `MetricsTail` reads the new complete lines on each poll and
 merges rows by step (files written by older versions may still hold a second, weights-only row
 for a step); `step_line` renders one step as the parseable console line
 

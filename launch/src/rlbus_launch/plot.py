@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from rlbus.launch.progress import mean_lag
+from rlbus_launch.progress import mean_lag
 
 # chart file stem -> (title, candidate metric keys in order of preference)
 CHARTS: dict[str, tuple[str, list[str]]] = {

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from rlbus.lifecycle import Terminated, raise_terminated
 from rlbus.netutil import free_ports
-from rlbus.runtime import Terminated, raise_terminated
 from rlbus.secrets import resolve_secret, write_secret_file
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@
 - the argv of every process, in launch order:
 
     nats          embedded nats-server (only without bus.url), store in <run_dir>/nats
-    monitor       python -m rlbus.monitors @ configs/rl.toml --bus.url <url>  (metrics.jsonl)
+    monitor       python -m rlbus_launch.monitor @ configs/rl.toml --bus.url <url>  (metrics.jsonl)
     inference     python -m rlbus_inference.entrypoint @ configs/inference.toml   (per replica;
                       with inference.attach an attach process per server: no vLLM, no ports)
     orchestrator  python -m rlbus_orchestrator.entrypoint @ configs/orchestrator.toml
@@ -18,7 +18,7 @@
 Ports are picked here (free ports for the embedded server, the inference replicas and every
 process's Prometheus /metrics) and written into the configs, so the scripts in the run directory
 repeat this exact launch; `Launch.metrics` keeps where each process serves /metrics
-(rlbus.launch.scrape lists them in `<run_dir>/metrics/targets.json`). A bus secret the launcher
+(rlbus_launch.scrape lists them in `<run_dir>/metrics/targets.json`). A bus secret the launcher
 got from its environment (RLBUS_BUS_TOKEN, RLBUS_BUS_PASSWORD) goes into `<run_dir>/secrets/` (0600) and the
 configs name that file (`bus.token_file`): no secret in a config, a script or an argv. Services are only ever named as modules in
 argv lists: the launcher imports none of them.
@@ -32,7 +32,8 @@ from pydantic import BaseModel
 
 from rlbus.configs import InferenceConfig, RLConfig
 from rlbus.configs.bus import BusConfig
-from rlbus.launch.cpus import (
+from rlbus.obs.logging import log_file_path
+from rlbus_launch.cpus import (
     CpuPlan,
     bind_inference_env,
     bind_trainer,
@@ -41,9 +42,8 @@ from rlbus.launch.cpus import (
     under_taskset,
     usable_cores,
 )
-from rlbus.launch.scripts import config_path
-from rlbus.launch.supervisor import ServiceProcess
-from rlbus.obs.logging import log_file_path
+from rlbus_launch.scripts import config_path
+from rlbus_launch.supervisor import ServiceProcess
 
 NATS_STORE_DIR = "nats"
 TRAINER_MODULE = "rlbus_trainer.entrypoint"
@@ -96,7 +96,7 @@ def trainer_argv(num_procs: int, config_file: Path) -> list[str]:
 
 def embedded_nats(config: RLConfig, run_dir: Path) -> tuple[str, ServiceProcess, str]:
     """(url, process, config text) of the embedded nats-server whose store is in the run dir."""
-    from rlbus.bus.server import NatsServer, nats_server_binary
+    from rlbus_launch.natsserver import NatsServer, nats_server_binary
 
     server = NatsServer.for_config(config.bus, run_dir.absolute() / NATS_STORE_DIR)
     conf = config_path(run_dir, "nats").with_suffix(".conf")
@@ -113,7 +113,13 @@ def monitor_argv(config: RLConfig, run_dir: Path) -> list[str]:
     """The monitor reads the launcher's rl.toml, which keeps only explicit values (no embedded
     server URL), so the resolved bus URL and the paths of its secret files go on its command line
     (paths only: never a secret)."""
-    argv = [sys.executable, "-m", "rlbus.monitors", "@", str(config_path(run_dir, "rl").absolute())]
+    argv = [
+        sys.executable,
+        "-m",
+        "rlbus_launch.monitor",
+        "@",
+        str(config_path(run_dir, "rl").absolute()),
+    ]
     argv += ["--bus.url", str(config.bus.url)]
     if config.bus.token_file is not None:
         argv += ["--bus.token-file", config.bus.token_file]

@@ -1,8 +1,8 @@
-"""List a run's quarantined messages: `python -m rlbus.bus.deadletters <run_dir>` (`rl dead-letters`).
+"""List a run's quarantined messages: `python -m rlbus_launch.deadletters <run_dir>` (`rl dead-letters`).
 
-    python -m rlbus.bus.deadletters outputs/my-run             # table: seq, time, kind, subject, origin, reason
-    python -m rlbus.bus.deadletters outputs/my-run --json      # one JSON object per dead letter
-    python -m rlbus.bus.deadletters --bus.url nats://nats:4222 --run-id my-run
+    python -m rlbus_launch.deadletters outputs/my-run             # table: seq, time, kind, subject, origin, reason
+    python -m rlbus_launch.deadletters outputs/my-run --json      # one JSON object per dead letter
+    python -m rlbus_launch.deadletters --bus.url nats://nats:4222 --run-id my-run
 
 With a run directory the bus comes from the run's resolved config (`<run_dir>/configs/rl.toml`;
 its embedded server's address from `configs/nats.conf`). When that embedded server is not running
@@ -19,14 +19,13 @@ import sys
 from pathlib import Path
 
 import msgspec
-import nats.js.errors
 
 from rlbus.bus.client import Bus
 from rlbus.bus.core import DeadLetter
 from rlbus.bus.errors import BusError
-from rlbus.bus.server import NatsServer
 from rlbus.configs.bus import BusConfig
 from rlbus.secrets import SecretError
+from rlbus_launch.natsserver import NatsServer
 
 PROG = "rl dead-letters"
 EXIT_OK = 0
@@ -72,7 +71,7 @@ def run_bus_config(run_dir: Path) -> tuple[BusConfig, str, bool]:
     from the config the launcher wrote."""
     from rlbus.configs import RLConfig
     from rlbus.configs.base import parse_cli
-    from rlbus.runs import run_id_of
+    from rlbus.rundirs import run_id_of
 
     rl_toml = run_dir / "configs" / "rl.toml"
     if not rl_toml.is_file():
@@ -124,8 +123,6 @@ async def read_dead_letters(config: BusConfig, run_id: str) -> list[DeadLetter]:
     bus = await Bus.connect(config, run_id=run_id, name="dead-letters", ensure=False)
     try:
         return await bus.dead_letters()
-    except nats.js.errors.NotFoundError:  # the run never quarantined anything (no stream yet)
-        return []
     finally:
         await bus.close()
 

@@ -1,0 +1,3 @@
+from rlbus_launch.monitor.service import main
+
+main()

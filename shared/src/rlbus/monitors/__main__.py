@@ -1,3 +1,0 @@
-from rlbus.monitors.service import main
-
-main()
