@@ -6,7 +6,8 @@ import asyncio
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.wire import replicas, weights
 from rlbus.wire.batches import TrainBatch
-from rlbus_orchestrator.coordinator import STATE_KEY, Coordinator, CoordinatorState
+from rlbus_orchestrator.coordinator import Coordinator
+from rlbus_orchestrator.state_store import STATE_KEY, CoordinatorState
 
 
 def make_coordinator(bus) -> Coordinator:
@@ -23,9 +24,12 @@ async def test_restart_adopts_a_batch_stored_before_the_crash_and_saves_the_stat
     )
     coordinator = make_coordinator(bus)
     await coordinator.load_state()
-    assert (coordinator.state.next_step, coordinator.state.outstanding) == (2, {"train-1": 1})
+    assert (coordinator.store.state.next_step, coordinator.store.state.outstanding) == (
+        2,
+        {"train-1": 1},
+    )
     saved = await bus.kv(bus.subjects.state_bucket).get(STATE_KEY)
-    assert CoordinatorState.decode(saved.value) == coordinator.state
+    assert CoordinatorState.decode(saved.value) == coordinator.store.state
 
 
 async def test_restart_steps_over_a_stored_batch_that_is_poison_instead_of_crashing(bus):
@@ -43,33 +47,36 @@ async def test_restart_steps_over_a_stored_batch_that_is_poison_instead_of_crash
     )
     coordinator = make_coordinator(bus)
     await coordinator.load_state()
-    assert (coordinator.state.next_step, coordinator.state.outstanding) == (3, {"train-0": 0})
+    assert (coordinator.store.state.next_step, coordinator.store.state.outstanding) == (
+        3,
+        {"train-0": 0},
+    )
 
 
 async def test_fresh_run_starts_at_step_one(bus):
     coordinator = make_coordinator(bus)
     await coordinator.load_state()
-    assert coordinator.state == CoordinatorState()
+    assert coordinator.store.state == CoordinatorState()
 
 
 async def test_applied_weights_are_seen_by_event_and_by_registry(bus, make_bus):
     coordinator = make_coordinator(bus)
-    subscription = await coordinator.subscribe_weights_applied()
+    subscription = await coordinator.weights.subscribe_weights_applied()
     replica_bus = await make_bus(name="inference")
     applied = weights.WeightsApplied(version=3, replica_id="r0")
     await replica_bus.publish(replica_bus.subjects.weights_applied, weights.encoder.encode(applied))
     for _ in range(50):
-        if coordinator.applied_version == 3:
+        if coordinator.weights.applied_version == 3:
             break
         await asyncio.sleep(0.1)
-    assert coordinator.applied_version == 3
+    assert coordinator.weights.applied_version == 3
     await subscription.unsubscribe()
 
     info = replicas.ReplicaInfo(
         replica_id="r0", base_url="http://r0/v1", model="m", weights_version=5
     )
     await replica_bus.kv(replica_bus.subjects.replicas_bucket).put("r0", info)
-    assert await coordinator.newest_applied_version() == 5
+    assert await coordinator.weights.newest_applied_version() == 5
 
 
 async def test_a_refused_weights_version_is_logged_with_its_reason(bus, make_bus):
@@ -79,7 +86,7 @@ async def test_a_refused_weights_version_is_logged_with_its_reason(bus, make_bus
     replica_bus = await make_bus(name="inference")
     failed = weights.WeightsFailed(version=4, replica_id="r0", reason="tensor x: holds NaN")
     with capture_logs() as logs:
-        subscription = await coordinator.subscribe_weights_failed()
+        subscription = await coordinator.weights.subscribe_weights_failed()
         await replica_bus.publish(
             replica_bus.subjects.weights_failed, weights.encoder.encode(failed)
         )

@@ -7,7 +7,7 @@ import pytest
 from rlbus.wire.replicas import ReplicaInfo
 from rlbus.wire.tasks import SamplingArgs
 from rlbus_orchestrator.client import InferenceClient, NoReplicaError, ReplicaPool
-from rlbus_orchestrator.coordinator import dataset_index
+from rlbus_orchestrator.task_issue import dataset_index
 
 
 def make_replica(rid, version=0, status="ready"):

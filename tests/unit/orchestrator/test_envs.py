@@ -2,6 +2,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import EntryPoint
 
 import msgspec
 import pytest
@@ -14,6 +15,7 @@ from rlbus_orchestrator.envs import (
     ReverseTextEnv,
     load_environment,
     merge_turns,
+    registry,
     reverse_reward,
 )
 
@@ -144,6 +146,19 @@ def test_merge_turns_masks_environment_tokens_between_model_turns():
 def test_merge_turns_rejects_a_prompt_that_rewrites_history():
     with pytest.raises(ValueError, match="extend"):
         merge_turns([make_turn([1, 2], [3]), make_turn([1, 5, 3], [4])])
+
+
+def test_entry_point_environment_is_found_by_id(monkeypatch):
+    ep = EntryPoint(
+        name="my-env",
+        value="rlbus_orchestrator.envs.reverse_text:ReverseTextEnv",
+        group=registry.ENTRY_POINT_GROUP,
+    )
+    monkeypatch.setattr(
+        registry, "entry_points", lambda group: [ep] if group == registry.ENTRY_POINT_GROUP else []
+    )
+    env = load_environment("my-env", {"min_len": 3, "max_len": 3})
+    assert isinstance(env, ReverseTextEnv) and len(env.text("train", 0)) == 3
 
 
 def test_unknown_environment_fails_with_install_command():

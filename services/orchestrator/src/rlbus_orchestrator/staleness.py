@@ -8,7 +8,14 @@ the batch of step `N` is trained on top of version `N - 1`.
 - The coordinator may hand out work for step `N` only while `N - 1 - applied <= async_level`,
   where `applied` is the newest version inference has applied. `async_level = 0` means step `N`
   waits for version `N - 1` everywhere: the synchronous baseline.
+
+A group is stale as soon as one of its samples is (`has_stale_sample`): the rollout intake
+checks it on arrival and the group pool again before each batch.
 """
+
+from collections.abc import Iterable
+
+from rlbus.wire.rollouts import RolloutSample
 
 
 def off_policy_lag(step: int, policy_version: int) -> int:
@@ -29,3 +36,10 @@ def max_allowed_step(applied_version: int, async_level: int) -> int:
 def min_policy_version(step: int, max_off_policy_steps: int) -> int:
     """The oldest weights version still usable for `step` (sent with tasks)."""
     return max(0, step - 1 - max_off_policy_steps)
+
+
+def has_stale_sample(
+    step: int, samples: Iterable[RolloutSample], max_off_policy_steps: int
+) -> bool:
+    """Whether any sample of a group is too old to train step `step` (the group is dropped whole)."""
+    return any(is_stale(step, s.policy_version, max_off_policy_steps) for s in samples)

@@ -1,0 +1,159 @@
+"""The batcher: pooled groups become the step batches the trainer reads.
+
+While the next step is allowed (`next_step <= max_step()` of the weights watcher) and the pool
+holds enough, `build_batches` drops the pooled groups that became too old for that step (`stale`),
+takes the oldest groups reaching `batch_size` samples (or `token_budget` tokens), packs them
+(packing.py) into per-rank micro-batches and publishes step N's batch. Then, in this order: the
+state is saved (its tasks trained, `next_step = N + 1`), the groups' rollouts are acked, the
+step's span ends, its metrics are published, and `on_published(N)` tells the coordinator (which
+starts an evaluation, or ends the run at `max_steps`). A crash between the publish and the save is
+repaired by the state store on restart (the batch log is the truth); one before the acks gets the
+rollouts redelivered, and they are acked as duplicates.
+"""
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from rlbus.bus.client import Bus
+from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.obs import tracing
+from rlbus.obs.metrics import record_batch
+from rlbus.wire.batches import TrainBatch
+from rlbus_orchestrator.group_pool import GroupPool, PooledGroup
+from rlbus_orchestrator.packing import group_sequences, make_train_sample, pack
+from rlbus_orchestrator.state_store import StateStore
+from rlbus_orchestrator.step_metrics import StepStats, publish_metrics, step_metrics
+from rlbus_orchestrator.step_traces import StepTraces
+from rlbus_orchestrator.weights_watch import WeightsWatcher
+
+log = structlog.get_logger()
+
+
+def pack_groups(
+    step: int, groups: list[PooledGroup], config: OrchestratorConfig, metrics: dict[str, float]
+) -> TrainBatch:
+    """Step `step`'s batch of `groups`: their samples with advantages, packed per rank."""
+    samples = [s for g in groups for s in g.rollout.samples]
+    train = [
+        [
+            make_train_sample(s, a, config.seq_len)
+            for s, a in zip(g.rollout.samples, g.advantages, strict=True)
+        ]
+        for g in groups
+    ]
+    sequences = group_sequences(train, config.seq_len, share_prefixes=config.share_prefixes)
+    micro = pack(sequences, seq_len=config.seq_len, num_ranks=config.num_train_ranks)
+    versions = [s.policy_version for s in samples]
+    return TrainBatch(
+        step=step,
+        micro_batches=micro,
+        num_samples=len(samples),
+        num_tokens=sum(len(seq) for seq in sequences),
+        min_policy_version=min(versions),
+        max_policy_version=max(versions),
+        task_ids=[g.task_id for g in groups],
+        metrics=metrics,
+    )
+
+
+class Batcher:
+    """Builds and publishes step batches from the pool (module docstring). Callers hold the
+    coordinator's lock around `build_batches`."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        config: OrchestratorConfig,
+        *,
+        store: StateStore,
+        pool: GroupPool,
+        weights: WeightsWatcher,
+        stats: StepStats,
+        traces: StepTraces,
+        done: asyncio.Event,
+        on_published: Callable[[int], None],
+    ) -> None:
+        self.bus = bus
+        self.config = config
+        self.store = store
+        self.pool = pool
+        self.weights = weights
+        self.stats = stats
+        self.traces = traces
+        self.done = done
+        """Set when the coordinator ends: no batch is started after it."""
+        self.on_published = on_published
+
+    async def build_batches(self) -> None:
+        """Publish every batch the pool holds and the weights allow."""
+        while not self.done.is_set() and self.store.state.next_step <= self.weights.max_step():
+            await self.drop_stale_pooled()
+            groups = self.pool.next_batch_groups(
+                batch_size=self.config.batch_size, token_budget=self.config.token_budget
+            )
+            if not groups:
+                return
+            await self.publish_batch(groups)
+
+    async def drop_stale_pooled(self) -> None:
+        """Groups that waited in the pool until they became too old for the step being built."""
+        step = self.store.state.next_step
+        for group in self.pool.take_stale(step, self.config.max_off_policy_steps):
+            if self.store.record_dropped(group.task_id, "stale"):
+                self.stats.dropped["stale"] += 1
+            await self.store.save()
+            await group.delivery.ack()
+
+    async def publish_batch(self, groups: list[PooledGroup]) -> None:
+        step = self.store.state.next_step
+        batch = await self.publish(step, groups)
+        self.pool.remove(groups)
+        self.store.record_trained([g.task_id for g in groups])
+        self.store.state.next_step = step + 1
+        await self.store.save()
+        for g in groups:
+            await g.delivery.ack()
+        self.traces.end(step)
+        await publish_metrics(self.bus, step, batch.metrics)
+        record_batch(step, batch.metrics)  # Prometheus (rlbus.obs.metrics)
+        log.info(
+            "batch_published",
+            step=step,
+            num_samples=batch.num_samples,
+            num_tokens=batch.num_tokens,
+            reward_mean=round(batch.metrics.get("reward/mean", 0.0), 4),
+        )
+        self.stats.reset()
+        self.on_published(step)
+
+    async def publish(self, step: int, groups: list[PooledGroup]) -> TrainBatch:
+        """Make step `step`'s batch and store it (message id `batch-<step>`), in a span linked
+        to every rollout span it uses."""
+        carriers = [{"traceparent": g.rollout.metadata.get("traceparent") or ""} for g in groups]
+        links = [link for c in carriers if (link := tracing.link_from_headers(c)) is not None]
+        with tracing.span(
+            tracing.BATCH,
+            context=self.traces.context(step),
+            links=links,
+            attributes={tracing.STEP_ATTR: step, "rlbus.batch.groups": len(groups)},
+        ):
+            batch = self.make_batch(step, groups)
+            await self.bus.publish(
+                self.bus.subjects.batch(step), batch, msg_id=self.bus.subjects.batch_msg_id(step)
+            )
+        return batch
+
+    def make_batch(self, step: int, groups: list[PooledGroup]) -> TrainBatch:
+        samples = [s for g in groups for s in g.rollout.samples]
+        metrics = step_metrics(
+            step,
+            samples,
+            stats=self.stats,
+            state=self.store.state,
+            num_pooled=len(self.pool),
+            applied_version=self.weights.applied_version,
+            num_groups=len(groups),
+        )
+        return pack_groups(step, groups, self.config, metrics)

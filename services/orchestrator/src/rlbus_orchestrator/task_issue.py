@@ -1,0 +1,223 @@
+"""Task issue: which training tasks to publish, what each holds, and when one is overdue.
+
+Issuing rule: keep `pooled + in_flight * group_size >= batch_size * (max_step - next_step + 1)`
+samples on the way, where `max_step` is the weights watcher's (never more than `async_level`
+steps ahead of the newest applied weights, never past `max_steps`).
+
+A task is `train-<cursor>`: the data cursor picks the environment (seeded by the cursor, by the
+environments' weights) and its example (`dataset_index`), so a task republished after a crash is
+the same message with the same id, and the bus deduplicates it. Each task asks for weights no
+older than `min_policy_version` of the step it is issued for. The cursors of a publish are saved
+before it (the state store's write-ahead cursors) and republished by `resume` after a restart.
+
+A task whose rollout has not come back `task_timeout_s` after its issue is overdue: the coordinator
+drops it as `timeout` and a replacement is issued (its clock restarts with the coordinator).
+"""
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from rlbus.bus.client import Bus
+from rlbus.configs.orchestrator import OrchestratorConfig, SamplingConfig
+from rlbus.obs import tracing
+from rlbus.wire.tasks import SamplingArgs, Task
+from rlbus_orchestrator.envs import Environment, load_environment
+from rlbus_orchestrator.group_pool import GroupPool
+from rlbus_orchestrator.staleness import min_policy_version
+from rlbus_orchestrator.state_store import StateStore
+from rlbus_orchestrator.step_metrics import StepStats
+from rlbus_orchestrator.step_traces import StepTraces
+from rlbus_orchestrator.weights_watch import WeightsWatcher
+
+log = structlog.get_logger()
+
+
+@dataclass
+class RunEnv:
+    """One environment of the run (`config.env[i]`), loaded."""
+
+    env: Environment
+    args: dict[str, Any]
+    weight: float
+    """Relative share of the training tasks."""
+
+
+def load_run_envs(config: OrchestratorConfig) -> list[RunEnv]:
+    return [RunEnv(load_environment(e.id, e.args), e.args, e.weight) for e in config.env]
+
+
+def dataset_index(cursor: int, num_examples: int | None, seed: int) -> int:
+    """Example index of a data cursor: the cursor itself for generated data, else a per-epoch shuffle."""
+    if num_examples is None:
+        return cursor
+    epoch, pos = divmod(cursor, num_examples)
+    order = list(range(num_examples))
+    random.Random(f"{seed}/{epoch}").shuffle(order)
+    return order[pos]
+
+
+def task_id_of(cursor: int) -> str:
+    return f"train-{cursor}"
+
+
+def sampling_args(config: SamplingConfig, *, greedy: bool = False) -> SamplingArgs:
+    return SamplingArgs(
+        temperature=0.0 if greedy else config.temperature,
+        top_p=1.0 if greedy else config.top_p,
+        max_tokens=config.max_tokens,
+        extra=dict(config.extra_body),
+    )
+
+
+class TaskIssuer:
+    """Publishes the training tasks that are due and times out those that never come back.
+    Callers hold the coordinator's lock around `issue_due_tasks` and `expire_overdue_tasks`."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        config: OrchestratorConfig,
+        envs: list[RunEnv],
+        *,
+        store: StateStore,
+        pool: GroupPool,
+        weights: WeightsWatcher,
+        traces: StepTraces,
+        stats: StepStats,
+    ) -> None:
+        self.bus = bus
+        self.config = config
+        self.envs = envs
+        self.store = store
+        self.pool = pool
+        self.weights = weights
+        self.traces = traces
+        self.stats = stats
+        self.issued_at: dict[str, float] = {}
+        """task_id -> monotonic time it was issued (or the coordinator started, after a restart);
+        entries of tasks no longer outstanding are ignored, and pruned as tasks are issued."""
+
+    def make_task(self, cursor: int) -> Task:
+        rng = random.Random(f"{self.config.seed}/env/{cursor}")
+        env_index = (
+            rng.choices(range(len(self.envs)), weights=[e.weight for e in self.envs])[0]
+            if len(self.envs) > 1
+            else 0
+        )
+        run_env = self.envs[env_index]
+        index = dataset_index(cursor, run_env.env.num_examples("train"), self.config.seed)
+        step = self.store.state.next_step
+        return Task(
+            task_id=task_id_of(cursor),
+            step=step,
+            env_id=run_env.env.env_id,
+            env_args=run_env.args,
+            example_id=index,
+            problem=run_env.env.example("train", index),
+            sampling=sampling_args(self.config.sampling),
+            group_size=self.config.group_size,
+            min_policy_version=min_policy_version(step, self.config.max_off_policy_steps),
+        )
+
+    def num_tasks_to_issue(self) -> int:
+        state = self.store.state
+        steps_ahead = self.weights.max_step() - state.next_step + 1
+        if steps_ahead <= 0:
+            return 0
+        in_flight = len(state.outstanding) - len(self.pool)
+        missing = (
+            self.config.batch_size * steps_ahead
+            - self.pool.num_samples()
+            - in_flight * self.config.group_size
+        )
+        return max(0, math.ceil(missing / self.config.group_size))
+
+    def expected_steps(self, num_tasks: int) -> list[int]:
+        """The step each of `num_tasks` new groups should land in: batches take groups first in,
+        first out, after those pooled and in flight (a guess for tracing: a dropped group moves
+        the later ones one step on)."""
+        state = self.store.state
+        in_flight = max(0, len(state.outstanding) - num_tasks - len(self.pool))
+        ahead = self.pool.num_samples() + in_flight * self.config.group_size
+        size = self.config.batch_size
+        return [
+            state.next_step + (ahead + k * self.config.group_size) // size for k in range(num_tasks)
+        ]
+
+    async def issue_due_tasks(self) -> int:
+        """Publish the tasks due now (write-ahead cursors saved first); returns how many."""
+        num = self.num_tasks_to_issue()
+        if not num:
+            return 0
+        first = self.store.state.cursor
+        cursors = list(range(first, first + num))
+        self.store.record_issued({task_id_of(c): c for c in cursors})
+        self.forget_ended_tasks()
+        self.issued_at.update(dict.fromkeys(map(task_id_of, cursors), time.monotonic()))
+        await self.store.save_write_ahead(cursors)
+        await self.publish_tasks(cursors)
+        await self.store.save_published()
+        log.debug("tasks_published", num_tasks=num, cursor=self.store.state.cursor)
+        return num
+
+    async def publish_tasks(self, cursors: list[int]) -> None:
+        """Publish concurrently (one round trip, not one per task); ids make a retry a no-op.
+        Each task is published in the trace of the step its group is expected to land in."""
+        tasks = [self.make_task(cursor) for cursor in cursors]
+
+        async def publish(task: Task, step: int) -> None:
+            with tracing.use_context(self.traces.context(step)):
+                await self.bus.publish(self.bus.subjects.tasks, task, msg_id=task.task_id)
+
+        await asyncio.gather(
+            *(
+                publish(t, step)
+                for t, step in zip(tasks, self.expected_steps(len(tasks)), strict=True)
+            )
+        )
+
+    async def resume(self) -> None:
+        """After the state is loaded: the outstanding tasks' clocks start now, and a publish
+        that a crash interrupted is done again (deduplicated by message id)."""
+        self.issued_at = dict.fromkeys(self.store.state.outstanding, time.monotonic())
+        if self.store.state.publishing:
+            await self.publish_tasks(self.store.state.publishing)
+
+    def forget_ended_tasks(self) -> None:
+        """Drop the issue times of tasks batched or dropped since (they are never overdue)."""
+        outstanding = self.store.state.outstanding
+        self.issued_at = {t: at for t, at in self.issued_at.items() if t in outstanding}
+
+    def overdue_tasks(self, now: float) -> list[str]:
+        """In-flight tasks (issued, no rollout pooled) older than `task_timeout_s`."""
+        timeout = self.config.task_timeout_s
+        if timeout is None:
+            return []
+        return [
+            task_id
+            for task_id in self.store.state.outstanding
+            if task_id not in self.pool and now - self.issued_at.get(task_id, now) > timeout
+        ]
+
+    async def expire_overdue_tasks(self) -> int:
+        """Drop overdue tasks as `timeout` (replacements follow); returns how many."""
+        overdue = self.overdue_tasks(time.monotonic())
+        for task_id in overdue:
+            if self.store.record_dropped(task_id, "timeout"):
+                self.stats.dropped["timeout"] += 1
+        self.forget_ended_tasks()
+        if overdue:
+            log.warning("tasks_timed_out", num_tasks=len(overdue), first=overdue[0])
+            await self.store.save()
+        return len(overdue)
+
+    def expiry_poll_s(self) -> float | None:
+        """How often to look for overdue tasks (None: tasks never time out)."""
+        timeout = self.config.task_timeout_s
+        return None if timeout is None else min(timeout / 4, 5.0)

@@ -1,0 +1,67 @@
+"""Rollout intake: quarantine, deduplication and the drop decisions on arrival."""
+
+import asyncio
+
+from coordinator_fakes import FakeDelivery, make_parts, make_pooled, make_rollout
+
+from rlbus.wire.rollouts import Rollout
+from rlbus_orchestrator.rollout_intake import RolloutIntake
+
+
+def make_intake(**overrides):
+    config, store, pool, stats = make_parts(**overrides)
+    return RolloutIntake(store.bus, config, store=store, pool=pool, stats=stats)
+
+
+def test_stale_error_and_flat_groups_are_dropped_with_a_reason():
+    intake = make_intake()
+    intake.store.state.next_step = 4
+    assert intake.drop_reason(make_rollout("t", [0.0, 1.0], version=1)) == "stale"
+    assert intake.drop_reason(make_rollout("t", [0.0, 1.0], version=2)) is None
+    assert intake.drop_reason(make_rollout("t", [0.5, 0.5], version=3)) == "zero_advantage"
+    assert intake.drop_reason(Rollout(task_id="t", step=1, env_id="x", error="boom")) == "error"
+    keep_flat = make_intake(filter_zero_advantage=False)
+    assert keep_flat.drop_reason(make_rollout("t", [0.5, 0.5])) is None
+
+
+def test_a_good_group_is_pooled_unacked_with_its_advantages():
+    intake = make_intake()
+    intake.store.record_issued({"train-0": 0})
+    d = FakeDelivery(make_rollout("train-0", [0.0, 1.0]))
+    asyncio.run(intake.accept(d))
+    assert not d.acked and intake.pool.groups["train-0"].advantages == [-0.5, 0.5]
+    assert intake.stats.completion_tokens == 6 and intake.store.saved == []
+
+
+def test_a_flat_group_is_dropped_saved_and_acked_and_its_samples_still_count_as_sampled():
+    intake = make_intake()
+    intake.store.record_issued({"train-0": 0})
+    d = FakeDelivery(make_rollout("train-0", [0.5, 0.5]))
+    asyncio.run(intake.accept(d))
+    assert d.acked and not intake.pool and intake.store.state.dropped == {"zero_advantage": 1}
+    assert intake.stats.dropped["zero_advantage"] == 1 and len(intake.stats.no_signal_samples) == 2
+    [(saved, _)] = intake.store.saved
+    assert saved.dropped == {"zero_advantage": 1}
+
+
+def test_a_rollout_redelivered_while_pooled_refreshes_the_handle_and_is_not_pooled_twice():
+    intake = make_intake()
+    intake.store.record_issued({"train-0": 0})
+    intake.pool.add(make_pooled("train-0", [0.0, 1.0]))
+    again = FakeDelivery(make_rollout("train-0", [0.0, 1.0]))
+    asyncio.run(intake.accept(again))
+    assert len(intake.pool) == 1 and intake.pool.groups["train-0"].delivery is again
+    assert not again.acked
+
+
+def test_an_invalid_rollout_goes_to_the_dead_letters_and_its_task_is_dropped_as_invalid():
+    intake = make_intake()
+    intake.store.record_issued({"train-0": 0})
+    intake.pool.add(make_pooled("train-0", [0.0, 1.0]))
+    bad = make_rollout("train-0", [0.0])  # one sample, group_size is 2
+    d = FakeDelivery(bad)
+    assert asyncio.run(intake.quarantine_if_invalid(d))
+    assert d.termed and not d.acked and not intake.pool
+    assert intake.store.state.dropped == {"invalid": 1} and "group_size=2" in intake.bus.dead[0][2]
+    good = FakeDelivery(make_rollout("train-0", [0.0, 1.0]))
+    assert not asyncio.run(intake.quarantine_if_invalid(good)) and not good.termed
