@@ -26,9 +26,15 @@ import stat
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
-from rlbus.bus.errors import ClaimCheckError
+import msgspec
+import structlog
+
+from rlbus.bus.errors import BusError, ClaimCheckError
 from rlbus.checksums import sha256_bytes
+from rlbus.wire import claims
 from rlbus.wire.claims import ClaimCheck
+
+log = structlog.get_logger()
 
 CLAIM_HEADER = "Rlbus-Claim-Check"
 CLAIMS_DIR = "claims"
@@ -49,6 +55,32 @@ def store(storage_dir: Path, subject: str, payload: bytes, msg_id: str) -> Claim
             os.fsync(out.fileno())
         os.replace(tmp, path)
     return ClaimCheck(path=str(relative), size=len(payload), sha256=digest)
+
+
+def check_in(
+    storage_dir: Path | None, subject: str, payload: bytes, msg_id: str, threshold: int
+) -> bytes:
+    """Store a payload above `threshold` bytes under `storage_dir`; the encoded `ClaimCheck` to
+    publish instead. Without a storage dir the publisher was built wrong: `BusError` says so."""
+    if storage_dir is None:
+        raise BusError(
+            f"a {len(payload)}-byte message to {subject} exceeds the claim-check threshold "
+            f"({threshold} bytes) but this Bus has no storage_dir: pass storage_dir=<run_dir>"
+        )
+    claim = store(storage_dir, subject, payload, msg_id)
+    log.debug("claim_check_stored", subject=subject, size=claim.size, path=claim.path)
+    return claims.encoder.encode(claim)
+
+
+def claim_of(data: bytes, headers: dict[str, str] | None) -> ClaimCheck | None:
+    """The claim check a received message carries instead of its payload (None: inline).
+    Undecodable claim bytes raise `ClaimCheckError`."""
+    if not (headers and headers.get(CLAIM_HEADER)):
+        return None
+    try:
+        return claims.decoder.decode(data)
+    except msgspec.DecodeError as error:
+        raise ClaimCheckError(f"undecodable claim check: {error}") from None
 
 
 def resolve(storage_dir: Path | None, claim: ClaimCheck) -> Path:

@@ -2,7 +2,10 @@
 
 Publishing (message id, trace headers, claim check, retry with the same id), decoding received
 payloads (claim checks resolved and verified), dead letters, and ensuring the run's streams,
-durable consumers and KV buckets. `Consumer`, `StepLog`, `KV` and `Lease` take a `BusCore`;
+durable consumers and KV buckets. What each of those is lives below core: the server-side
+configs in topology.py, the claim-check files in claimcheck.py, the dead-letter headers and
+records in quarantine.py; `BusCore` holds the connection and the state they share (the ensure
+lock, the ids already quarantined). `Consumer`, `StepLog`, `KV` and `Lease` take a `BusCore`;
 `Bus` (client.py) is a `BusCore` that also builds them. This module imports none of those, so
 imports run one way: core <- consumer / kv / steplog <- client (tests/unit/bus/test_layers.py).
 """
@@ -20,16 +23,29 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.aio.client import Client as NATS
 from nats.js import api
 
-from rlbus.bus import claimcheck
-from rlbus.bus.errors import BusError, ClaimCheckError
+from rlbus.bus import claimcheck, topology
+from rlbus.bus.quarantine import (  # noqa: F401 (DEAD_*: re-exported until rlbus_launch.schema imports them from quarantine)
+    DEAD_KIND,
+    DEAD_MSG_ID,
+    DEAD_NUM_DELIVERED,
+    DEAD_ORIGIN,
+    DEAD_REASON,
+    DEAD_STREAM,
+    DEAD_STREAM_SEQ,
+    DEAD_SUBJECT,
+    DeadLetter,
+    dead_letter_headers,
+    dead_letter_id,
+    read_dead_letters,
+)
 from rlbus.configs.bus import BusConfig
 from rlbus.obs import tracing
 from rlbus.obs.metrics import count_dead_letter
-from rlbus.wire import claims
 from rlbus.wire.claims import ClaimCheck
-from rlbus.wire.subjects import BucketSpec, ConsumerSpec, RunSubjects, StreamSpec
+from rlbus.wire.subjects import ConsumerSpec, RunSubjects
 
 log = structlog.get_logger()
 
@@ -78,59 +94,7 @@ async def retry_transient(
             delay = min(delay * 2, max_delay_s)
 
 
-# Headers of a dead letter (docs/bus.md, "Dead letters"); the payload is the original message's.
-DEAD_REASON = "Rlbus-Dead-Reason"
-DEAD_SUBJECT = "Rlbus-Dead-Subject"
-DEAD_STREAM = "Rlbus-Dead-Stream"
-DEAD_KIND = "Rlbus-Dead-Kind"
-DEAD_ORIGIN = "Rlbus-Dead-Origin"
-DEAD_NUM_DELIVERED = "Rlbus-Dead-Num-Delivered"
-DEAD_STREAM_SEQ = "Rlbus-Dead-Stream-Seq"
-DEAD_MSG_ID = "Rlbus-Dead-Msg-Id"
-DEAD_REASON_MAX_CHARS = 1000
-
 _encoder = msgspec.msgpack.Encoder()
-
-
-class DeadLetter(msgspec.Struct, frozen=True):
-    """One quarantined message as `BusCore.dead_letters()` lists it (payload left out)."""
-
-    seq: int
-    """Sequence in the run's dead-letter stream."""
-    time: float
-    """When it was quarantined (Unix seconds, the server's clock)."""
-    kind: str
-    stream: str
-    subject: str
-    origin: str
-    """`<bus client name>@<host>:<pid>` of the process that quarantined it."""
-    reason: str
-    num_delivered: int | None = None
-    stream_seq: int | None = None
-    """Sequence (or KV revision) of the original message, when known."""
-    msg_id: str | None = None
-    """Nats-Msg-Id of the original message, when it had one."""
-
-    @classmethod
-    def from_message(cls, msg: api.RawStreamMsg) -> "DeadLetter":
-        headers = msg.headers or {}
-
-        def number(name: str) -> int | None:
-            value = headers.get(name)
-            return int(value) if value and value.isdigit() else None
-
-        return cls(
-            seq=msg.seq or 0,
-            time=msg.time.timestamp() if msg.time else 0.0,
-            kind=headers.get(DEAD_KIND, "-"),
-            stream=headers.get(DEAD_STREAM, "-"),
-            subject=headers.get(DEAD_SUBJECT, msg.subject or "-"),
-            origin=headers.get(DEAD_ORIGIN, "-"),
-            reason=headers.get(DEAD_REASON, "-"),
-            num_delivered=number(DEAD_NUM_DELIVERED),
-            stream_seq=number(DEAD_STREAM_SEQ),
-            msg_id=headers.get(DEAD_MSG_ID),
-        )
 
 
 def encode(message: msgspec.Struct | bytes) -> bytes:
@@ -144,8 +108,13 @@ class BusCore:
     """A connection scoped to one run: topology, publishing, payload decoding (module docstring)."""
 
     def __init__(
-        self, nc, config: BusConfig, subjects: RunSubjects, storage_dir: Path | None, name: str
-    ):
+        self,
+        nc: NATS,
+        config: BusConfig,
+        subjects: RunSubjects,
+        storage_dir: Path | None,
+        name: str,
+    ) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=config.publish_timeout_s)
         self.config = config
@@ -167,12 +136,12 @@ class BusCore:
     async def ensure(self) -> None:
         """Create (or update) every stream, durable consumer and KV bucket of the run. Idempotent."""
         async with self._ensure_lock:
-            for spec in self.subjects.streams():
-                await self.ensure_stream(spec)
-            for spec in self.subjects.consumers():
-                await self.ensure_consumer(spec)
-            for spec in self.subjects.buckets():
-                await self.ensure_bucket(spec)
+            for stream in self.subjects.streams():
+                await topology.ensure_stream(self.js, stream, self.config)
+            for consumer in self.subjects.consumers():
+                await topology.ensure_consumer(self.js, consumer, self.config)
+            for bucket in self.subjects.buckets():
+                await topology.ensure_bucket(self.js, bucket)
 
     def ensure_soon(self) -> None:
         """Re-run `ensure()` in the background (after a reconnect), logging failures."""
@@ -187,61 +156,9 @@ class BusCore:
         self._background.add(task := asyncio.create_task(ensure_logged()))
         task.add_done_callback(self._background.discard)
 
-    def stream_config(self, spec: StreamSpec) -> api.StreamConfig:
-        retention = (
-            api.RetentionPolicy.WORK_QUEUE
-            if spec.retention == "workqueue"
-            else api.RetentionPolicy.LIMITS
-        )
-        return api.StreamConfig(
-            name=spec.name,
-            subjects=list(spec.subjects),
-            retention=retention,
-            storage=api.StorageType.FILE,
-            max_age=self.config.stream_max_age_s,
-            max_bytes=self.config.stream_max_bytes,
-            max_msgs_per_subject=spec.max_msgs_per_subject,
-            max_msg_size=-1,
-            duplicate_window=self.config.duplicate_window_s,
-            allow_direct=True,
-        )
-
-    async def ensure_stream(self, spec: StreamSpec) -> None:
-        config = self.stream_config(spec)
-        try:
-            await self.js.add_stream(config)
-        except nats.js.errors.BadRequestError as error:
-            if error.err_code != 10058:  # stream name in use with a different config
-                raise
-            await self.js.update_stream(config)
-            log.info("stream_updated", stream=spec.name)
-
     async def ensure_consumer(self, spec: ConsumerSpec) -> None:
-        """Create the durable, or update it to today's settings (e.g. a changed `ack_wait_s`).
-
-        JetStream's own `max_deliver` is unlimited on purpose: the bound is the consumer's
-        (`bus.max_deliver` deliveries whose handler raised, then a dead letter with the error).
-        A JetStream limit would count the deliveries a handler defers with `nak()` too (a
-        rollout worker naks its tasks while no replica is up) and then drop the message
-        silently, with no dead letter: data loss."""
-        config = api.ConsumerConfig(
-            durable_name=spec.durable,
-            name=spec.durable,
-            ack_policy=api.AckPolicy.EXPLICIT,
-            ack_wait=self.config.ack_wait_s,
-            max_deliver=-1,
-            max_ack_pending=self.config.max_ack_pending,
-            filter_subject=spec.filter_subject,
-            deliver_policy=api.DeliverPolicy.ALL,
-        )
-        await self.js.add_consumer(spec.stream, config)
-
-    async def ensure_bucket(self, spec: BucketSpec) -> None:
-        await self.js.create_key_value(
-            api.KeyValueConfig(
-                bucket=spec.name, history=spec.history, direct=True, storage=api.StorageType.FILE
-            )
-        )
+        """Create durable `spec`, or update it to today's settings (`topology.ensure_consumer`)."""
+        await topology.ensure_consumer(self.js, spec, self.config)
 
     # ---- publishing -----------------------------------------------------------------------
 
@@ -292,7 +209,7 @@ class BusCore:
                 span.set_attribute("messaging.batch.message_count", len(prepared))
                 for _, _, headers in prepared:
                     tracing.inject_headers(headers)
-        futures = []
+        futures: list[asyncio.Future[api.PubAck] | None] = []
         for subject, payload, headers in prepared:
             try:
                 futures.append(await self.js.publish_async(subject, payload, headers=headers))
@@ -320,23 +237,15 @@ class BusCore:
         headers = dict(headers) if headers else {}
         headers[MSG_ID_HEADER] = msg_id or uuid.uuid4().hex
         if len(payload) > self.claim_check_bytes:
-            payload = self._claim(subject, payload, headers[MSG_ID_HEADER])
+            payload = claimcheck.check_in(
+                self.storage_dir, subject, payload, headers[MSG_ID_HEADER], self.claim_check_bytes
+            )
             headers[claimcheck.CLAIM_HEADER] = "1"
         return payload, headers
 
-    def _claim(self, subject: str, payload: bytes, msg_id: str) -> bytes:
-        if self.storage_dir is None:
-            raise BusError(
-                f"a {len(payload)}-byte message to {subject} exceeds the claim-check threshold "
-                f"({self.claim_check_bytes} bytes) but this Bus has no storage_dir: pass storage_dir=<run_dir>"
-            )
-        claim = claimcheck.store(self.storage_dir, subject, payload, msg_id)
-        log.debug("claim_check_stored", subject=subject, size=claim.size, path=claim.path)
-        return claims.encoder.encode(claim)
-
     async def _publish_with_retry(
-        self, subject: str, payload: bytes, headers: dict, msg_ttl: float | None
-    ):
+        self, subject: str, payload: bytes, headers: dict[str, str], msg_ttl: float | None
+    ) -> api.PubAck:
         """Publish, retrying with the same msg id until `bus.publish_retry_s` (a NATS outage is
         waited out; each retry logs what waits and for how long)."""
         started = time.monotonic()
@@ -378,14 +287,9 @@ class BusCore:
 
     @staticmethod
     def claim_of(data: bytes, headers: dict[str, str] | None) -> ClaimCheck | None:
-        """The claim check a received message carries instead of its payload (None: inline).
-        Undecodable claim bytes raise `ClaimCheckError`."""
-        if not (headers and headers.get(claimcheck.CLAIM_HEADER)):
-            return None
-        try:
-            return claims.decoder.decode(data)
-        except msgspec.DecodeError as error:
-            raise ClaimCheckError(f"undecodable claim check: {error}") from None
+        """The claim check a received message carries instead of its payload (None: inline);
+        `ClaimCheckError` when it does not decode (`claimcheck.claim_of`)."""
+        return claimcheck.claim_of(data, headers)
 
     def origin(self) -> str:
         """`<client name>@<host>:<pid>`: who quarantined a message (the `Rlbus-Dead-Origin` header)."""
@@ -413,30 +317,21 @@ class BusCore:
         client skips one it already stored. Returns False for such a skip (nothing was sent)."""
         kind = kind or self.subjects.dead_kind(stream)
         original_id = headers.get(MSG_ID_HEADER) if headers else None
-        if original_id:
-            dead_id = f"dead-{original_id}"
-        elif stream_seq is not None:
-            dead_id = f"dead-{kind}-{stream_seq}"
-        else:
-            dead_id = f"dead-{uuid.uuid4().hex}"
+        dead_id = dead_letter_id(kind, original_id, stream_seq, fallback=uuid.uuid4().hex)
         if dead_id in self._quarantined:
             return False
-        dead_headers = {
-            DEAD_REASON: reason[:DEAD_REASON_MAX_CHARS],
-            DEAD_SUBJECT: subject,
-            DEAD_STREAM: stream,
-            DEAD_KIND: kind,
-            DEAD_ORIGIN: self.origin(),
-            MSG_ID_HEADER: dead_id,
-        }
-        if num_delivered is not None:
-            dead_headers[DEAD_NUM_DELIVERED] = str(num_delivered)
-        if stream_seq is not None:
-            dead_headers[DEAD_STREAM_SEQ] = str(stream_seq)
-        if original_id:
-            dead_headers[DEAD_MSG_ID] = original_id
-        if headers and headers.get(claimcheck.CLAIM_HEADER):
-            dead_headers[claimcheck.CLAIM_HEADER] = "1"
+        dead_headers = dead_letter_headers(
+            stream=stream,
+            subject=subject,
+            kind=kind,
+            origin=self.origin(),
+            reason=reason,
+            original=headers,
+            original_id=original_id,
+            num_delivered=num_delivered,
+            stream_seq=stream_seq,
+        )
+        dead_headers[MSG_ID_HEADER] = dead_id
         await self._publish_with_retry(self.subjects.dead(stream), data, dead_headers, None)
         self._quarantined.add(dead_id)
         count_dead_letter(self.subjects, stream, reason)  # Prometheus (rlbus.obs.metrics)
@@ -450,21 +345,9 @@ class BusCore:
             return None
 
     async def dead_letters(self, *, limit: int | None = None) -> list[DeadLetter]:
-        """The run's quarantined messages, oldest first (at most `limit`, the newest ones)."""
-        stream = self.subjects.dead_stream
-        state = (await self.js.stream_info(stream)).state
-        seq = state.first_seq
-        if limit is not None:
-            seq = max(seq, state.last_seq - limit + 1)
-        letters = []
-        while seq <= state.last_seq:
-            try:
-                msg = await self.js.get_msg(stream, seq, next=True)
-            except nats.js.errors.NotFoundError:
-                break
-            letters.append(DeadLetter.from_message(msg))
-            seq = (msg.seq or seq) + 1
-        return letters
+        """The run's quarantined messages, oldest first (at most `limit`, the newest ones); none
+        when the run never quarantined anything (no dead-letter stream yet)."""
+        return await read_dead_letters(self.js, self.subjects.dead_stream, limit=limit)
 
     async def dead_letter_count(self) -> int:
         """How many messages the run's dead-letter stream holds."""
