@@ -40,7 +40,15 @@ def member_names(repo: Path) -> set[str]:
 def measure(repo: Path, member: str, extra: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="rlbus-image-") as venv:
         env = dict(os.environ, UV_PROJECT_ENVIRONMENT=venv, UV_COMPILE_BYTECODE="1")
-        argv = ["uv", "sync", "--quiet", "--no-default-groups", "--package", member, *extra]
+        argv = [
+            str(repo / "uvw"),
+            "sync",
+            "--quiet",
+            "--no-default-groups",
+            "--package",
+            member,
+            *extra,
+        ]
         subprocess.run(argv, cwd=repo, env=env, check=True)
         return tree_bytes(Path(venv))
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from rlbus.lifecycle import Terminated, raise_terminated
-from rlbus.netutil import free_ports
+from rlbus.netutil import free_ports, loopback_if_wildcard
 from rlbus.secrets import resolve_secret, write_secret_file
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class NatsServer:
     @property
     def local_host(self) -> str:
         """An address of the server from this host (a wildcard listen address is not one)."""
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return loopback_if_wildcard(self.host)
 
     @property
     def local_url(self) -> str:
@@ -133,7 +133,7 @@ class NatsServer:
 
     @property
     def local_monitor_url(self) -> str:
-        host = "127.0.0.1" if self.http_host in ("0.0.0.0", "::", "") else self.http_host
+        host = loopback_if_wildcard(self.http_host)
         return f"http://{host}:{self.http_port}"
 
     @property

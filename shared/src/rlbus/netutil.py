@@ -1,6 +1,7 @@
 """Small network helpers every side uses (no third-party imports)."""
 
 import socket
+from urllib.parse import urlsplit
 
 _handed_out: set[int] = set()
 """Ports this process already handed out. A planned port is not bound until its service starts
@@ -77,3 +78,23 @@ def reachable_host() -> str:
     except OSError:
         pass
     return name
+
+
+def loopback_if_wildcard(host: str) -> str:
+    """The address a client on this machine connects to for a server bound to `host`."""
+    return "127.0.0.1" if is_wildcard(host) else host
+
+
+def hostname_if_wildcard(host: str) -> str:
+    """The name other machines use for a server bound to `host` (this machine's name when it is
+    bound to every interface). Unlike `reachable_host`, no lookup: the name as the OS gives it."""
+    return socket.gethostname() if is_wildcard(host) else host
+
+
+def check_http_url(value: str, example: str = "http://127.0.0.1:8000") -> str:
+    """`value` without a trailing slash, if it is an http(s) URL with a host; else ValueError
+    naming `example`."""
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL: give e.g. {example}")
+    return value.rstrip("/")

@@ -8,6 +8,7 @@ from pydantic import ByteSize, ConfigDict, Field, field_validator, model_validat
 from rlbus.configs.base import BaseConfig, field_errors
 from rlbus.configs.common import ServiceConfig, WeightBroadcastConfig
 from rlbus.configs.slurm import SlurmConfig
+from rlbus.netutil import check_http_url
 
 
 class VLLMConfig(BaseConfig):
@@ -107,14 +108,6 @@ class AdminConfig(BaseConfig):
 
 
 DEFAULT_BACKEND_PORT = 8100
-
-
-def check_http_url(value: str) -> str:
-    """`value` without a trailing slash, if it is an http(s) URL with a host; else ValueError."""
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{value!r} is not an http(s) URL: give e.g. http://127.0.0.1:8000")
-    return value.rstrip("/")
 
 
 class AttachConfig(BaseConfig):

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from rlbus.configs.base import BaseConfig, field_errors
 from rlbus.configs.common import ModelConfig, RunnableConfig
+from rlbus.netutil import check_http_url
 
 
 class SamplingConfig(BaseConfig):
@@ -232,14 +233,10 @@ class OrchestratorConfig(RunnableConfig):
                     )
                 )
         for i, url in enumerate(self.inference_urls):
-            if not url.startswith(("http://", "https://")):
-                errors.append(
-                    (
-                        "inference_urls",
-                        f"entry {i} ({url!r}) is not an http(s) URL: give OpenAI API roots such "
-                        "as http://host:8000/v1",
-                    )
-                )
+            try:
+                check_http_url(url, example="an OpenAI API root such as http://host:8000/v1")
+            except ValueError as error:
+                errors.append(("inference_urls", f"entry {i}: {error}"))
         return errors
 
     @model_validator(mode="after")

@@ -28,7 +28,6 @@ before its first event.
 
 import asyncio
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -46,6 +45,8 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+
+from rlbus.netutil import free_port, hostname_if_wildcard, is_wildcard
 
 log = structlog.get_logger()
 
@@ -278,14 +279,9 @@ _address: tuple[str, int] | None = None
 _server_lock = threading.Lock()
 
 
-def reachable_host(host: str) -> str:
-    """The host others use for a server bound to `host` (this machine's name for a wildcard)."""
-    return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
-
-
 def host_port(host: str, port: int) -> str:
     """`host:port` (`[v6]:port` for an IPv6 address), as Prometheus targets and URLs spell it."""
-    host = reachable_host(host)
+    host = hostname_if_wildcard(host)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -318,8 +314,6 @@ def serve_metrics(service: str, config: Any, *, rank: int | None = None) -> str 
 def bind(host: str, port: int) -> int | None:
     """Start the server thread on host:port (0: a free port); returns the bound port, or None
     after BIND_WAIT_S of failures (logged)."""
-    from rlbus.netutil import free_port, is_wildcard
-
     deadline = time.monotonic() + BIND_WAIT_S
     while True:
         try:
