@@ -4,12 +4,12 @@ labels, the HTTP transport's timing and the JetStream gauges (a fake bus: no NAT
 import http.server
 import threading
 import urllib.request
-from types import SimpleNamespace
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rlbus.bus.stats import ConsumerStats, StreamStats
 from rlbus.configs.common import MetricsConfig
 from rlbus.netutil import free_port
 from rlbus.obs import metrics
@@ -203,37 +203,31 @@ async def test_timed_transport_observes_each_request_by_endpoint_and_outcome(sta
         assert count(*key) == old + 1, key
 
 
-def consumer(durable: str | None, pending: int, ack_pending: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        config=SimpleNamespace(durable_name=durable),
-        num_pending=pending,
-        num_ack_pending=ack_pending,
-    )
+def consumer(durable: str, pending: int, ack_pending: int) -> ConsumerStats:
+    return ConsumerStats(durable=durable, num_pending=pending, num_ack_pending=ack_pending)
 
 
-class FakeJetStream:
-    """stream_info / consumers_info of a run, from dicts the test changes between reads."""
+class FakeStatsBus:
+    """`Bus.stream_stats` of a run, from dicts the test changes between reads."""
 
     def __init__(self, subjects: RunSubjects):
+        self.subjects = subjects
         self.messages = {spec.name: 0 for spec in subjects.streams()}
-        self.consumers: dict[str, list] = {}
+        self.consumers: dict[str, list[ConsumerStats]] = {}
         self.down = False
 
-    async def stream_info(self, name):
+    async def stream_stats(self, name: str) -> StreamStats:
         if self.down:
             raise TimeoutError()
-        return SimpleNamespace(state=SimpleNamespace(messages=self.messages[name]))
-
-    async def consumers_info(self, name):
-        return self.consumers.get(name, [])
+        consumers = tuple(self.consumers.get(name, []))
+        return StreamStats(name, self.messages[name], 1, self.messages[name], consumers)
 
 
-async def test_stream_stats_report_queue_depth_and_lag_of_durable_consumers_only():
+async def test_stream_stats_report_queue_depth_and_lag_of_durable_consumers():
     subjects = RunSubjects("stats-run")
-    js = FakeJetStream(subjects)
-    bus = SimpleNamespace(subjects=subjects, js=js)
+    bus = js = FakeStatsBus(subjects)
     js.messages[subjects.tasks_stream] = 12
-    js.consumers[subjects.tasks_stream] = [consumer("rollout-workers", 5, 7), consumer(None, 1, 1)]
+    js.consumers[subjects.tasks_stream] = [consumer("rollout-workers", 5, 7)]
     js.consumers[subjects.events_stream] = [consumer("monitor", 2, 0)]
 
     await metrics.refresh_stream_stats(bus)

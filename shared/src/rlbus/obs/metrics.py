@@ -498,18 +498,16 @@ async def refresh_stream_stats(bus: Any) -> None:
     for spec in subjects.streams():
         family = stream_family(subjects, spec.name)
         try:
-            info = await bus.js.stream_info(spec.name)
-            found = await bus.js.consumers_info(spec.name)
+            stats = await bus.stream_stats(spec.name)  # rlbus.bus.stats.StreamStats
         except Exception as error:
             failure = failure or error
             continue
-        STREAM_MESSAGES.labels(stream=family).set(info.state.messages)
+        STREAM_MESSAGES.labels(stream=family).set(stats.num_messages)
         streams.add((family,))
-        durables = [c for c in found if c.config.durable_name][:MAX_CONSUMERS_PER_STREAM]
-        for consumer in durables:
-            labels = (family, consumer.config.durable_name)
-            CONSUMER_PENDING.labels(*labels).set(consumer.num_pending or 0)
-            CONSUMER_ACK_PENDING.labels(*labels).set(consumer.num_ack_pending or 0)
+        for consumer in stats.consumers[:MAX_CONSUMERS_PER_STREAM]:  # durable ones only
+            labels = (family, consumer.durable)
+            CONSUMER_PENDING.labels(*labels).set(consumer.num_pending)
+            CONSUMER_ACK_PENDING.labels(*labels).set(consumer.num_ack_pending)
             consumers.add(labels)
     if failure is not None:  # what could not be read keeps its last values
         _stream_labels.update(streams)
