@@ -4,9 +4,9 @@
 
 Starts one `inference` replica (no bus) on a tiny model built offline (or --model), then prints:
 1. completion tokens/s of N concurrent chat completions through the public port (:server.port:
-   the allow-list gate, then vllm-router), through the router alone (its loopback port), and
-   straight to the engine (:backend_port), with ratios; and the median latency of one short
-   completion on each path (what the gate's extra hop costs);
+   the allow-list gate in front of vLLM) and straight to the engine (:backend_port), with
+   ratios; and the median latency of one short completion on each path (what the gate's hop
+   costs; benchmarks/replica_hop.py compares it with a vllm-router in between);
 2. seconds of `/update_weights` of a safetensors directory (checksums, pause, in-place reload,
    prefix-cache reset, resume) vs `safetensors.torch.load_file` of the same files, and the ratio.
 Numbers, not assertions: tests never time anything.
@@ -63,22 +63,6 @@ async def latency_s(url: str, model: str, num_requests: int = 20) -> float:
     return statistics.median(times)
 
 
-def router_port(replica) -> int:
-    """The loopback port of the replica's vllm-router (behind the gate): the router retitles
-    itself `vllm::router`, so its listening port comes from `ss`, not its command line."""
-    import subprocess
-
-    pids = [pid for pid, command in replica.descendants().items() if "router" in command]
-    listening = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True).stdout
-    for line in listening.splitlines():  # its API port, not its Prometheus one
-        if any(f"pid={pid}," in line for pid in pids):
-            port = int(line.split()[3].rpartition(":")[2])
-            answer = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
-            if answer.headers.get("content-type") == "application/json":  # not the exporter's text
-                return port
-    raise RuntimeError("no vllm-router port under the replica")
-
-
 def time_update(engine_url: str, model: Path, run_dir: Path, version: int) -> float:
     """One /update_weights of a copy of the model's files under the run's broadcasts directory
     (the only place the engine accepts weights from)."""
@@ -130,9 +114,7 @@ def main() -> None:
     try:
         name = str(model)
         asyncio.run(tokens_per_second(replica.engine_url, name, 4, 8))  # warm-up (logprobs path)
-        router = f"http://127.0.0.1:{router_port(replica)}"
-        paths = {"direct engine": replica.engine_url, "router only": router}
-        paths["public (gate)"] = replica.router_url
+        paths = {"direct engine": replica.engine_url, "public (gate)": replica.public_url}
         rates: dict[str, list[float]] = {label: [] for label in paths}
         for _ in range(args.repeats):
             for label, url in paths.items():

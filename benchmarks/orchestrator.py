@@ -171,7 +171,7 @@ def start_engine(model_dir: str, port: int) -> subprocess.Popen:
     """vLLM's OpenAI server on `model_dir` with the flags `inference` gives it for the example
     (examples/reverse-text/rl.toml: 256 MiB CPU KV cache, eager), in its own process group."""
     from rlbus.configs.inference import InferenceConfig
-    from rlbus_inference.processes import on_cpu
+    from rlbus_inference.engine_process import on_cpu
 
     config = InferenceConfig(
         vllm={"model": model_dir, "enforce_eager": True, "cpu_kv_cache_bytes": "256MiB"}

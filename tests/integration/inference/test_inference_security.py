@@ -1,4 +1,4 @@
-"""A hostile neighbour against one real replica (vLLM-CPU engine, vllm-router, gate, bus).
+"""A hostile neighbour against one real replica (vLLM-CPU engine behind the gate, bus).
 
 The replica's engine port binds the machine's non-loopback address (`hostname -I`) with a token
 file, as a multi-node deployment would; the tests call it from that address. One replica serves

@@ -193,7 +193,7 @@ async def collect(bus: Bus, subject: str, action, *, window_s: float = 12.0) -> 
 def test_sigkill_of_the_replica_process_leaves_nothing_after_10_s(setup, also_api_server):
     """SIGKILL of the leader alone: the API server gets SIGTERM and shuts its EngineCore down.
     With the API server SIGKILLed too, nobody is left to do that: the EngineCore must die by its
-    own parent-death signal (rlbus_inference.guard)."""
+    own parent-death signal (rlbus_inference.engine_plugin)."""
     replica = setup["replica"]
     if replica is None or replica.proc.poll() is not None:
         replica = start(setup)

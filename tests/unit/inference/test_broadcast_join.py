@@ -9,24 +9,19 @@ import pytest
 
 from rlbus.configs.inference import InferenceConfig
 from rlbus.wire import weights
-from rlbus_inference.replica import WeightAgent, WeightRejected
+from rlbus_inference.weight_agent import EngineWeightLoader, WeightRejected
 
 
-def make_agent(status: int = 200) -> tuple[WeightAgent, list[tuple[str, dict]]]:
+def make_agent(status: int = 200) -> tuple[EngineWeightLoader, list[tuple[str, dict]]]:
     requests: list[tuple[str, dict]] = []
 
     def answer(request: httpx.Request) -> httpx.Response:
         requests.append((request.url.path, json.loads(request.content)))
         return httpx.Response(status, json={"status": "ok"}, text=None if status == 200 else "x")
 
-    async def on_change(*args):
-        pass
-
     config = InferenceConfig(weights_apply_timeout_s=1.0, replica_id="r2")
-    agent = WeightAgent(
-        None, config, httpx.AsyncClient(transport=httpx.MockTransport(answer)), on_change
-    )
-    return agent, requests
+    http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    return EngineWeightLoader(http, config, replica_id="r2"), requests
 
 
 def nccl_record(version: int, port: int, ranks: dict[str, int], world_size: int):

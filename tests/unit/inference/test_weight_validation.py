@@ -1,6 +1,6 @@
 """The checks before a weight update touches the engine, on a tiny torch model (no vLLM):
 `rlbus_inference.validation` (names, shapes, dtypes, bytes, finite values) and
-`rlbus_inference.guards` (confined paths, the admin token, exposure), the public gate's own
+`rlbus_inference.admin_access` (confined paths, the admin token, exposure), the public gate's own
 answers, and `inference` refusing an exposed admin port at start (exit 2, before vLLM loads)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from rlbus.configs.inference import InferenceConfig
 from rlbus.netutil import free_port
 from rlbus.secrets import SecretError
-from rlbus_inference import gate, guards, validation
+from rlbus_inference import admin_access, engine_process, gate, validation
 
 
 def tiny_state_dict() -> dict[str, torch.Tensor]:
@@ -173,39 +173,39 @@ def bad_paths(root: Path) -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize("index", range(8))
 def test_request_paths_are_confined_to_the_weights_root(root, index):
     case, raw, reason = bad_paths(root)[index]
-    with pytest.raises(guards.PathRefused, match=reason.replace("(", r"\(")):
-        guards.confined_dir("path", raw, root)
+    with pytest.raises(admin_access.PathRefused, match=reason.replace("(", r"\(")):
+        admin_access.confined_dir("path", raw, root)
 
 
 def test_a_symlink_out_of_the_root_and_a_fifo_are_refused(root, tmp_path):
     link = root / "step_2"
     link.symlink_to(tmp_path / "outside")
-    with pytest.raises(guards.PathRefused, match="outside the weights directory"):
-        guards.confined_dir("path", str(link), root)
+    with pytest.raises(admin_access.PathRefused, match="outside the weights directory"):
+        admin_access.confined_dir("path", str(link), root)
     fifo = root / "step_1" / "extra.safetensors"
     os.mkfifo(fifo)
-    with pytest.raises(guards.PathRefused, match="extra.safetensors is not a regular file"):
-        guards.regular_files(root / "step_1", "*.safetensors", root)
-    assert guards.confined_dir("path", str(root / "step_1"), root) == root / "step_1"
+    with pytest.raises(admin_access.PathRefused, match="extra.safetensors is not a regular file"):
+        admin_access.regular_files(root / "step_1", "*.safetensors", root)
+    assert admin_access.confined_dir("path", str(root / "step_1"), root) == root / "step_1"
 
 
 def test_the_weights_root_is_the_runs_broadcasts_directory_unless_configured(tmp_path):
-    assert guards.weights_root(InferenceConfig()) is None
-    assert guards.weights_root(InferenceConfig(run_dir="/r")) == Path("/r/broadcasts")
+    assert admin_access.weights_root(InferenceConfig()) is None
+    assert admin_access.weights_root(InferenceConfig(run_dir="/r")) == Path("/r/broadcasts")
     config = InferenceConfig(run_dir="/r", admin={"weights_root": "/w"})
-    assert guards.weights_root(config) == Path("/w")
+    assert admin_access.weights_root(config) == Path("/w")
 
 
 # ---- the admin token -------------------------------------------------------------------------
 
 
 def test_a_non_loopback_admin_bind_needs_a_token(monkeypatch, tmp_path):
-    monkeypatch.delenv(guards.ADMIN_TOKEN_ENV, raising=False)
-    assert guards.admin_token(InferenceConfig()) is None  # loopback: fine without
-    with pytest.raises(guards.AdminExposed, match="--admin.host 0.0.0.0 exposes"):
-        guards.admin_token(InferenceConfig(admin={"host": "0.0.0.0"}))
-    monkeypatch.setenv(guards.ADMIN_TOKEN_ENV, "s3cret")
-    assert guards.admin_token(InferenceConfig(admin={"host": "0.0.0.0"})) == "s3cret"
+    monkeypatch.delenv(admin_access.ADMIN_TOKEN_ENV, raising=False)
+    assert admin_access.admin_token(InferenceConfig()) is None  # loopback: fine without
+    with pytest.raises(admin_access.AdminExposed, match="--admin.host 0.0.0.0 exposes"):
+        admin_access.admin_token(InferenceConfig(admin={"host": "0.0.0.0"}))
+    monkeypatch.setenv(admin_access.ADMIN_TOKEN_ENV, "s3cret")
+    assert admin_access.admin_token(InferenceConfig(admin={"host": "0.0.0.0"})) == "s3cret"
 
 
 def test_the_token_file_must_be_owner_only(tmp_path):
@@ -214,9 +214,9 @@ def test_the_token_file_must_be_owner_only(tmp_path):
     token_file.chmod(0o644)
     config = InferenceConfig(admin={"host": "10.0.0.5", "token_file": str(token_file)})
     with pytest.raises(SecretError, match="admin.token_file: .* `chmod 600"):
-        guards.admin_token(config)
+        admin_access.admin_token(config)
     token_file.chmod(0o600)
-    assert guards.admin_token(config) == "from-file"
+    assert admin_access.admin_token(config) == "from-file"
 
 
 @pytest.mark.parametrize(
@@ -232,24 +232,24 @@ def test_the_token_file_must_be_owner_only(tmp_path):
     ],
 )
 def test_authorized_wants_the_exact_bearer_token(header, ok):
-    assert guards.authorized(header, "s3cret") is ok
+    assert admin_access.authorized(header, "s3cret") is ok
 
 
 def test_the_engine_gets_the_token_in_its_environment_only(monkeypatch):
-    from rlbus_inference import processes
-
-    monkeypatch.setenv(guards.ADMIN_TOKEN_ENV, "from-parent")
-    env = processes.engine_env(
+    monkeypatch.setenv(admin_access.ADMIN_TOKEN_ENV, "from-parent")
+    env = engine_process.engine_env(
         initial_version=0,
-        router_facing_port=1,
+        gate_facing_port=1,
         mark={},
-        admin=guards.engine_env(InferenceConfig(run_dir="/r"), "tok"),
+        admin=admin_access.engine_env(InferenceConfig(run_dir="/r"), "tok"),
     )
-    assert env[guards.ADMIN_TOKEN_ENV] == "tok"
-    assert env[guards.WEIGHTS_ROOT_ENV].endswith("/r/broadcasts")
-    assert env[guards.CHECK_FINITE_ENV] == "1"
-    assert guards.ADMIN_TOKEN_ENV not in processes.child_env({})  # the router never sees it
-    assert "tok" not in " ".join(processes.engine_command(InferenceConfig()))
+    assert env[admin_access.ADMIN_TOKEN_ENV] == "tok"
+    assert env[admin_access.WEIGHTS_ROOT_ENV].endswith("/r/broadcasts")
+    assert env[admin_access.CHECK_FINITE_ENV] == "1"
+    assert admin_access.ADMIN_TOKEN_ENV not in engine_process.child_env(
+        {}
+    )  # no other child sees it
+    assert "tok" not in " ".join(engine_process.engine_command(InferenceConfig()))
 
 
 @pytest.mark.parametrize(
@@ -266,7 +266,7 @@ def test_the_engine_gets_the_token_in_its_environment_only(monkeypatch):
     ],
 )
 def test_loopback_addresses(host, loopback):
-    assert guards.is_loopback(host) is loopback
+    assert admin_access.is_loopback(host) is loopback
 
 
 @pytest.mark.parametrize(
@@ -327,51 +327,27 @@ async def test_cors_preflights_are_refused_unless_the_origin_is_configured():
     assert other.status_code == 403
 
 
-async def test_the_gate_refuses_closed_paths_huge_bodies_and_names_a_dead_router():
+async def test_the_gate_refuses_closed_paths_huge_bodies_and_names_a_dead_engine():
     async with gate_client([]) as client:
         closed = await client.post("/add_worker", json={"url": "http://evil"})
         huge = await client.post("/v1/completions", content=b"x" * (gate.MAX_BODY_BYTES + 1))
         dead = await client.get("/v1/models")
     assert closed.status_code == 404 and "not served on the public port" in closed.json()["error"]
     assert huge.status_code == 413
-    assert dead.status_code == 502 and "router unreachable" in dead.json()["error"]
+    assert dead.status_code == 502 and "engine unreachable" in dead.json()["error"]
 
 
-def test_generate_logprob_entries_also_carry_the_token_id_name():
-    answer = {
-        "choices": [
-            {
-                "token_ids": [7, 258],
-                "logprobs": {
-                    "content": [
-                        {"token_id": 7, "logprob": -0.5, "top_logprobs": []},
-                        {"token_id": 258, "logprob": -0.1, "token": "token_id:258"},
-                    ]
-                },
-            },
-            {"token_ids": [3], "logprobs": None},
-        ]
-    }
-    entries = gate.token_id_names(answer)["choices"][0]["logprobs"]["content"]
-    assert [(e["token"], e["token_id"]) for e in entries] == [
-        ("token_id:7", 7),
-        ("token_id:258", 258),
-    ]
-    assert gate.token_id_names({"error": "x"}) == {"error": "x"}
-
-
-async def test_the_gate_names_generate_logprobs_and_passes_other_answers_unchanged():
-    """A real upstream HTTP server stands for the router: /inference/v1/generate answers get
-    the `token` name added (with a right Content-Length), chat answers pass byte for byte."""
+async def test_the_gate_passes_answers_byte_for_byte_generate_included():
+    """A real upstream HTTP server stands for vLLM: the gate only allows and denies, so vLLM's
+    token API answers (logprob entries with `token_id` only) pass unchanged, with their own
+    Content-Length; the verifiers env server names the entries itself (docs/environments.md)."""
     from aiohttp import web
 
-    generate = {
-        "choices": [{"token_ids": [5], "logprobs": {"content": [{"token_id": 5, "logprob": -1.0}]}}]
-    }
+    generate = b'{"choices": [{"token_ids": [5], "logprobs": {"content": [{"token_id": 5}]}}]}'
     chat = b'{"choices": [{"logprobs": {"content": [{"token_id": 5}]}}]}'
 
     async def on_generate(request):
-        return web.json_response(generate)
+        return web.Response(body=generate, content_type="application/json")
 
     async def on_chat(request):
         return web.Response(body=chat, content_type="application/json")
@@ -393,9 +369,8 @@ async def test_the_gate_names_generate_logprobs_and_passes_other_answers_unchang
     finally:
         await public.aclose()
         await runner.cleanup()
-    assert generated.status_code == 200
-    assert generated.json()["choices"][0]["logprobs"]["content"][0]["token"] == "token_id:5"
-    assert int(generated.headers["content-length"]) == len(generated.content)
+    assert generated.status_code == 200 and generated.content == generate
+    assert int(generated.headers["content-length"]) == len(generate)
     assert chatted.content == chat
 
 

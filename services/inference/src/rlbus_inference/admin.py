@@ -7,8 +7,8 @@ vllm/plugins/endpoint_plugins/interface.py). Our package registers `rlbus` in th
 engine, so vLLM itself stays unpatched. The heavy lifting runs in the workers through
 `collective_rpc` into `rlbus_inference.worker.RlbusWorkerExtension`.
 
-Routes (engine port only; the public port and the router serve only the OpenAI API, so these
-404 there):
+Routes (engine port only; the public port and the gate-facing listener serve only the OpenAI
+API, so these 404 there):
 
     GET  /liveness           {"status", "weights_version", "paused"}
     POST /pause              {"mode": "wait"|"abort", "timeout_s"}   stop scheduling
@@ -17,8 +17,8 @@ Routes (engine port only; the public port and the router serve only the OpenAI A
     POST /init_broadcaster   {"host", "port", "rank_offset", "world_size", "timeout_s"}
     POST /load_lora_adapter  {"lora_name", "lora_path", "version"?, "sha256"?}  load, or reload in place
 
-The router does not call backend_port: it calls a second, loopback-only listener of the same
-app (`RLBUS_ROUTER_FACING_PORT`), which serves only what `rlbus_inference.gate.is_public`
+The public gate does not call backend_port: it calls a second, loopback-only listener of the
+same app (`admin_access.GATE_PORT_ENV`), which serves only what `rlbus_inference.gate.is_public`
 allows (the OpenAI API, /health, /metrics); everything else answers 404 there
 (`RlbusMiddleware`).
 
@@ -42,20 +42,22 @@ import os
 import time
 from http import HTTPStatus
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlbus.checksums import ChecksumMismatch, verify_files
-from rlbus.runtime import terminate_on_failure
+from rlbus.lifecycle import terminate_on_failure
 from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
-from rlbus_inference import guards, validation
+from rlbus_inference import admin_access, validation
 from rlbus_inference.gate import is_public, no_signal_server
 
 INITIAL_VERSION_ENV = "RLBUS_INITIAL_WEIGHTS_VERSION"
-ROUTER_PORT_ENV = "RLBUS_ROUTER_FACING_PORT"
+EngineClient = Any
+"""vllm.engine.protocol.EngineClient (AsyncLLM): typed loosely so that mypy does not walk vLLM."""
 
 router = APIRouter()
 
@@ -67,7 +69,7 @@ MAX_TIMEOUT_S = 24 * 3600.0
 class AdminState:
     """Per-app state: the version being served and the lock that serialises weight changes."""
 
-    def __init__(self, engine_client, version: int, model: str | None = None):
+    def __init__(self, engine_client: EngineClient, version: int, model: str | None = None) -> None:
         self.engine = engine_client
         self.version = version
         self.lock = asyncio.Lock()
@@ -75,10 +77,11 @@ class AdminState:
         self.model = model
         self.reference: dict[str, validation.Spec] | None = None
         """Tensor specs of the served model's checkpoint, read at the first update."""
-        self.weights_root = guards.root_from_env()
-        self.check_finite = os.environ.get(guards.CHECK_FINITE_ENV, "1") == "1"
+        self.weights_root = admin_access.root_from_env()
+        self.check_finite = os.environ.get(admin_access.CHECK_FINITE_ENV, "1") == "1"
 
     def reference_specs(self) -> dict[str, validation.Spec]:
+        """The served model's tensor specs (read once); FileNotFoundError when it is unknown."""
         if self.model is None:
             raise FileNotFoundError("the served model is not known")
         if self.reference is None:
@@ -99,7 +102,7 @@ class UpdateWeightsRequest(BaseModel):
 
     version: int = Field(ge=0, le=MAX_VERSION)
     """Policy version (trainer step) of these weights; reported in every later response."""
-    path: str | None = Field(None, max_length=guards.MAX_PATH_CHARS)
+    path: str | None = Field(None, max_length=admin_access.MAX_PATH_CHARS)
     """Directory of HF safetensors files (filesystem transport), under the weights root."""
     sha256: dict[str, str] = Field({}, max_length=10_000)
     """File name -> hex sha256 as published; any mismatch refuses the directory."""
@@ -125,7 +128,7 @@ class LoadLoraRequest(BaseModel):
     model_config = {"extra": "forbid"}
 
     lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str = Field(min_length=1, max_length=guards.MAX_PATH_CHARS)
+    lora_path: str = Field(min_length=1, max_length=admin_access.MAX_PATH_CHARS)
     version: int | None = Field(None, ge=0, le=MAX_VERSION)
     """Policy version of this adapter; when set, later responses report it."""
     sha256: dict[str, str] = Field({}, max_length=100)
@@ -154,7 +157,7 @@ async def liveness(request: Request) -> JSONResponse:
     )
 
 
-async def pause_engine(engine, mode: str, timeout_s: float) -> str:
+async def pause_engine(engine: EngineClient, mode: str, timeout_s: float) -> str:
     """Pause scheduling; in `wait` mode abort what is still running after timeout_s."""
     if mode == "abort":
         await engine.pause_generation(mode="abort", clear_cache=True)
@@ -184,14 +187,14 @@ def checked_update_dir(state: AdminState, body: UpdateWeightsRequest) -> Path:
     confined to the weights root (PathRefused: 400), files as published (ChecksumMismatch: 422),
     tensors loadable into the served model (WeightsRefused: 422). Runs in a thread."""
     if body.path is None:
-        raise guards.PathRefused("`path` is required when source is 'path'")
-    directory = guards.confined_dir("path", body.path, state.weights_root)
-    files = guards.regular_files(directory, "*.safetensors", state.weights_root)
+        raise admin_access.PathRefused("`path` is required when source is 'path'")
+    directory = admin_access.confined_dir("path", body.path, state.weights_root)
+    files = admin_access.regular_files(directory, "*.safetensors", state.weights_root)
     if not files:
-        raise guards.PathRefused(f"no *.safetensors files in {body.path}")
+        raise admin_access.PathRefused(f"no *.safetensors files in {body.path}")
     for name in body.sha256:
         if name != Path(name).name or name.startswith("."):
-            raise guards.PathRefused(f"`sha256` key {name!r} must be a plain file name")
+            raise admin_access.PathRefused(f"`sha256` key {name!r} must be a plain file name")
     verify_files(directory, body.sha256)
     try:
         reference = state.reference_specs()
@@ -214,7 +217,7 @@ async def update_weights(request: Request, body: UpdateWeightsRequest) -> JSONRe
     if body.source == "path":
         try:
             directory = await asyncio.to_thread(checked_update_dir, state, body)
-        except guards.PathRefused as error:
+        except admin_access.PathRefused as error:
             return _error(HTTPStatus.BAD_REQUEST, str(error))
         except (ChecksumMismatch, validation.WeightsRefused) as error:
             return refuse(state, body.version, str(error))
@@ -285,13 +288,13 @@ async def load_lora_adapter(request: Request, body: LoadLoraRequest) -> JSONResp
 
     state = _state(request)
     try:
-        adapter = guards.confined_dir("lora_path", body.lora_path, state.weights_root)
-        guards.regular_files(adapter, "*", state.weights_root)
+        adapter = admin_access.confined_dir("lora_path", body.lora_path, state.weights_root)
+        admin_access.regular_files(adapter, "*", state.weights_root)
         for name in body.sha256:
             if name != Path(name).name or name.startswith("."):
-                raise guards.PathRefused(f"`sha256` key {name!r} must be a plain file name")
+                raise admin_access.PathRefused(f"`sha256` key {name!r} must be a plain file name")
         await asyncio.to_thread(verify_files, adapter, body.sha256)
-    except guards.PathRefused as error:
+    except admin_access.PathRefused as error:
         return _error(HTTPStatus.BAD_REQUEST, str(error))
     except ChecksumMismatch as error:
         return _error(HTTPStatus.UNPROCESSABLE_ENTITY, str(error))
@@ -315,29 +318,29 @@ async def load_lora_adapter(request: Request, body: LoadLoraRequest) -> JSONResp
 
 
 class RlbusMiddleware:
-    """ASGI middleware: the admin token on backend_port, the public allow-list on the router-facing
+    """ASGI middleware: the admin token on backend_port, the public allow-list on the gate-facing
     listener, and the weights-version header on every response.
 
-    vllm-router forwards some admin paths itself (/pause, /resume, /update_weights, ...: it was
-    built to fan RL control out to workers) and vLLM's elastic-scaling ones, so blocking them at
-    the router is not possible without patching it. Instead the router reaches this app on a
-    second, loopback listener (`ROUTER_PORT_ENV`) where only `gate.is_public` paths are served.
+    The public gate reaches this app on a second, loopback listener (`GATE_PORT_ENV`) where only
+    `gate.is_public` paths are served: a second check behind the gate's own allow-list.
     """
 
-    def __init__(self, app):
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        router_port = os.environ.get(ROUTER_PORT_ENV)
-        self.router_port = int(router_port) if router_port else None
-        self.token = os.environ.get(guards.ADMIN_TOKEN_ENV) or None
+        gate_port = os.environ.get(admin_access.GATE_PORT_ENV)
+        self.gate_port = int(gate_port) if gate_port else None
+        self.token = os.environ.get(admin_access.ADMIN_TOKEN_ENV) or None
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
         if refusal := self.refusal(scope):
-            return await refusal(scope, receive, send)
+            await refusal(scope, receive, send)
+            return
         app_state = scope["app"].state if "app" in scope else None
 
-        async def send_with_version(message):
+        async def send_with_version(message: Message) -> None:
             if message["type"] == "http.response.start":
                 state = getattr(app_state, "rlbus", None)
                 if state is not None:
@@ -348,18 +351,18 @@ class RlbusMiddleware:
                     message = {**message, "headers": headers}
             await send(message)
 
-        return await self.app(scope, receive, send_with_version)
+        await self.app(scope, receive, send_with_version)
 
-    def refusal(self, scope) -> JSONResponse | None:
+    def refusal(self, scope: Scope) -> JSONResponse | None:
         """The answer to a request this listener must not serve, or None."""
         path = scope["path"]
         server = scope.get("server")
-        if self.router_port is not None and server is not None and server[1] == self.router_port:
+        if self.gate_port is not None and server is not None and server[1] == self.gate_port:
             if is_public(path):
                 return None
             return JSONResponse(
                 {
-                    "error": f"{path} is not served on the router port; "
+                    "error": f"{path} is not served on the gate-facing port; "
                     "call the engine port (backend_port) directly"
                 },
                 status_code=HTTPStatus.NOT_FOUND.value,
@@ -367,7 +370,7 @@ class RlbusMiddleware:
         if self.token is None or path.rstrip("/") == "/health":
             return None
         header = dict(scope["headers"]).get(b"authorization")
-        if guards.authorized(header.decode("latin-1") if header else None, self.token):
+        if admin_access.authorized(header.decode("latin-1") if header else None, self.token):
             return None
         return JSONResponse(
             {"error": f"{path} needs `Authorization: Bearer <admin token>` (admin.token_file)"},
@@ -383,19 +386,21 @@ class RlbusAdminPlugin:
     required_tasks = None
 
     def attach_router(self, app: FastAPI) -> None:
+        """vLLM's call while it builds its app: our routes and middleware."""
         app.include_router(router)
         app.add_middleware(RlbusMiddleware)
         self.app = app
 
-    async def init_state(self, engine_client, state, args) -> None:
+    async def init_state(self, engine_client: EngineClient, state: Any, args: Any) -> None:
+        """vLLM's call once the engine client exists: our state, and the gate-facing listener."""
         state.rlbus = AdminState(
             engine_client, int(os.environ.get(INITIAL_VERSION_ENV, "0")), model=args.model
         )
-        if port := os.environ.get(ROUTER_PORT_ENV):
-            # The router-facing listener: same app, same event loop, loopback only.
+        if port := os.environ.get(admin_access.GATE_PORT_ENV):
+            # The gate-facing listener: same app, same event loop, loopback only.
             server = no_signal_server(self.app, "127.0.0.1", int(port))
             listener = asyncio.get_running_loop().create_task(server.serve())
             # A listener that cannot serve (port taken) must end the engine, not leave the
-            # router talking to nothing.
+            # gate talking to nothing.
             terminate_on_failure(listener, "router_listener")
-            state.rlbus.router_listener = listener
+            state.rlbus.gate_listener = listener

@@ -23,8 +23,8 @@ import httpx
 import structlog
 
 from rlbus.configs.inference import InferenceConfig
-from rlbus.runtime import EXIT_INPUT_MISSING
-from rlbus_inference import processes, validation
+from rlbus.lifecycle import EXIT_INPUT_MISSING
+from rlbus_inference import engine_process, validation
 
 log = structlog.get_logger()
 
@@ -37,14 +37,14 @@ START_HINT = "start it in another terminal with `uv run inference @ <the run's r
 class AttachFailed(RuntimeError):
     """The server cannot be attached; `code` is the exit code (2: never restarted, 4: retried)."""
 
-    def __init__(self, message: str, code: int):
+    def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
 
 
 def prepare(config: InferenceConfig, token: str | None) -> None:
     """Steps 1-4 of the module docstring; AttachFailed (one line) when one fails."""
-    attach = config.attach
+    attach = engine_process.attached_server(config)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     with (
         httpx.Client(timeout=attach.timeout_s) as public,
@@ -53,7 +53,10 @@ def prepare(config: InferenceConfig, token: str | None) -> None:
         first_answer(public, attach.url + "/health", attach.timeout_s, what="the server")
         served = check_model(public, config)
         liveness = first_answer(
-            admin, attach.admin_url + "/liveness", attach.timeout_s, what="its admin port"
+            admin,
+            engine_process.engine_url(config) + "/liveness",
+            attach.timeout_s,
+            what="its admin port",
         )
         if liveness.get("paused"):
             log.warning("attached_server_paused", admin_url=attach.admin_url)
@@ -88,7 +91,7 @@ def first_answer(client: httpx.Client, url: str, timeout_s: float, *, what: str)
 
 
 def served_models(public: httpx.Client, config: InferenceConfig) -> list[str]:
-    response = public.get(config.attach.url + "/v1/models")
+    response = public.get(engine_process.attached_server(config).url + "/v1/models")
     response.raise_for_status()
     return [entry["id"] for entry in response.json().get("data", [])]
 
@@ -102,7 +105,7 @@ def check_model(public: httpx.Client, config: InferenceConfig) -> list[str]:
     served = served_models(public, config)
     if wanted not in served:
         raise AttachFailed(
-            f"the server at {config.attach.url} serves {', '.join(served) or 'no model'}, "
+            f"the server at {engine_process.attached_server(config).url} serves {', '.join(served) or 'no model'}, "
             f"not the run's model {wanted}: {START_HINT}, or attach to a server of {wanted}",
             EXIT_CONFIG,
         )
@@ -124,13 +127,13 @@ def reset_weights(admin: httpx.Client, config: InferenceConfig, *, served: str) 
     start = time.perf_counter()
     try:
         response = admin.post(
-            processes.engine_url(config) + "/update_weights",
+            engine_process.engine_url(config) + "/update_weights",
             json={"version": 0, "path": str(directory), "timeout_s": 0.9 * timeout_s},
             timeout=timeout_s,
         )
     except httpx.HTTPError as error:
         raise AttachFailed(
-            f"resetting the weights of {config.attach.admin_url}: no answer "
+            f"resetting the weights of {engine_process.engine_url(config)}: no answer "
             f"({type(error).__name__})",
             EXIT_INPUT_MISSING,
         ) from None
@@ -145,19 +148,19 @@ def reset_weights(admin: httpx.Client, config: InferenceConfig, *, served: str) 
     reason = error_text(response)
     if response.status_code == 422:
         raise AttachFailed(
-            f"the server at {config.attach.url} serves {served}, whose tensors differ from "
+            f"the server at {engine_process.attached_server(config).url} serves {served}, whose tensors differ from "
             f"the run's model {config.vllm.model} ({reason}): serve the run's model",
             EXIT_CONFIG,
         )
     if response.status_code == 400:
         raise AttachFailed(
-            f"the server at {config.attach.admin_url} refused the run's model directory "
+            f"the server at {engine_process.engine_url(config)} refused the run's model directory "
             f"({reason}): start it without --admin.weights-root and --run-dir, so it accepts "
             "the run's directories",
             EXIT_CONFIG,
         )
     raise AttachFailed(
-        f"resetting the weights of {config.attach.admin_url}: {response.status_code} {reason}",
+        f"resetting the weights of {engine_process.engine_url(config)}: {response.status_code} {reason}",
         EXIT_INPUT_MISSING,
     )
 

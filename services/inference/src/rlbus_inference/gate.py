@@ -1,29 +1,43 @@
-"""The public port (`server.port`): an allow-list in front of vllm-router.
+"""The public port (`server.port`): an allow-list in front of vLLM, in the replica process.
 
-vllm-router has no switch for its own management API (/add_worker, /remove_worker, /workers,
-/list_workers, /flush_cache, /get_loads, ...) or for vLLM's elastic-scaling endpoints it
-forwards (/scale_elastic_ep), and it answers every origin with permissive CORS headers
-(measured on vllm-router 0.1.17, docs/inference.md "Public port"). So the router binds loopback
-on a free port and this gate, running in the replica process, serves `server.port`:
+vLLM's app serves more than the OpenAI API: its own control routes (/pause, /resume,
+/scale_elastic_ep, /v1/load_lora_adapter, ...) and, through our endpoint plugin, the admin
+routes. So the engine binds `admin.host` (loopback by default) and this gate, running in the
+replica process, serves `server.port`:
 
     PUBLIC paths (the OpenAI API, vLLM's token-in/token-out /inference/v1/generate,
-                  /health, /metrics)                   -> streamed through to the router
+                  /health, /metrics)                   -> streamed through to vLLM
     anything else                                      -> 404 {"error": ...}
     CORS                                               -> only for server.cors_allowed_origins
 
-The same `is_public` rule guards the engine's router-facing listener (`rlbus_inference.admin`),
-so vLLM's control routes are closed on both hops.
+The gate forwards to the engine's gate-facing listener (`admin_access.GATE_PORT_ENV`, loopback),
+where the same `is_public` rule is enforced again (`rlbus_inference.admin`), so vLLM's control
+routes are closed on both hops. The gate only allows and denies: bodies pass through unchanged
+(clients that want vLLM's answers in another form adapt them on their side, e.g. the verifiers
+env server's token names, docs/environments.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanKind
 
 from rlbus.obs import tracing
+
+if TYPE_CHECKING:  # aiohttp and uvicorn load with the gate, not with this module
+    import aiohttp
+    import uvicorn
+
+Message = dict[str, Any]
+"""An ASGI message (or scope)."""
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
 
 GENERATE_PATH = "/inference/v1/generate"
 """vLLM's token-in/token-out endpoint (`--enable-scale-out`): verifiers 0.4's train client calls
@@ -61,7 +75,9 @@ def is_public(path: str) -> bool:
     return path.startswith(PUBLIC_PREFIX) and path not in NOT_PUBLIC and ".." not in path
 
 
-def json_response(status: HTTPStatus, body: dict, headers: list | None = None):
+def json_response(
+    status: HTTPStatus, body: dict[str, Any], headers: Headers | None = None
+) -> tuple[Message, Message]:
     """An ASGI (start, body) message pair with a JSON body."""
     data = json.dumps(body).encode()
     start = {
@@ -77,15 +93,15 @@ def json_response(status: HTTPStatus, body: dict, headers: list | None = None):
 
 
 class PublicGate:
-    """ASGI app: forwards public paths to `upstream` (the router), refuses the rest."""
+    """ASGI app: forwards public paths to `upstream` (the engine), refuses the rest."""
 
-    def __init__(self, upstream: str, allowed_origins: list[str]):
+    def __init__(self, upstream: str, allowed_origins: list[str]) -> None:
         self.upstream = upstream.rstrip("/")
-        self.session = None  # an aiohttp.ClientSession, made in the serving event loop
+        self.session: aiohttp.ClientSession | None = None  # made in the serving event loop
         self.allow_any = "*" in allowed_origins
         self.allowed = frozenset(allowed_origins)
 
-    def client(self):
+    def client(self) -> aiohttp.ClientSession:
         """The upstream session. aiohttp (a vLLM dependency), not httpx: on 2 cores httpx's
         per-request cost halved the throughput through the gate (docs/inference.md)."""
         import aiohttp
@@ -98,7 +114,7 @@ class PublicGate:
             )
         return self.session
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
@@ -116,7 +132,8 @@ class PublicGate:
             return
         await self.forward(scope, receive, send, cors)
 
-    async def preflight(self, send, cors: list) -> None:
+    async def preflight(self, send: Send, cors: Headers) -> None:
+        """Answer a CORS preflight: 204 with the CORS headers, or 403 for an origin not allowed."""
         if not cors:
             refusal = {
                 "error": "cross-origin requests are not allowed (server.cors_allowed_origins)"
@@ -128,7 +145,7 @@ class PublicGate:
         await send({**start, "headers": cors})
         await send({"type": "http.response.body", "body": b""})
 
-    def cors_headers(self, origin: bytes | None) -> list[tuple[bytes, bytes]]:
+    def cors_headers(self, origin: bytes | None) -> Headers:
         """CORS response headers for a request from `origin`; none unless it is allowed."""
         if origin is None or not (self.allow_any or origin.decode("latin-1") in self.allowed):
             return []
@@ -139,7 +156,8 @@ class PublicGate:
             (b"vary", b"origin"),
         ]
 
-    async def forward(self, scope, receive, send, cors: list) -> None:
+    async def forward(self, scope: Message, receive: Receive, send: Send, cors: Headers) -> None:
+        """Read the request body (413 past MAX_BODY_BYTES) and relay the request upstream."""
         body = bytearray()
         while True:
             message = await receive()
@@ -157,7 +175,7 @@ class PublicGate:
             if k.decode("latin-1").lower() not in HOP_BY_HOP
         ]
         # A request that carries a W3C traceparent (the orchestrator's) gets an
-        # `inference.http` SERVER span here, and the router and vLLM see this span as parent.
+        # `inference.http` SERVER span here, and vLLM sees this span as parent.
         with tracing.span(
             tracing.HTTP_SERVER,
             context=tracing.extract_context(dict(headers)),
@@ -170,8 +188,10 @@ class PublicGate:
             status = await self.relay(scope, send, cors, headers, bytes(body))
             span.set_attribute("http.response.status_code", status)
 
-    async def relay(self, scope, send, cors: list, headers: list, body: bytes) -> int:
-        """Send the request to the router and stream its answer back; returns the status."""
+    async def relay(
+        self, scope: Message, send: Send, cors: Headers, headers: list[tuple[str, str]], body: bytes
+    ) -> int:
+        """Send the request to vLLM and stream its answer back; returns the status."""
         import aiohttp
 
         query = scope["query_string"].decode("latin-1")
@@ -182,14 +202,11 @@ class PublicGate:
             )
         except (aiohttp.ClientError, OSError) as error:
             for message in json_response(
-                HTTPStatus.BAD_GATEWAY, {"error": f"router unreachable: {error!r}"}
+                HTTPStatus.BAD_GATEWAY, {"error": f"engine unreachable: {error!r}"}
             ):
                 await send(message)
             return HTTPStatus.BAD_GATEWAY.value
         try:
-            if scope["path"].rstrip("/") == GENERATE_PATH and is_json(response):
-                await self.send_generate(response, send, cors)
-                return response.status
             await send(
                 {
                     "type": "http.response.start",
@@ -204,52 +221,14 @@ class PublicGate:
             response.release()
         return response.status
 
-    async def send_generate(self, response, send, cors: list) -> None:
-        """A whole (non-streamed) generate answer, its logprob entries named the way clients
-        of the token API expect (`token_id_names`)."""
-        body = await response.read()
-        if response.status == HTTPStatus.OK:
-            with contextlib.suppress(ValueError):
-                body = json.dumps(token_id_names(json.loads(body))).encode()
-        headers = [
-            (k, v)
-            for k, v in upstream_headers(response.raw_headers)
-            if k.lower() != b"content-length"
-        ]
-        headers.append((b"content-length", str(len(body)).encode()))
-        await send(
-            {"type": "http.response.start", "status": response.status, "headers": headers + cors}
-        )
-        await send({"type": "http.response.body", "body": body})
-
     async def aclose(self) -> None:
+        """Close the upstream session (at the replica's stop)."""
         if self.session is not None:
             await self.session.close()
 
 
-def is_json(response) -> bool:
-    return response.headers.get("content-type", "").startswith("application/json")
-
-
-def token_id_names(payload: dict) -> dict:
-    """Give each logprob entry of a generate answer the name `token_id:<id>` under `token`.
-
-    vLLM 0.32's token API returns entries as `{"token_id": 5, "logprob": ...}`, while the
-    `renderers` client that verifiers 0.4 uses (renderers 0.1.12, the newest) checks
-    `entry["token"] == "token_id:5"`, the form vLLM's `--return-tokens-as-token-ids` gives
-    in the OpenAI API. Both fields are kept, so a client of either form reads the answer
-    (docs/environments.md)."""
-    for choice in payload.get("choices") or []:
-        logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
-        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
-        for entry in entries or []:
-            if isinstance(entry, dict) and "token" not in entry and "token_id" in entry:
-                entry["token"] = f"token_id:{entry['token_id']}"
-    return payload
-
-
-def upstream_headers(raw_headers) -> list[tuple[bytes, bytes]]:
-    """The router's response headers without hop-by-hop ones and without its CORS headers."""
+def upstream_headers(raw_headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """vLLM's response headers without hop-by-hop ones and without its CORS headers."""
     return [
         (k, v)
         for k, v in raw_headers
@@ -258,14 +237,15 @@ def upstream_headers(raw_headers) -> list[tuple[bytes, bytes]]:
     ]
 
 
-def no_signal_server(app, host: str, port: int):
-    """A uvicorn server for `app` that leaves signal handling to its host process (vLLM's
-    server in the engine, `rlbus.runtime` in the replica)."""
+def no_signal_server(app: Any, host: str, port: int) -> uvicorn.Server:
+    """A uvicorn server for the ASGI `app` (typed Any: uvicorn's ASGI types and starlette's do
+    not unify) that leaves signal handling to its host process (vLLM's
+    server in the engine, `rlbus.lifecycle` in the replica)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
-        def capture_signals(self):
+        def capture_signals(self) -> Iterator[None]:
             yield
 
     return Server(

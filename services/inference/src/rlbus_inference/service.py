@@ -1,11 +1,12 @@
-"""`inference`: one replica = vLLM engine + router + (with a bus) weight agent and replica lease.
+"""`inference`: one replica = vLLM engine + public gate + (with a bus) weight agent and lease.
 
 `run(config)` is called by the thin `inference` entry point after it parsed the config:
 
     1. start the vLLM engine on `backend_port` (admin endpoints, worker extension) and wait for
        /health (25-35 s on CPU);
-    2. start vllm-router on a loopback port in front of it and wait for its /health, then serve
-       `server.port` with the public allow-list gate (`rlbus_inference.gate`) in this process;
+    2. serve `server.port` with the public allow-list gate (`rlbus_inference.gate`) in this
+       process, in front of the engine's loopback gate-facing listener (one hop: the
+       orchestrator's ReplicaPool spreads requests over replicas, docs/inference.md);
     3. with `bus.url`: register in the replica registry (lease, heartbeat) and run the weight
        agent (watch the weights KV key, apply each new version, report applied/failed);
     4. serve until SIGTERM/SIGINT or until a child dies.
@@ -15,22 +16,22 @@ the checks and weight reset of `rlbus_inference.attached`, step 3 is the same co
 (`spawn_replica_tasks`), and step 4 probes that server's /health (`serve_attached`); the server
 is never stopped.
 
-Signals come from the service shell (rlbus.runtime): the first SIGTERM/SIGINT stops the replica in
+Signals come from the service shell (rlbus.lifecycle): the first SIGTERM/SIGINT stops the replica in
 the order below (also during start-up: the engine is stopped and the exit is 0), a second one
 exits at once (143/130). The bus tasks are supervised: a lease or weight agent that raises ends
 the replica with one `service_task_failed` line and exit code 1.
 
 Shutdown order: withdraw the lease (rollout workers stop sending), close the public gate, stop
-the agent, stop the router, stop the engine (its process group, EngineCore included), close the bus; then end whatever
-still carries the replica's mark (`processes.end_marked`).
+the agent, stop the engine (its process group, EngineCore included), close the bus; then end
+whatever still carries the replica's mark (`engine_process.end_marked`).
 
-While serving, `processes.ChildWatch` checks the API server, the router and vLLM's EngineCore and
+While serving, `engine_process.ChildWatch` checks the API server and vLLM's EngineCore and
 probes the engine's /health (`config.health`). A death (a child exits, or /health fails
 `health.failures` times in a row) ends the replica within 15 s: the lease is withdrawn and the
 children are ended side by side with short deadlines, and the process exits 1 with one line naming
 what died and its log (docs/inference.md, "Engine death, orphans, restart"). kill -9 of the
 replica leaves its lease to expire; its children die with it (parent-death signals, and
-`rlbus_inference.guard` in the EngineCore).
+`rlbus_inference.engine_plugin` in the EngineCore).
 """
 
 from __future__ import annotations
@@ -39,26 +40,31 @@ import asyncio
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import structlog
 
 from rlbus.configs.base import exit_with_config_error
 from rlbus.configs.inference import InferenceConfig
+from rlbus.lifecycle import ServiceState, TaskSupervisor, run_service
 from rlbus.netutil import free_port, port_in_use
-from rlbus.runtime import ServiceState, TaskSupervisor, run_service
 from rlbus.secrets import SecretError
-from rlbus_inference import guards, processes
+from rlbus_inference import admin_access, engine_process
 from rlbus_inference.gate import PublicGate, no_signal_server
+
+if TYPE_CHECKING:  # uvicorn loads with the gate
+    import uvicorn
 
 log = structlog.get_logger()
 
 ENGINE_START_TIMEOUT_S = 600.0
-ROUTER_START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
 """A stop request: each child gets this long after SIGTERM before SIGKILL."""
 FAILED_WITHDRAW_S = 5.0
@@ -74,8 +80,8 @@ def claim_ports(config: InferenceConfig) -> InferenceConfig:
     replica on this host) keeps listening on for PORT_WAIT_S ends the replica with one line
     naming the flag, before it could register; 0 picks a free port. The wait lets the children
     of a replica that just died (a restart in place) release their ports."""
-    ports = {}
-    for flag, field, port, host in (
+    ports: dict[str, int] = {}
+    for flag, name, port, host in (
         ("--server.port", "port", config.server.port, config.server.host or "0.0.0.0"),
         ("--backend-port", "backend_port", config.backend_port, config.admin.host or "0.0.0.0"),
     ):
@@ -91,7 +97,7 @@ def claim_ports(config: InferenceConfig) -> InferenceConfig:
                         f"give each replica its own ports, or {flag} 0 for a free one"
                     )
                 time.sleep(0.5)
-        ports[field] = port
+        ports[name] = port
     if ports["port"] == ports["backend_port"]:
         raise PortInUse(
             f"--server.port and --backend-port are both {ports['port']}: they must differ"
@@ -106,7 +112,7 @@ class PortInUse(ValueError):
 
 def bind_public_port(config: InferenceConfig) -> socket.socket:
     """`server.port`, bound as soon as the replica starts and served by the gate once the engine
-    and router are up (~10 s later). Bound only then, a port planned by `rl` or a SLURM job was
+    is up (~10 s later). Bound only then, a port planned by `rl` or a SLURM job was
     taken in that window by a process that bound port 0 or connected out (both draw from the
     same ephemeral range), and the replica failed at the end of its start-up. Connections made
     before the gate serves wait in the listen backlog."""
@@ -128,11 +134,11 @@ def bind_public_port(config: InferenceConfig) -> socket.socket:
 
 def run(config: InferenceConfig) -> None:
     """Serve until SIGTERM/SIGINT (see module docstring). A config value the engine refused, or a
-    child (engine, router) that exits or never becomes healthy, ends the process with exit code 1
+    child (the engine) that exits or never becomes healthy, ends the process with exit code 1
     and one line saying which and where its output is, not a traceback."""
     try:
-        token = guards.admin_token(config)
-    except (guards.AdminExposed, SecretError) as error:
+        token = admin_access.admin_token(config)
+    except (admin_access.AdminExposed, SecretError) as error:
         exit_with_config_error(str(error))
     try:
         if config.attach is not None:
@@ -143,7 +149,11 @@ def run(config: InferenceConfig) -> None:
         run_service("inference", lambda state: serve(config, state, token, public))
     except PortInUse as error:
         sys.exit(f"inference: {error}")
-    except (processes.EngineConfigError, processes.ChildExited, processes.StartupTimeout) as error:
+    except (
+        engine_process.EngineConfigError,
+        engine_process.ChildExited,
+        engine_process.StartupTimeout,
+    ) as error:
         sys.exit(f"inference: {error}")
 
 
@@ -160,7 +170,9 @@ def run_attached(config: InferenceConfig, token: str | None) -> None:
     try:
         attached.prepare(config, token)
     except attached.AttachFailed as error:
-        log.error("attach_failed", url=config.attach.url, reason=str(error))
+        log.error(
+            "attach_failed", url=engine_process.attached_server(config).url, reason=str(error)
+        )
         print(f"inference: {error}", file=sys.stderr, flush=True)
         sys.exit(error.code)
     run_service("inference", lambda state: serve_attached(config, state, token))
@@ -179,6 +191,20 @@ def log_suffix(config: InferenceConfig) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", config.replica_id or str(config.server.port))
 
 
+@dataclass
+class ReplicaParts:
+    """What `serve` started, for its shutdown: each part is None until it was started."""
+
+    mark: dict[str, str]
+    tasks: TaskSupervisor = field(default_factory=TaskSupervisor)
+    engine: subprocess.Popen[bytes] | None = None
+    engine_log: Path | None = None
+    gate_facing_port: int = 0
+    gate: PublicGate | None = None
+    gate_server: uvicorn.Server | None = None
+    replica: asyncio.Task[None] | None = None
+
+
 async def serve(
     config: InferenceConfig,
     state: ServiceState,
@@ -190,102 +216,105 @@ async def serve(
     public = public or bind_public_port(config)
     stop_startup = threading.Event()  # the stop request, seen by the start-up waits in threads
     state.listeners.append(stop_startup.set)
-
-    logs = logs_dir(config)
-    engine = router = None
-    router_facing_port, router_port = free_port(), free_port()
-    mark = processes.replica_mark(log_suffix(config))
-    tasks = TaskSupervisor()
-    replica = gate = gate_server = None
+    parts = ReplicaParts(mark=engine_process.replica_mark(log_suffix(config)))
     failed = True  # until serving ended by a stop request: then shut down in order, unhurried
     try:
-        engine_log = logs / f"inference-engine-{log_suffix(config)}.log" if logs else None
-        engine = processes.start(
-            "engine",
-            processes.engine_command(config),
-            env={
-                **processes.engine_env(
-                    initial_version=0,
-                    router_facing_port=router_facing_port,
-                    mark=mark,
-                    admin=guards.engine_env(config, token),
-                    fast_start=config.fast_start,
-                ),
-                **processes.engine_tracing(config)[1],
-            },
-            log_path=engine_log,
-            parent_death_signal=signal.SIGTERM,
-        )
-        await asyncio.to_thread(
-            processes.wait_engine_healthy,
-            config,
-            engine,
-            engine_log,
-            stop_startup,
-            ENGINE_START_TIMEOUT_S,
-        )
-        router_log = logs / f"inference-router-{log_suffix(config)}.log" if logs else None
-        router = processes.start(
-            "router",
-            processes.router_command(router_port, router_facing_port),
-            env=processes.child_env(mark),
-            log_path=router_log,
-        )
-        await asyncio.to_thread(
-            processes.wait_healthy,
-            "router",
-            router,
-            processes.router_url(router_port) + "/health",
-            ROUTER_START_TIMEOUT_S,
-            stop_startup,
-            log_path=router_log,
-        )
-        gate = PublicGate(processes.router_url(router_port), config.server.cors_allowed_origins)
-        gate_server = no_signal_server(gate, config.server.host, config.server.port)
-        tasks.spawn("public_gate", serve_gate(gate_server, config, public))
-        await wait_serving(gate_server, tasks)
+        engine = await start_engine(config, parts, token, stop_startup)
+        await open_gate(config, parts, public)
         log.info(
             "inference_ready",
-            url=processes.public_url(config),
-            engine_url=processes.engine_url(config),
+            url=engine_process.public_url(config),
+            engine_url=engine_process.engine_url(config),
             model=config.vllm.model,
         )
-        watch = processes.ChildWatch(
-            config,
-            {"engine": (engine, engine_log), "router": (router, router_log)},
-            engine_log=engine_log,
+        watch = engine_process.ChildWatch(
+            config, {"engine": (engine, parts.engine_log)}, engine_log=parts.engine_log
         )
         if config.bus.url:
-            replica = spawn_replica_tasks(config, state, tasks, token)
-        await wait_for_stop(state, watch, tasks, interval_s=config.health.interval_s)
+            parts.replica = spawn_replica_tasks(config, state, parts.tasks, token)
+        await wait_for_stop(state, watch, parts.tasks, interval_s=config.health.interval_s)
         failed = False
-    except processes.StopDuringStartup as stopped:
+    except engine_process.StopDuringStartup as stopped:
         log.info("inference_stop_during_startup", reason=str(stopped))
         failed = False
     finally:
-        # The bus tasks see it: they withdraw the lease first, and say why in a lifecycle event.
-        state.drain(f"{processes.FAILED_PREFIX} a child process ended" if failed else "shutdown")
-        if gate_server is not None:  # clients stop reaching the replica first
-            gate_server.should_exit = True
-        if failed:  # a child died: leave the registry and end the rest at once, side by side
-            await asyncio.gather(
-                finish(replica, timeout_s=FAILED_WITHDRAW_S) if replica else asyncio.sleep(0),
-                *(
-                    asyncio.to_thread(processes.stop, name, child, grace_s=FAILED_STOP_GRACE_S)
-                    for name, child in (("router", router), ("engine", engine))
-                    if child is not None
-                ),
-            )
-        else:
-            if replica is not None:
-                await finish(replica)
-            await asyncio.to_thread(stop_children, router, engine, grace_s=STOP_GRACE_S)
-        await tasks.close()
-        if gate is not None:
-            await gate.aclose()
-        await asyncio.to_thread(processes.end_marked, mark)
+        await shut_down(parts, state, failed=failed)
         public.close()  # served: uvicorn closed it already; never served: released here
         log.info("inference_stopped")
+
+
+async def start_engine(
+    config: InferenceConfig, parts: ReplicaParts, token: str | None, stop: threading.Event
+) -> subprocess.Popen[bytes]:
+    """Start vLLM (admin endpoints on backend_port, the gate-facing listener on a free loopback
+    port) and wait until its /health answers; `stop` ends the wait (StopDuringStartup)."""
+    logs = logs_dir(config)
+    parts.engine_log = logs / f"inference-engine-{log_suffix(config)}.log" if logs else None
+    parts.gate_facing_port = free_port()
+    engine_env = engine_process.engine_env(
+        initial_version=0,
+        gate_facing_port=parts.gate_facing_port,
+        mark=parts.mark,
+        admin=admin_access.engine_env(config, token),
+        fast_start=config.fast_start,
+    )
+    parts.engine = engine_process.start(
+        "engine",
+        engine_process.engine_command(config),
+        env={**engine_env, **engine_process.engine_tracing(config)[1]},
+        log_path=parts.engine_log,
+        parent_death_signal=signal.SIGTERM,
+    )
+    await asyncio.to_thread(
+        engine_process.wait_engine_healthy,
+        config,
+        parts.engine,
+        parts.engine_log,
+        stop,
+        ENGINE_START_TIMEOUT_S,
+    )
+    return parts.engine
+
+
+async def open_gate(config: InferenceConfig, parts: ReplicaParts, public: socket.socket) -> None:
+    """Serve the bound public port with the allow-list gate, in front of the engine's
+    gate-facing listener; returns once it serves."""
+    upstream = f"http://127.0.0.1:{parts.gate_facing_port}"
+    parts.gate = PublicGate(upstream, config.server.cors_allowed_origins)
+    parts.gate_server = no_signal_server(parts.gate, config.server.host, config.server.port)
+    parts.tasks.spawn("public_gate", serve_gate(parts.gate_server, config, public))
+    await wait_serving(parts.gate_server, parts.tasks)
+
+
+async def shut_down(parts: ReplicaParts, state: ServiceState, *, failed: bool) -> None:
+    """Stop what `serve` started: after a stop request in order (lease, gate, engine), after a
+    death (`failed`) at once and side by side with short deadlines; then whatever still carries
+    the replica's mark."""
+    # The bus tasks see it: they withdraw the lease first, and say why in a lifecycle event.
+    state.drain(f"{engine_process.FAILED_PREFIX} a child process ended" if failed else "shutdown")
+    if parts.gate_server is not None:  # clients stop reaching the replica first
+        parts.gate_server.should_exit = True
+    withdraw_s = FAILED_WITHDRAW_S if failed else 10.0
+    grace_s = FAILED_STOP_GRACE_S if failed else STOP_GRACE_S
+    if failed:  # a child died: leave the registry and end the engine at once, side by side
+        await asyncio.gather(
+            finish(parts.replica, timeout_s=withdraw_s) if parts.replica else asyncio.sleep(0),
+            stop_engine(parts.engine, grace_s=grace_s),
+        )
+    else:
+        if parts.replica is not None:
+            await finish(parts.replica, timeout_s=withdraw_s)
+        await stop_engine(parts.engine, grace_s=grace_s)
+    await parts.tasks.close()
+    if parts.gate is not None:
+        await parts.gate.aclose()
+    await asyncio.to_thread(engine_process.end_marked, parts.mark)
+
+
+async def stop_engine(engine: subprocess.Popen[bytes] | None, *, grace_s: float) -> None:
+    """The engine's process group: SIGTERM, SIGKILL after `grace_s`."""
+    if engine is not None:
+        await asyncio.to_thread(engine_process.stop, "engine", engine, grace_s=grace_s)
 
 
 def spawn_replica_tasks(
@@ -312,15 +341,17 @@ async def serve_attached(config: InferenceConfig, state: ServiceState, token: st
         state.drain("shutdown")
         await finish(replica, timeout_s=FAILED_WITHDRAW_S if failed else 10.0)
         await tasks.close()
-        log.info("inference_detached", url=config.attach.url)
+        log.info("inference_detached", url=engine_process.attached_server(config).url)
 
 
-async def watch_attached(config: InferenceConfig, state: ServiceState, tasks: TaskSupervisor):
+async def watch_attached(
+    config: InferenceConfig, state: ServiceState, tasks: TaskSupervisor
+) -> None:
     """Probe the attached server's public /health every `health.interval_s` until a stop
     request; ChildExited when it failed `health.failures` probes in a row."""
-    url = processes.public_url(config) + "/health"
+    url = engine_process.public_url(config) + "/health"
     failures = 0
-    processes.quiet_http_log()
+    engine_process.quiet_http_log()
     async with httpx.AsyncClient() as http:
         while not state.ending:
             try:
@@ -332,14 +363,16 @@ async def watch_attached(config: InferenceConfig, state: ServiceState, tasks: Ta
             if why is not None:
                 log.warning("attached_health_failed", url=url, failures=failures, reason=why)
             if failures >= config.health.failures:
-                raise processes.ChildExited(
-                    f"the attached server at {config.attach.url} failed {failures} health "
+                raise engine_process.ChildExited(
+                    f"the attached server at {engine_process.attached_server(config).url} failed {failures} health "
                     "probes in a row (stopped or restarting?)"
                 )
             await tasks.wait(state.stop_requested, timeout_s=config.health.interval_s)
 
 
-async def serve_gate(server, config: InferenceConfig, public: socket.socket) -> None:
+async def serve_gate(
+    server: uvicorn.Server, config: InferenceConfig, public: socket.socket
+) -> None:
     """Run the public gate on the bound `public` socket; uvicorn's own exit on a failed start
     (SystemExit) becomes an error naming the flag, so the supervisor ends the replica with one
     line."""
@@ -352,26 +385,24 @@ async def serve_gate(server, config: InferenceConfig, public: socket.socket) -> 
         ) from None
 
 
-async def wait_serving(server, tasks: TaskSupervisor, timeout_s: float = 10.0) -> None:
+async def wait_serving(
+    server: uvicorn.Server, tasks: TaskSupervisor, timeout_s: float = 10.0
+) -> None:
     """Return once uvicorn `server` listens; a gate that failed to bind ends the replica
     (its task fails: TaskFailed names it)."""
     deadline = time.monotonic() + timeout_s
     while not server.started:
         if time.monotonic() > deadline:
-            raise processes.StartupTimeout(f"public port not serving after {timeout_s:g} s")
+            raise engine_process.StartupTimeout(f"public port not serving after {timeout_s:g} s")
         await tasks.wait(asyncio.Event(), timeout_s=0.05)
 
 
-def stop_children(router, engine, *, grace_s: float) -> None:
-    """Router first (clients stop reaching the engine), then the engine's process group."""
-    if router is not None:
-        processes.stop("router", router, grace_s=grace_s)
-    if engine is not None:
-        processes.stop("engine", engine, grace_s=grace_s)
-
-
 async def wait_for_stop(
-    state: ServiceState, watch: processes.ChildWatch, tasks: TaskSupervisor, *, interval_s: float
+    state: ServiceState,
+    watch: engine_process.ChildWatch,
+    tasks: TaskSupervisor,
+    *,
+    interval_s: float,
 ) -> None:
     """Return on a stop request; raise if a child dies or stops answering (ChildExited, naming it
     and its log) or a bus task fails (TaskFailed) first."""

@@ -22,6 +22,10 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the replica reads specs without torch; the checks import it when they run
+    import torch
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 TORCH_TO_SAFETENSORS = {
@@ -49,7 +53,7 @@ class Spec:
 class WeightsRefused(ValueError):
     """An update that must not be loaded; `problems` are one line each."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         more = len(problems) - MAX_PROBLEMS
         shown = "; ".join(problems[:MAX_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
@@ -103,7 +107,7 @@ def compare(update: dict[str, Spec], reference: dict[str, Spec]) -> list[str]:
     return problems
 
 
-def first_non_finite(tensors: Iterable[tuple[str, object]]) -> str | None:
+def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The problem line of the first floating-point tensor holding NaN or infinity, or None."""
     import torch
 
@@ -113,7 +117,7 @@ def first_non_finite(tensors: Iterable[tuple[str, object]]) -> str | None:
     return None
 
 
-def read_tensors(files: Iterable[Path]) -> Iterator[tuple[str, object]]:
+def read_tensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in `files`, one at a time (memory-mapped)."""
     from safetensors import safe_open
 

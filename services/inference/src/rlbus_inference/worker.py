@@ -9,7 +9,14 @@ All methods are prefixed `rlbus_` so they cannot clash with vLLM's own worker at
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # vLLM imports this module in its workers, where torch is loaded already
+    import torch
+
+    from rlbus.broadcast import BroadcastGroup
 
 
 def safetensors_files(weights_dir: Path) -> list[Path]:
@@ -23,7 +30,9 @@ def safetensors_files(weights_dir: Path) -> list[Path]:
 class RlbusWorkerExtension:
     """Load weights from a safetensors directory or from a trainer broadcast."""
 
-    def _rlbus_reload(self, weights) -> None:
+    _rlbus_group: BroadcastGroup | None
+
+    def _rlbus_reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint-format tensors into the running model.
 
         A plain `model.load_weights` fails after the first load on CPU: vLLM repacks linear
@@ -43,7 +52,7 @@ class RlbusWorkerExtension:
         start = time.perf_counter()
         num_tensors = 0
 
-        def tensors():
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal num_tensors
             for path in safetensors_files(Path(weights_dir)):
                 with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -138,7 +147,7 @@ class RlbusWorkerExtension:
             else:  # what it announces cannot even be received safely: leave the group
                 self._rlbus_group = None
             return {"refused": str(validation.WeightsRefused(problems))}
-        tensors = receive_tensors(group, header)
+        tensors: Iterable[tuple[str, torch.Tensor]] = receive_tensors(group, header)
         if check_finite:
             tensors = list(tensors)
             if problem := validation.first_non_finite(tensors):

@@ -24,6 +24,10 @@ ADMIN_TOKEN_ENV = "RLBUS_ADMIN_TOKEN"
 """The admin token: read by `inference` (unless admin.token_file is set) and passed to the engine."""
 WEIGHTS_ROOT_ENV = "RLBUS_WEIGHTS_ROOT"
 CHECK_FINITE_ENV = "RLBUS_WEIGHTS_CHECK_FINITE"
+GATE_PORT_ENV = "RLBUS_GATE_FACING_PORT"
+"""The engine's second, loopback listener, the one the public gate forwards to: it serves only
+the public paths (`rlbus_inference.gate.is_public`), so no admin route is reachable through the
+gate even if the gate's allow-list and the engine's disagreed."""
 MAX_PATH_CHARS = 4096
 """Longest `path` accepted in a request (Linux's PATH_MAX)."""
 

