@@ -18,7 +18,11 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import structlog
 
@@ -54,7 +58,7 @@ from rlbus_launch.rundir import prepare_run_dir_or_exit
 from rlbus_launch.scrape import ScrapeTargets
 from rlbus_launch.scripts import describe_written, write_launch
 from rlbus_launch.supervisor import ServiceProcess, Supervisor
-from rlbus_launch.watchdog import start_watchdog
+from rlbus_launch.watchdog import Watchdog, start_watchdog
 
 log = structlog.get_logger()
 
@@ -207,12 +211,12 @@ HANGUP_GRACE_S = 3.0
 class StopNow(Exception):
     """Stop every process now, without a drain: a second Ctrl-C/SIGTERM, or a SIGHUP."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-def raise_stop_now(signum, frame) -> None:
+def raise_stop_now(signum: int, frame: FrameType | None) -> None:
     raise StopNow(signum)
 
 
@@ -299,6 +303,97 @@ def schedule_restart(
     )
 
 
+@dataclass
+class SupervisedLaunch:
+    """One supervised launch: its processes, progress, restart policy and /metrics targets, and
+    where it stands: the exit code so far, whether it is still watching (a SIGHUP then is the
+    first signal: 129; later it only cuts a stop short) and whether every process was stopped."""
+
+    launch: Launch
+    launch_id: str
+    supervisor: Supervisor
+    progress: Progress
+    policy: RestartPolicy
+    targets: ScrapeTargets
+    code: int = 1
+    watching: bool = True
+    stopped: bool = False
+
+    def start_and_watch(self, poll_s: float) -> None:
+        """Start every process in order and watch them (`watch`) until the run ends; Ctrl-C or
+        SIGTERM drain instead (130, 143)."""
+        try:
+            for process in self.launch.processes:
+                process.launch_id = self.launch_id
+                self.supervisor.start(process)
+                self.targets.started(process.name)
+            self.code = watch(self.launch, self.supervisor, self.progress, self.policy, poll_s)
+            self.watching = False
+        except (KeyboardInterrupt, Terminated) as interrupt:
+            sig = signal.SIGINT if isinstance(interrupt, KeyboardInterrupt) else signal.SIGTERM
+            self.code = EXIT_SIGNAL_BASE + sig
+            self.watching = False
+            log.warning(
+                "interrupted",
+                signal=sig.name,
+                hint="draining, then stopping every service (Ctrl-C again: stop now)",
+            )
+            arm_stop_now()
+            drain_and_wait(self.launch, self.supervisor)
+
+    def run(self, poll_s: float) -> None:
+        """Start, watch, then stop every process; a further signal (`StopNow`) stops them at
+        once (a first SIGHUP with a grace and exit code 129)."""
+        try:
+            self.start_and_watch(poll_s)
+            arm_stop_now()
+            self.supervisor.stop_all()
+        except StopNow as stop:
+            first = stop.signum == signal.SIGHUP and self.watching
+            if first:
+                self.code = EXIT_HANGUP
+            ignore_stop_signals()
+            log.warning(
+                "stopping_now", signal=signal.Signals(stop.signum).name, exit_code=self.code
+            )
+            self.supervisor.stop_now(grace_s=HANGUP_GRACE_S if first else 0.0)
+        self.stopped = True
+
+    def close(self, watchdog: Watchdog) -> None:
+        """Stop serving /metrics and progress; once every process is stopped, drop the lock and
+        dismiss the watchdog (otherwise it sees its pipe close when we exit, and ends what is
+        left)."""
+        self.targets.close()
+        try:
+            self.progress.close()
+        except OSError:  # the terminal is gone (SIGHUP)
+            pass
+        if self.stopped:
+            remove_lock(self.launch.run_dir, self.launch_id)
+            watchdog.done()
+
+
+SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+"""What `signal.getsignal` returns."""
+
+
+def take_stop_signals() -> dict[signal.Signals, SignalHandler]:
+    """Route Ctrl-C, SIGTERM and SIGHUP to the launcher's stop paths; returns the previous
+    handlers. Ctrl-C / SIGINT drains even when rl was started as a shell's background job (which
+    inherits SIGINT ignored, so Python would never raise KeyboardInterrupt): `kill -INT` always
+    works."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, raise_terminated)
+    signal.signal(signal.SIGHUP, raise_stop_now)
+    return previous
+
+
+def ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def supervise(launch: Launch, poll_s: float = 0.5) -> int:
     """Start every process in order, show progress and restart what dies (`watch`); returns the
     launcher's exit code: 0 when the trainer finished; a failed service's code (128 + N when it
@@ -306,74 +401,27 @@ def supervise(launch: Launch, poll_s: float = 0.5) -> int:
     drain first), 129 on SIGHUP (no drain). Every path stops all and checks that no process of
     the launch survives; the watchdog (`rlbus_launch.watchdog`) covers the launcher's own death."""
     launch_id = uuid.uuid4().hex
-    supervisor = Supervisor()
     names = [p.name for p in launch.processes]
-    metrics = launch.run_dir / "metrics.jsonl"
-    progress = Progress(metrics, tty=sys.stdout.isatty(), services=names)
+    progress = Progress(launch.run_dir / "metrics.jsonl", tty=sys.stdout.isatty(), services=names)
     policy = RestartPolicy(launch.config.supervision)
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    # Ctrl-C / SIGINT drains even when rl was started as a shell's background job (which inherits
-    # SIGINT ignored, so Python would never raise KeyboardInterrupt): `kill -INT` always works.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, raise_terminated)
-    signal.signal(signal.SIGHUP, raise_stop_now)
+    previous = take_stop_signals()
     watchdog = start_watchdog(launch_id, launch.run_dir)
     write_lock(launch.run_dir, launch_id)
     log.info("launch_started", launch_id=launch_id, watchdog_pid=watchdog.popen.pid)
     targets = ScrapeTargets.for_launch(launch)  # our /metrics, and <run_dir>/metrics/targets.json
-    code = 1
-    watching = True  # a SIGHUP now is the first signal (129); later it only cuts a stop short
-    stopped = False
+    session = SupervisedLaunch(launch, launch_id, Supervisor(), progress, policy, targets)
     try:
-        try:
-            try:
-                for process in launch.processes:
-                    process.launch_id = launch_id
-                    supervisor.start(process)
-                    targets.started(process.name)
-                code = watch(launch, supervisor, progress, policy, poll_s)
-                watching = False
-            except (KeyboardInterrupt, Terminated) as interrupt:
-                sig = signal.SIGINT if isinstance(interrupt, KeyboardInterrupt) else signal.SIGTERM
-                code = EXIT_SIGNAL_BASE + sig
-                watching = False
-                log.warning(
-                    "interrupted",
-                    signal=sig.name,
-                    hint="draining, then stopping every service (Ctrl-C again: stop now)",
-                )
-                arm_stop_now()
-                drain_and_wait(launch, supervisor)
-            arm_stop_now()
-            supervisor.stop_all()
-        except StopNow as stop:
-            first = stop.signum == signal.SIGHUP and watching
-            if first:
-                code = EXIT_HANGUP
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
-            log.warning("stopping_now", signal=signal.Signals(stop.signum).name, exit_code=code)
-            supervisor.stop_now(grace_s=HANGUP_GRACE_S if first else 0.0)
-        stopped = True
+        session.run(poll_s)
     finally:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
-        targets.close()
-        try:
-            progress.close()
-        except OSError:  # the terminal is gone (SIGHUP)
-            pass
-        if stopped:
-            remove_lock(launch.run_dir, launch_id)
-            watchdog.done()
-        # otherwise the watchdog sees its pipe close when we exit, and ends what is left
+        ignore_stop_signals()
+        session.close(watchdog)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        log.info("launcher_exit", exit_code=code, run_dir=str(launch.run_dir))
-    return code
+        log.info("launcher_exit", exit_code=session.code, run_dir=str(launch.run_dir))
+    return session.code
 
 
-def report_failure(service, code: int, reason: str, progress: Progress) -> None:
+def report_failure(service: ServiceProcess, code: int, reason: str, progress: Progress) -> None:
     """Say which service ended the run and why, and show the end of its log."""
     log.error(
         "service_failed",
