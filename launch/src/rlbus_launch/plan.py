@@ -24,6 +24,7 @@ configs name that file (`bus.token_file`): no secret in a config, a script or an
 argv lists: the launcher imports none of them.
 """
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from pydantic import BaseModel
 from rlbus.configs import InferenceConfig, RLConfig
 from rlbus.configs.bus import BusConfig
 from rlbus.obs.logging import log_file_path
+from rlbus.wire.subjects import RunSubjects
 from rlbus_launch.cpus import (
     CpuPlan,
     bind_inference_env,
@@ -48,6 +50,10 @@ from rlbus_launch.supervisor import ServiceProcess
 NATS_STORE_DIR = "nats"
 TRAINER_MODULE = "rlbus_trainer.entrypoint"
 SECRETS_DIR = "secrets"
+BUS_FILE = "bus.json"
+"""`configs/bus.json`: where a run's bus is, for clients outside rlbus (docs/bus-messages.md)."""
+CREDENTIAL_FIELDS = ("token_file", "user", "password_file", "creds_file", "nkey_seed_file")
+TLS_FIELDS = ("tls_ca", "tls_cert", "tls_key")
 """Run-directory folder of the 0600 secret files the launcher writes for its children."""
 
 
@@ -107,6 +113,24 @@ def embedded_nats(config: RLConfig, run_dir: Path) -> tuple[str, ServiceProcess,
         cwd=Path.cwd(),
     )
     return server.url, process, server.config_text()
+
+
+def bus_file_text(bus: BusConfig, run_dir: Path, server_config: Path | None) -> str:
+    """`configs/bus.json` of a run: its bus URL, run id as subjects spell it, subject prefix,
+    claim-check root, the embedded server's config (None for an external bus) and the paths of
+    the credential files the services use (paths only: never a secret)."""
+    assert bus.url is not None and bus.run_id is not None
+    subjects = RunSubjects(bus.run_id)
+    fields = CREDENTIAL_FIELDS + TLS_FIELDS
+    document = {
+        "url": bus.url,
+        "run": subjects.run_id,
+        "prefix": subjects.prefix,
+        "storage_dir": str(run_dir.absolute()),
+        "server_config": str(server_config.absolute()) if server_config else None,
+        "credentials": {name: getattr(bus, name) for name in fields if getattr(bus, name)},
+    }
+    return json.dumps(document, indent=2) + "\n"
 
 
 def monitor_argv(config: RLConfig, run_dir: Path) -> list[str]:
@@ -269,6 +293,10 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     # services read them from the run directory's 0600 files
     secret_files = bus_secret_files(config.bus, run_dir)
     config.push_shared_values_down()
+    server_config = (
+        config_path(run_dir, "nats").with_suffix(".conf") if "nats.conf" in files else None
+    )
+    files[BUS_FILE] = bus_file_text(config.bus, run_dir, server_config)
 
     launch = Launch(config=resolved_rl, run_dir=run_dir, files=files, secret_files=secret_files)
     launch.configs["rl"] = resolved_rl

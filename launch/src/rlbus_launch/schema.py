@@ -34,8 +34,9 @@ import msgspec
 import msgspec.inspect as mi
 
 from rlbus.bus.claimcheck import CLAIM_HEADER, CLAIMS_DIR
-from rlbus.bus.core import (
-    CLAIM_CHECK_MARGIN,
+from rlbus.bus.core import CLAIM_CHECK_MARGIN, MSG_ID_HEADER
+from rlbus.bus.kv import EXPECTED_LAST_SUBJECT_SEQ
+from rlbus.bus.quarantine import (
     DEAD_KIND,
     DEAD_MSG_ID,
     DEAD_NUM_DELIVERED,
@@ -44,9 +45,7 @@ from rlbus.bus.core import (
     DEAD_STREAM,
     DEAD_STREAM_SEQ,
     DEAD_SUBJECT,
-    MSG_ID_HEADER,
 )
-from rlbus.bus.kv import EXPECTED_LAST_SUBJECT_SEQ
 from rlbus.docstrings import attribute_docstrings
 from rlbus.wire import batches, claims, control, events, replicas, rollouts, run, tasks, weights
 from rlbus.wire.subjects import (
@@ -173,6 +172,47 @@ OTHER_ENTRIES = [
         "wire message, so not described here.",
     },
 ]
+
+
+JSON_SCHEMA_DRAFT = "https://json-schema.org/draft/2020-12/schema"
+"""The draft `$defs` are written in (`prefixItems` for array_like structs): a draft-07 validator
+would accept anything there."""
+
+BUCKET_KEYS = {
+    pattern(_S.state_bucket): {
+        RUN_FINISHED_KEY: "RunFinished",
+        COORDINATOR_LEADER_KEY: "CoordinatorLeader (a TTL lease)",
+        "orchestrator": "JSON, private to the coordinator (see other_entries)",
+    },
+    pattern(_S.weights_bucket): {WEIGHTS_LATEST_KEY: "WeightsPublished"},
+    pattern(_S.replicas_bucket): {"<replica_id>": "ReplicaInfo (a TTL lease per replica)"},
+}
+"""Every key each KV bucket of a run can hold: no other key is written."""
+
+READING = {
+    "bus_file": "`<run_dir>/configs/bus.json`, written by `rl` when it plans a run (`--dry-run` "
+    "too): `url` (the NATS URL), `run` (the `<run>` of every name), `prefix`, `storage_dir` "
+    "(claim-check root), `server_config` (the embedded nats-server's config, "
+    "`<run_dir>/configs/nats.conf`, JSON; null for a bus `rl` did not start) and `credentials` "
+    "(paths of the credential files the services use: `token_file`, `user` + `password_file`, "
+    "`creds_file`, `nkey_seed_file`, `tls_ca`, `tls_cert`, `tls_key`; only those set).",
+    "validate": f'Validate message `<Name>` against `{{"$schema": "{JSON_SCHEMA_DRAFT}", '
+    '"$defs": <$defs>, "$ref": "#/$defs/<Name>"}`.',
+    "streams": "Read-only, work queues included: `$JS.API.STREAM.INFO.<stream>` gives "
+    "`state.first_seq` / `last_seq`; `$JS.API.DIRECT.GET.<stream>` with "
+    '`{"seq": n, "next_by_subj": ">"}` returns the first message stored at or after `n` '
+    "(headers `Nats-Subject`, `Nats-Sequence`; status 404: none). Never create a consumer on "
+    "`tasks` or `rollouts`: a work-queue stream hands each message to one consumer (the server "
+    "refuses an ordered consumer there), so an observer would take work. A work queue removes "
+    "a message once acked: poll to watch it, and a message acked between two polls is not seen.",
+    "kv": "Read-only: `$JS.API.STREAM.INFO.KV_<bucket>` with "
+    '`{"subjects_filter": "$KV.<bucket>.>"}` lists the keys (`state.subjects`); '
+    "`$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>` returns a key's last entry. Skip "
+    "entries with header `KV-Operation` `DEL` or `PURGE` and empty ones (an expired lease).",
+    "permissions": "On a secured bus read as the `monitor` role: it may use the JetStream API "
+    "(direct gets included) and publish nothing else of the run.",
+}
+"""How an outside client finds a run's bus and reads it without taking work."""
 
 
 # ---- routes -----------------------------------------------------------------------------------
@@ -728,6 +768,7 @@ def build_schema(registry: tuple[MessageSpec, ...] = REGISTRY) -> dict[str, Any]
     _, components = msgspec.json.schema_components(classes, ref_template="#/$defs/{name}")
     nested = sorted(nested_structs(classes), key=lambda cls: cls.__name__)
     return {
+        "$schema": JSON_SCHEMA_DRAFT,
         "title": "rlbus bus contract",
         "description": "Every message on the bus of one rlbus run: where it travels, how it is "
         "encoded, and its fields in encoding order. Generated from rlbus.wire; prose in "
@@ -747,6 +788,8 @@ def build_schema(registry: tuple[MessageSpec, ...] = REGISTRY) -> dict[str, Any]
             f"the subject in `{DEAD_SUBJECT}`.",
             "headers": dict(sorted(DEAD_HEADERS.items())),
         },
+        "reading": READING,
+        "bucket_keys": BUCKET_KEYS,
         "other_entries": OTHER_ENTRIES,
         "subjects": subject_index(registry),
         "messages": {
@@ -873,6 +916,10 @@ def render_markdown(schema: dict[str, Any], registry: tuple[MessageSpec, ...] = 
         "",
         *[f"- {cell(text)}" for text in schema["encoding"].values()],
         "",
+        "## Reading a run",
+        "",
+        *[f"- **{name}**: {text}" for name, text in schema["reading"].items()],
+        "",
         "## Placeholders",
         "",
         *dict_table(("placeholder", "meaning"), placeholders),
@@ -914,6 +961,18 @@ def render_markdown(schema: dict[str, Any], registry: tuple[MessageSpec, ...] = 
         f"{dead['sender']} -> {dead['receivers']}. {dead['payload']} Headers:",
         "",
         *dict_table(("header", "value"), dead["headers"]),
+        "",
+        "## KV keys",
+        "",
+        "Every key each bucket of a run can hold; no other key is written.",
+        "",
+        "| bucket | key | value |",
+        "| ------ | --- | ----- |",
+        *[
+            f"| `{bucket}` | `{key}` | {value} |"
+            for bucket, keys in schema["bucket_keys"].items()
+            for key, value in keys.items()
+        ],
         "",
         "## Entries not described here",
         "",

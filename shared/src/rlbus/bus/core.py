@@ -27,15 +27,7 @@ from nats.aio.client import Client as NATS
 from nats.js import api
 
 from rlbus.bus import claimcheck, topology
-from rlbus.bus.quarantine import (  # noqa: F401 (DEAD_*: re-exported until rlbus_launch.schema imports them from quarantine)
-    DEAD_KIND,
-    DEAD_MSG_ID,
-    DEAD_NUM_DELIVERED,
-    DEAD_ORIGIN,
-    DEAD_REASON,
-    DEAD_STREAM,
-    DEAD_STREAM_SEQ,
-    DEAD_SUBJECT,
+from rlbus.bus.quarantine import (
     DeadLetter,
     dead_letter_headers,
     dead_letter_id,

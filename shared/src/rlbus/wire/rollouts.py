@@ -2,7 +2,7 @@
 
 Sender: orchestrator rollout workers. Receiver: orchestrator coordinator (durable pull consumer on
 the work-queue stream `subjects.rollouts`; acked only after the batch holding it is stored). The
-message id is `task_id` (plus the attempt when a task is redone), so a retried publish is a no-op.
+message id is the task's `task_id`, so a retried publish is a no-op.
 """
 
 from typing import Any
@@ -22,7 +22,10 @@ class RolloutSample(msgspec.Struct, kw_only=True, array_like=True):
     completion_mask: list[int]
     """Loss mask over completion tokens (1 = trained; 0 = e.g. tool output in multi-turn)."""
     reward: float = 0.0
+    """The reward: the one number advantages are computed from (the environment's score of this
+    sample). The run's reward curve is its mean, `reward/mean` in the orchestrator's StepMetrics."""
     reward_components: dict[str, float] = {}
+    """Named parts or extra scores of the reward, reported as metrics only (never trained on)."""
     finish_reason: str | None = None
     """`stop`, `length`, ... as reported by inference."""
     is_truncated: bool = False

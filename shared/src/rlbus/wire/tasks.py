@@ -44,7 +44,9 @@ class Task(Message, kw_only=True):
     """Roll out `group_size` samples of one problem for training step `step`."""
 
     task_id: str
-    """Deterministic id (e.g. `<step>-<example index>`), also the Nats-Msg-Id."""
+    """Deterministic id, also the Nats-Msg-Id: `train-<cursor>` for training (the coordinator's
+    data cursor: 0, 1, 2, ... over the whole run, not the step; a task issued again keeps its id),
+    `eval-<step>-<i>` for the `i`-th eval task of step `step`."""
     step: NonNegative
     """The training step this group is meant for."""
     env_id: str
