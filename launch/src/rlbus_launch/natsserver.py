@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -74,9 +74,9 @@ class NatsServer:
         tls_key: str | Path | None = None,
         tls_ca: str | Path | None = None,
         security_dir: str | Path | None = None,
-        users: list[dict] | None = None,
+        users: list[dict[str, Any]] | None = None,
         http_host: str | None = None,
-    ):
+    ) -> None:
         """`security_dir` (rlbus.bus.natsauth): per-role users with subject permissions and TLS
         with its server certificate; `users`: nats-server `authorization.users` entries as they
         are (e.g. `{"nkey": "U..."}`); `http_host`: where monitoring listens (default `host`)."""
@@ -99,10 +99,10 @@ class NatsServer:
             tls_cert, tls_key = self.security_dir / "server.pem", self.security_dir / "server.key"
         self.tls_cert, self.tls_key, self.tls_ca = tls_cert, tls_key, tls_ca
         self.http_host = http_host or host
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def for_config(cls, config: "BusConfig", store_dir: str | Path, **kwargs) -> "NatsServer":
+    def for_config(cls, config: "BusConfig", store_dir: str | Path, **kwargs: Any) -> "NatsServer":
         """A server matching a `BusConfig` (payload size, auth, fsync) storing under `store_dir`."""
         return cls(
             store_dir,
@@ -143,7 +143,7 @@ class NatsServer:
     def config_text(self) -> str:
         """nats-server configuration (JSON is valid nats-server config syntax). It holds the
         credentials, so it is only ever written with mode 0600."""
-        config: dict = {
+        config: dict[str, Any] = {
             "host": self.host,
             "port": self.port,
             "http": f"{self.http_host}:{self.http_port}",
@@ -160,7 +160,7 @@ class NatsServer:
         if self.sync_always:
             config["jetstream"]["sync_interval"] = "always"
         if self.tls_cert:
-            tls = {"cert_file": str(self.tls_cert), "key_file": str(self.tls_key)}
+            tls: dict[str, Any] = {"cert_file": str(self.tls_cert), "key_file": str(self.tls_key)}
             if self.tls_ca:  # clients must present a certificate signed by this CA (mutual TLS)
                 tls |= {"ca_file": str(self.tls_ca), "verify": True}
             config["tls"] = tls
@@ -251,7 +251,7 @@ class NatsServer:
     def __enter__(self) -> "NatsServer":
         return self.start() if not self.is_running() else self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -346,8 +346,8 @@ def server_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`rlbus-nats`: run a JetStream nats-server in the foreground for development."""
+def argument_parser() -> argparse.ArgumentParser:
+    """The flags of `rlbus-nats`."""
     parser = argparse.ArgumentParser(prog="rlbus-nats", description=main.__doc__)
     parser.add_argument("--store", required=True, help="store directory (kept across restarts)")
     parser.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 to expose)")
@@ -387,7 +387,11 @@ def main(argv: list[str] | None = None) -> None:
         default=LINGER_S,
         help="with --exit-when-finished: longest wait for the other clients after the finish",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def refuse_unsafe_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Exit 2 on flags that cannot work together or would show a secret on a command line."""
     if args.exit_when_finished and not args.run_id:
         parser.error("--exit-when-finished needs --run-id RUN (the run name)")
     if args.token is not None:
@@ -395,26 +399,37 @@ def main(argv: list[str] | None = None) -> None:
             "--token: a secret on a command line is visible to every user (ps); "
             "write it to a 0600 file and pass --token-file PATH, or export RLBUS_BUS_TOKEN"
         )
+
+
+def serve_in_foreground(server: NatsServer, args: argparse.Namespace) -> None:
+    """Start the server and serve until it exits, or until the run is finished with
+    `--exit-when-finished` (SystemExit with the server's code when it dies first)."""
+    server.start()
+    print(
+        f"nats-server ready: {server.url} (monitoring {server.monitor_url}, store {server.store_dir})",
+        flush=True,
+    )
+    assert server.process is not None
+    if args.exit_when_finished:
+        code = asyncio.run(serve_until_finished(server, args.run_id, server.token, args.linger_s))
+        if code:
+            raise SystemExit(code)
+    else:
+        server.process.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`rlbus-nats`: run a JetStream nats-server in the foreground for development."""
+    parser = argument_parser()
+    args = parser.parse_args(argv)
+    refuse_unsafe_args(args, parser)
     server = server_from_args(args, parser)
 
     # The server runs in its own session (a terminal's Ctrl-C reaches only us): SIGTERM and
     # SIGINT stop it gracefully, so it never outlives this command, and we exit 0.
     signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        server.start()
-        print(
-            f"nats-server ready: {server.url} (monitoring {server.monitor_url}, store {server.store_dir})",
-            flush=True,
-        )
-        assert server.process is not None
-        if args.exit_when_finished:
-            code = asyncio.run(
-                serve_until_finished(server, args.run_id, server.token, args.linger_s)
-            )
-            if code:
-                raise SystemExit(code)
-        else:
-            server.process.wait()
+        serve_in_foreground(server, args)
     except (KeyboardInterrupt, Terminated):
         pass
     finally:
