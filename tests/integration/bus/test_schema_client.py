@@ -10,8 +10,8 @@ from bus_factories import make_batch
 from schema_client import SchemaClient
 
 from rlbus.wire import control
-from rlbus.wire.schema import REGISTRY
 from rlbus.wire.subjects import COORDINATOR_LEADER_KEY, WEIGHTS_LATEST_KEY
+from rlbus_launch.schema import REGISTRY
 
 EXAMPLES = {spec.name: spec.example for spec in REGISTRY}
 PUBLISHED_AS_IS = {

@@ -7,8 +7,8 @@ import pytest
 from rlbus.bus import claimcheck
 from rlbus.bus.connection import connect_options, is_auth_error
 from rlbus.bus.errors import ClaimCheckError
-from rlbus.bus.server import NatsServer
 from rlbus.configs.bus import BusConfig
+from rlbus_launch.natsserver import NatsServer
 
 
 def test_connect_options_carry_auth_and_fail_fast_first():
