@@ -236,7 +236,7 @@ class InferenceClient:
 
     def __init__(
         self, pool: ReplicaPool, http: httpx.AsyncClient, model: str, *, max_attempts: int = 4
-    ):
+    ) -> None:
         self.pool, self.http, self.model, self.max_attempts = pool, http, model, max_attempts
 
     async def chat(self, messages: list[dict[str, Any]], sampling: SamplingArgs) -> ChatTurn:

@@ -66,7 +66,7 @@ async def become_leader(bus: Bus, ttl_s: int, state: ServiceState) -> Lease | No
         except LeaseHeld:
             entry = await kv.get(COORDINATOR_LEADER_KEY, run.leader_decoder)
             holder = entry.value if entry is not None else None
-            if entry is not None and left_by_dead_process(holder):
+            if entry is not None and holder is not None and left_by_dead_process(holder):
                 log.warning("coordinator_lease_taken_over", dead_pid=holder.pid, host=holder.host)
                 try:  # only that revision: a standby elsewhere may have taken it meanwhile
                     await kv.delete(COORDINATOR_LEADER_KEY, revision=entry.revision)

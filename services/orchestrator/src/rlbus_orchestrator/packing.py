@@ -29,6 +29,7 @@ positions as in its sample (unit tests: token conservation, and the trainer's lo
 equal with and without shared prefixes).
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -160,7 +161,7 @@ def group_sequences(
     return [seq for group in groups for seq in share_prefix(group, seq_len)]
 
 
-def build_micro_batch(sequences: list[Sequence | TrainSample]) -> MicroBatch:
+def build_micro_batch(sequences: Iterable[Sequence | TrainSample]) -> MicroBatch:
     """Concatenate sequences into one micro-batch (`parent_ids` filled only when one of them
     shares a prefix)."""
     items = [plain_sequence(s) if isinstance(s, TrainSample) else s for s in sequences]
@@ -227,9 +228,10 @@ def pack(
 ) -> list[list[MicroBatch]]:
     """`micro_batches[rank]`: each rank's packed micro-batches, all ranks of equal count
     (`samples`: plain samples, or the sequences of `group_sequences`)."""
+    sequences = [plain_sequence(s) if isinstance(s, TrainSample) else s for s in samples]
     per_rank = [
         [build_micro_batch(b) for b in first_fit_decreasing(rank, seq_len)]
-        for rank in split_over_ranks(samples, num_ranks)
+        for rank in split_over_ranks(sequences, num_ranks)
     ]
     num_micro = max(1, max(len(r) for r in per_rank))
     for rank in per_rank:

@@ -18,6 +18,7 @@ import asyncio
 
 import structlog
 
+from rlbus.bus.client import Bus
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.lifecycle import (
     ServiceState,
@@ -26,7 +27,13 @@ from rlbus.lifecycle import (
     drain_when_finished,
     run_service,
 )
+from rlbus.obs.metrics import poll_stream_stats
 from rlbus.rundirs import run_dir_of, run_id_of
+from rlbus.wire.events import Lifecycle
+from rlbus_orchestrator.coordinator import Coordinator
+from rlbus_orchestrator.envs import EnvironmentNotFoundError, load_environment
+from rlbus_orchestrator.leader import become_leader, watch_lease
+from rlbus_orchestrator.worker import run_workers
 
 log = structlog.get_logger()
 
@@ -43,8 +50,6 @@ def require_run_id(config: OrchestratorConfig) -> str:
 
 def run(config: OrchestratorConfig) -> None:
     """Run the orchestrator until `max_steps` batches are published (role all/coordinator) or a signal."""
-    from rlbus_orchestrator.envs import EnvironmentNotFoundError
-
     try:
         run_service("orchestrator", lambda state: serve(config, state))
     except EnvironmentNotFoundError as error:
@@ -53,14 +58,6 @@ def run(config: OrchestratorConfig) -> None:
 
 async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -> None:
     """The service body; without `state` (tests, benchmarks) it runs until `max_steps`."""
-    from rlbus.bus.client import Bus
-    from rlbus.obs.metrics import poll_stream_stats
-    from rlbus.wire.events import Lifecycle
-    from rlbus_orchestrator.coordinator import Coordinator
-    from rlbus_orchestrator.envs import load_environment
-    from rlbus_orchestrator.leader import become_leader, watch_lease
-    from rlbus_orchestrator.worker import run_workers
-
     for env in config.env:
         load_environment(env.id, env.args)
     run_id = require_run_id(config)
@@ -70,51 +67,13 @@ async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -
         config.bus, run_id=run_id, storage_dir=run_dir, name=f"orchestrator-{config.role}"
     )
     lifecycle = bus.subjects.lifecycle("orchestrator")
-    has_coordinator = config.role in ("all", "coordinator")
     try:
-        await bus.serve_control("orchestrator", control_handler(state, pausable=has_coordinator))
+        pausable = config.role in ("all", "coordinator")
+        await bus.serve_control("orchestrator", control_handler(state, pausable=pausable))
         await bus.publish(
             lifecycle, Lifecycle(service="orchestrator", state="started", instance_id=config.role)
         )
-        workers_stop = asyncio.Event()
-        async with TaskSupervisor() as tasks:
-            watchers = []  # end with the service: cancelled before the join below
-            if config.exit_when_finished:
-                watchers.append(tasks.spawn("finish_watch", drain_when_finished(bus, state)))
-            if config.role in ("all", "worker"):
-                tasks.spawn(
-                    "rollout_workers",
-                    run_workers(
-                        bus,
-                        num_workers=config.num_workers,
-                        max_concurrency=config.max_concurrency,
-                        group_size=config.group_size,
-                        model=config.model.name,
-                        static_urls=config.inference_urls,
-                        stop=workers_stop,
-                        state=state,
-                        http_config=config.http,
-                    ),
-                )
-            if has_coordinator:  # queue depth and consumer lag for Prometheus (never raises)
-                watchers.append(tasks.spawn("stream_stats", poll_stream_stats(bus)))
-                leader = tasks.spawn(
-                    "coordinator_leader", become_leader(bus, config.leader_ttl_s, state)
-                )
-                await tasks.wait(leader)
-                lease = leader.result()
-                if lease is not None:
-                    watchers.append(tasks.spawn("leader_lease", watch_lease(lease)))
-                    coordinator = tasks.spawn("coordinator", Coordinator(bus, config).run(state))
-                    await tasks.wait(coordinator)
-                    watchers[-1].cancel()
-                    await lease.release()  # a standby takes over at once (and finds it done)
-            else:
-                await tasks.wait(state.stop_requested)
-            workers_stop.set()
-            for watcher in watchers:
-                watcher.cancel()
-            await tasks.join()
+        await run_roles(bus, config, state)
         await bus.publish(
             lifecycle,
             Lifecycle(
@@ -126,3 +85,58 @@ async def serve(config: OrchestratorConfig, state: ServiceState | None = None) -
         )
     finally:
         await bus.close()
+
+
+async def run_roles(bus: Bus, config: OrchestratorConfig, state: ServiceState) -> None:
+    """The workers and/or the coordinator of `config.role`, until they end or a stop request."""
+    workers_stop = asyncio.Event()
+    async with TaskSupervisor() as tasks:
+        watchers = []  # end with the service: cancelled before the join below
+        if config.exit_when_finished:
+            watchers.append(tasks.spawn("finish_watch", drain_when_finished(bus, state)))
+        if config.role in ("all", "worker"):
+            tasks.spawn("rollout_workers", start_workers(bus, config, state, workers_stop))
+        if config.role in ("all", "coordinator"):
+            # queue depth and consumer lag for Prometheus (never raises)
+            watchers.append(tasks.spawn("stream_stats", poll_stream_stats(bus)))
+            await coordinate_while_leader(tasks, bus, config, state)
+        else:
+            await tasks.wait(state.stop_requested)
+        workers_stop.set()
+        for watcher in watchers:
+            watcher.cancel()
+        await tasks.join()
+
+
+async def start_workers(
+    bus: Bus, config: OrchestratorConfig, state: ServiceState, stop: asyncio.Event
+) -> None:
+    await run_workers(
+        bus,
+        num_workers=config.num_workers,
+        max_concurrency=config.max_concurrency,
+        group_size=config.group_size,
+        model=config.model.name,
+        static_urls=config.inference_urls,
+        stop=stop,
+        state=state,
+        http_config=config.http,
+    )
+
+
+async def coordinate_while_leader(
+    tasks: TaskSupervisor, bus: Bus, config: OrchestratorConfig, state: ServiceState
+) -> None:
+    """Wait as a standby until this process holds the run's leader lease (or is asked to stop),
+    then run the coordinator while the lease is ours; release it at the end, so a standby takes
+    over at once (and finds the run done)."""
+    leader = tasks.spawn("coordinator_leader", become_leader(bus, config.leader_ttl_s, state))
+    await tasks.wait(leader)
+    lease = leader.result()
+    if lease is None:
+        return
+    lease_watch = tasks.spawn("leader_lease", watch_lease(lease))
+    coordinator = tasks.spawn("coordinator", Coordinator(bus, config).run(state))
+    await tasks.wait(coordinator)
+    lease_watch.cancel()
+    await lease.release()

@@ -34,8 +34,9 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from typing import TypeGuard, TypeVar
 
 import msgspec
 import structlog
@@ -59,6 +60,8 @@ from rlbus_orchestrator.client import (
 from rlbus_orchestrator.envs import Environment, GroupEnvironment, load_environment
 
 log = structlog.get_logger()
+
+T = TypeVar("T")
 
 NO_REPLICA_NAK_DELAY_S = 2.0
 REGISTRY_REFRESH_S = 1.0
@@ -124,7 +127,7 @@ class SampleSlots:
     One request gathers its slots at a time (FIFO), so two half-served groups can never wait on
     each other forever."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.in_flight = 0
         self._free = asyncio.Semaphore(capacity)
@@ -149,7 +152,7 @@ class SampleSlots:
                 self._free.release()
 
 
-async def gather_or_cancel(*coros):
+async def gather_or_cancel(*coros: Awaitable[T]) -> list[T]:
     """`asyncio.gather`, but the first error cancels the others (no episode outlives its task)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
@@ -174,7 +177,7 @@ class RolloutWorker:
         worker_id: str | None = None,
         no_replica_wait_s: float = 60.0,
         group_requests: bool = True,
-    ):
+    ) -> None:
         """`group_requests=False`: one request per sample even for a `GroupEnvironment` (the
         baseline of benchmarks/orchestrator.py --group-compare)."""
         self.bus = bus
@@ -286,7 +289,8 @@ class RolloutWorker:
             )
         return self.make_rollout(task, [s for part in parts for s in part], started=started)
 
-    def plays_groups(self, env: Environment) -> bool:
+    def plays_groups(self, env: Environment) -> TypeGuard[GroupEnvironment]:
+        """Whether a group of `env` goes out as `run_group` requests (else one per episode)."""
         return self.group_requests and isinstance(env, GroupEnvironment)
 
     def request_sizes(self, env: Environment, group_size: int) -> list[int]:

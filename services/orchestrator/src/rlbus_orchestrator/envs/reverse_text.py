@@ -55,7 +55,7 @@ class ReverseTextEnv(SingleTurnEnv):
         num_eval: int = 256,
         num_train: int | None = None,
         seed: int = 0,
-    ):
+    ) -> None:
         if not 1 <= min_len <= max_len:
             raise ValueError(
                 f"reverse-text: need 1 <= min_len <= max_len, got min_len={min_len} max_len={max_len}"

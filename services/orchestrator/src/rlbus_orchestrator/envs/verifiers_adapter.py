@@ -56,7 +56,7 @@ async def _call_reward(func: Any, available: dict[str, Any]) -> float:
 class VerifiersAdapter:
     """An rlbus `Environment` over a verifiers-style environment object."""
 
-    def __init__(self, env_id: str, env: Any):
+    def __init__(self, env_id: str, env: Any) -> None:
         self.env_id = env_id
         self.env = env
         self.system_prompt = getattr(env, "system_prompt", None)
