@@ -3,8 +3,8 @@
 It is the wiring of named parts, each in a module of its own; this module holds the asyncio
 tasks, the events they wait on and the lock they share, and the order of a shutdown.
 
-    ┌──────────────── Coordinator.run() ──────────────────────────────────────────────────────┐
-    │                                                                                          │
+    ┌──────────────── Coordinator.run() ────────────────────────────────────────────────────────┐
+    │                                                                                           │
     │  watch_weights (WeightsWatcher) ──(applied version)──┐                                    │
     │                                                      ▼                                    │
     │  issue_tasks (TaskIssuer) ──tasks──▶ [tasks stream] ──▶ rollout workers ──▶ [rollouts]    │
@@ -18,20 +18,19 @@ tasks, the events they wait on and the lock they share, and the order of a shutd
     │                      Batcher ──▶ [batches stream, subject per step]                       │
     │                          then: StateStore.save, ack the batch's rollouts, metrics,        │
     │                          after_batch: spawn eval_step_N (EvalRunner) / done at max_steps  │
-    │  expire_tasks (TaskIssuer): overdue tasks dropped as `timeout` ──▶ changed               │
-    └──────────────────────────────────────────────────────────────────────────────────────────┘
+    │  expire_tasks (TaskIssuer): overdue tasks dropped as `timeout` ──▶ changed                │
+    └───────────────────────────────────────────────────────────────────────────────────────────┘
 
-| asyncio task  | part          | waits on                                  | unblocked by                             |
-| ------------- | ------------- | ----------------------------------------- | ---------------------------------------- |
-| run           | (here)        | `stop_requested` or `done`                | a signal / control request, `max_steps`  |
-| watch_weights | WeightsWatcher| 1 s poll of replicas KV; `weights.applied`| inference applying a new version         |
-|               |               | events (core subscription)                |                                          |
-| issue_tasks   | TaskIssuer    | `changed` (and `unpaused` while paused)   | a rollout accepted/dropped, new weights, |
-|               |               |                                           | a batch, a timeout, `Resume`             |
-| expire_tasks  | TaskIssuer    | a poll (`task_timeout_s` / 4, at most 5 s)| -                                        |
-| rollouts      | RolloutIntake | pull fetch on the `coordinator` durable   | a worker publishing a group              |
-| (handler)     | + Batcher     | `lock` (one rollout at a time)            | the handler or loop holding it           |
-| eval_step_N   | EvalRunner    | the eval tasks' publish acks              | -                                        |
+| asyncio task (part)            | waits on                    | unblocked by               |
+| ------------------------------ | --------------------------- | -------------------------- |
+| run                            | `stop_requested` or `done`  | a stop request; max_steps  |
+| watch_weights (WeightsWatcher) | registry poll (1 s); events | a replica applying weights |
+| issue_tasks (TaskIssuer)       | `changed`; `unpaused`       | a rollout, new weights, a  |
+|                                |                             | batch, a timeout; `Resume` |
+| expire_tasks (TaskIssuer)      | poll (timeout / 4, <= 5 s)  | -                          |
+| rollouts (RolloutIntake)       | pull fetch (`coordinator`)  | a worker's rollout         |
+|   handler (+ pool, Batcher)    | `lock` (one at a time)      | the holder releasing it    |
+| eval_step_N (EvalRunner)       | its tasks' publish acks     | -                          |
 
 Every change of the state, the pool or the step counters happens under `lock`: the handler holds it
 while a rollout is checked, pooled and batched, `issue_tasks` while it issues, `expire_tasks`
