@@ -29,10 +29,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from rlbus.configs import InferenceConfig, RLConfig
 from rlbus.configs.bus import BusConfig
+from rlbus.configs.common import ServiceConfig
 from rlbus.obs.logging import log_file_path
 from rlbus.wire.subjects import RunSubjects
 from rlbus_launch.cpus import (
@@ -63,7 +62,8 @@ class Launch:
 
     config: RLConfig
     run_dir: Path
-    configs: dict[str, BaseModel] = field(default_factory=dict)
+    configs: dict[str, ServiceConfig] = field(default_factory=dict)
+    """`rl` (the launcher's own config) and each service's, by process name."""
     processes: list[ServiceProcess] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
     """Other files for `configs/` (name with suffix -> text), e.g. `nats.conf`; written 0600
@@ -189,7 +189,7 @@ def inference_replicas(config: RLConfig) -> dict[str, InferenceConfig]:
         replica = config.inference.model_copy(deep=True)
         pick_free_inference_ports(replica, config.inference)
         return {"inference": replica}
-    replicas = {}
+    replicas: dict[str, InferenceConfig] = {}
     for i in range(count):
         replica = config.inference.model_copy(deep=True)
         replica.server.port = config.inference.server.port + i
@@ -205,10 +205,12 @@ def attached_replicas(inference: InferenceConfig, count: int) -> dict[str, Infer
     replica id i (the numbering of `inference_replicas`: own logs, own registry entries)."""
     if count == 1:
         return {"inference": inference.model_copy(deep=True)}
+    attach = inference.attach
+    assert attach is not None
     replicas = {}
     for i in range(count):
         replica = inference.model_copy(deep=True)
-        replica.attach = inference.attach.shifted(i)
+        replica.attach = attach.shifted(i)
         replica.replica_id = replica.replica_id or str(i)
         replicas[f"inference-{i}"] = replica
     return replicas
@@ -224,7 +226,7 @@ def fresh_ports(count: int, taken: set[int]) -> list[int]:
             return ports
 
 
-def plan_metrics_ports(services: dict[str, BaseModel], num_workers: int) -> dict[str, str]:
+def plan_metrics_ports(services: dict[str, ServiceConfig], num_workers: int) -> dict[str, str]:
     """Give each process whose `metrics` is on a /metrics port of its own, written into its
     config: a free port, unless the service sets one itself (`--trainer.metrics.port 9101`;
     replica i serves on that port + i). Rollout workers share the orchestrator's config file, so
@@ -237,17 +239,17 @@ def plan_metrics_ports(services: dict[str, BaseModel], num_workers: int) -> dict
         if isinstance(c, InferenceConfig)
         for port in (c.server.port, c.backend_port)
     }
-    serving = {name: c for name, c in services.items() if c.metrics is not None}
+    serving = {name: c.metrics for name, c in services.items() if c.metrics is not None}
     workers = [f"worker-{i}" for i in range(num_workers)] if "orchestrator" in serving else []
     free = iter(fresh_ports(len(serving) + len(workers), taken))
     addresses = {}
-    for name, service in serving.items():
-        own = "metrics" in service.model_fields_set and service.metrics.port != 0
+    for name, metrics in serving.items():
+        own = "metrics" in services[name].model_fields_set and metrics.port != 0
         offset = int(name.removeprefix("inference-")) if name.startswith("inference-") else 0
-        service.metrics.port = service.metrics.port + offset if own else next(free)
-        addresses[name] = host_port(service.metrics.host, service.metrics.port)
+        metrics.port = metrics.port + offset if own else next(free)
+        addresses[name] = host_port(metrics.host, metrics.port)
     for name in workers:
-        addresses[name] = host_port(serving["orchestrator"].metrics.host, next(free))
+        addresses[name] = host_port(serving["orchestrator"].host, next(free))
     return addresses
 
 
@@ -257,7 +259,7 @@ def worker_metrics_argv(launch: Launch, index: int) -> list[str]:
     return [] if address is None else ["--metrics.port", address.rpartition(":")[2]]
 
 
-def service_configs(config: RLConfig) -> dict[str, BaseModel]:
+def service_configs(config: RLConfig) -> dict[str, ServiceConfig]:
     """Resolved configs of the services (`clean` and `dry_run` are launcher fields the services do
     not have: a service never wipes or merely plans its run)."""
     trainer = config.trainer.model_copy(deep=True)
@@ -273,15 +275,21 @@ def orchestrator_cores(config: RLConfig, cpus: CpuPlan) -> list[int] | None:
     return cpus.trainer if where == "trainer" else None
 
 
-def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
-    """Resolve the bus, the service configs and the argv of every process of an RL run."""
-    assert config.run.name is not None, "name the run (RLConfig.with_run_name) before planning it"
-    # rl.toml keeps the user's intent (no bus.url: "start an embedded server"), so that
-    # `rl @ <run_dir>/configs/rl.toml --resume` starts one again; the services get the URL.
+def launcher_config(config: RLConfig) -> RLConfig:
+    """`configs/rl.toml`: the user's intent (no bus.url: "start an embedded server"), so that
+    `rl @ <run_dir>/configs/rl.toml --resume` starts one again; the services get the URL."""
     resolved_rl = config.model_copy(deep=True)
     resolved_rl.dry_run = False
     resolved_rl.clean = False
-    config = config.model_copy(deep=True)
+    return resolved_rl
+
+
+def resolve_bus(
+    config: RLConfig, run_dir: Path
+) -> tuple[list[ServiceProcess], dict[str, str], dict[Path, str]]:
+    """Point `config.bus` at the run's bus and push it down to the services. Returns the
+    embedded server's process (none for a given bus.url), the files for `configs/` (its
+    `nats.conf`, `bus.json`) and the 0600 secret files of the services' credentials."""
     processes: list[ServiceProcess] = []
     files: dict[str, str] = {}
     if config.bus.url is None:
@@ -297,62 +305,110 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
         config_path(run_dir, "nats").with_suffix(".conf") if "nats.conf" in files else None
     )
     files[BUS_FILE] = bus_file_text(config.bus, run_dir, server_config)
+    return processes, files, secret_files
 
+
+def planned_cpus(config: RLConfig) -> CpuPlan | None:
+    """The cores of each service, when `deployment.cpu_binding` is on and the host has no GPUs."""
+    if config.deployment.cpu_binding == "off" or host_has_gpus():
+        return None
+    deployment = config.deployment
+    return plan_cpus(usable_cores(), deployment.num_infer_replicas, deployment.num_train_gpus)
+
+
+def service_process(
+    name: str, argv: list[str], run_dir: Path, env: dict[str, str] | None = None
+) -> ServiceProcess:
+    """Process `name` run from the current directory, its output in `logs/<name>.log`."""
+    log_path = log_file_path(run_dir, name)
+    return ServiceProcess(name=name, argv=argv, log_path=log_path, env=env or {}, cwd=Path.cwd())
+
+
+def trainer_process(config: RLConfig, launch: Launch, cpus: CpuPlan | None) -> ServiceProcess:
+    """The trainer: one rank, or torchrun over `deployment.num_train_gpus` ranks."""
+    path = config_path(launch.run_dir, "trainer").absolute()
+    argv = trainer_argv(config.deployment.num_train_gpus, path)
+    env: dict[str, str] = {}
+    if cpus is not None:
+        argv, env = bind_trainer(argv, cpus)
+    return service_process("trainer", argv, launch.run_dir, env)
+
+
+def orchestrator_processes(
+    config: RLConfig, launch: Launch, cpus: CpuPlan | None
+) -> list[ServiceProcess]:
+    """The rollout workers (the orchestrator's argv with `--role worker`), then the
+    orchestrator; all on the orchestrator's cores."""
+    path = config_path(launch.run_dir, "orchestrator").absolute()
+    argv = python_module_argv("rlbus_orchestrator.entrypoint", path)
+    if cpus is not None and (cores := orchestrator_cores(config, cpus)) is not None:
+        argv = under_taskset(argv, cores)
+    processes = [
+        service_process(
+            f"worker-{i}",
+            [*argv, *worker_metrics_argv(launch, i), "--role", "worker"],
+            launch.run_dir,
+        )
+        for i in range(config.deployment.num_rollout_workers)
+    ]
+    return [*processes, service_process("orchestrator", argv, launch.run_dir)]
+
+
+def inference_process(
+    config: RLConfig, name: str, run_dir: Path, cores: list[int] | None
+) -> ServiceProcess:
+    """Inference replica `name`; with `cores`, its engine's threads bound to them (and the
+    process too, with `cpu_binding = "auto"`); an attach process runs no vLLM: never bound."""
+    argv = python_module_argv("rlbus_inference.entrypoint", config_path(run_dir, name).absolute())
+    env: dict[str, str] = {}
+    if cores is not None and config.inference.attach is None:
+        env = bind_inference_env(cores)
+        if config.deployment.cpu_binding == "auto":
+            argv = under_taskset(argv, cores)
+    return service_process(name, argv, run_dir, env)
+
+
+def service_processes(
+    config: RLConfig, launch: Launch, names: list[str], cpus: CpuPlan | None
+) -> list[ServiceProcess]:
+    """The processes of the services `names` (inference replicas, orchestrator, trainer)."""
+    processes: list[ServiceProcess] = []
+    replicas = [name for name in names if name not in ("orchestrator", "trainer")]
+    for index, name in enumerate(replicas):
+        cores = cpus.inference[index] if cpus is not None else None
+        processes.append(inference_process(config, name, launch.run_dir, cores))
+    if "orchestrator" in names:
+        processes += orchestrator_processes(config, launch, cpus)
+    if "trainer" in names:
+        processes.append(trainer_process(config, launch, cpus))
+    return processes
+
+
+LAUNCH_ORDER = {"nats": 0, "monitor": 0.5, "orchestrator": 2, "trainer": 3}
+"""Inference first (1), then orchestrator, its workers (2.5) and trainer (DESIGN.md); nats and
+the monitor (a durable consumer, so it misses nothing) before all of them; stopping goes in
+reverse."""
+
+
+def in_launch_order(processes: list[ServiceProcess]) -> list[ServiceProcess]:
+    return sorted(
+        processes,
+        key=lambda p: 2.5 if p.name.startswith("worker-") else LAUNCH_ORDER.get(p.name, 1),
+    )
+
+
+def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
+    """Resolve the bus, the service configs and the argv of every process of an RL run."""
+    assert config.run.name is not None, "name the run (RLConfig.with_run_name) before planning it"
+    resolved_rl = launcher_config(config)
+    config = config.model_copy(deep=True)
+    processes, files, secret_files = resolve_bus(config, run_dir)
     launch = Launch(config=resolved_rl, run_dir=run_dir, files=files, secret_files=secret_files)
     launch.configs["rl"] = resolved_rl
     services = service_configs(config)
     launch.metrics = plan_metrics_ports(services, config.deployment.num_rollout_workers)
     launch.configs.update(services)
-    processes.append(
-        ServiceProcess(
-            name="monitor",
-            argv=monitor_argv(config, run_dir),
-            log_path=log_file_path(run_dir, "monitor"),
-            cwd=Path.cwd(),
-        )
-    )
-    cpus = None
-    if config.deployment.cpu_binding != "off" and not host_has_gpus():
-        cpus = plan_cpus(
-            usable_cores(), config.deployment.num_infer_replicas, config.deployment.num_train_gpus
-        )
-    replica_index = 0
-    for name in services:
-        path = config_path(run_dir, name).absolute()
-        env: dict[str, str] = {}
-        if name == "trainer":
-            argv = trainer_argv(config.deployment.num_train_gpus, path)
-            if cpus is not None:
-                argv, env = bind_trainer(argv, cpus)
-        elif name == "orchestrator":
-            argv = python_module_argv("rlbus_orchestrator.entrypoint", path)
-            if cpus is not None and (cores := orchestrator_cores(config, cpus)) is not None:
-                argv = under_taskset(argv, cores)
-            for i in range(config.deployment.num_rollout_workers):
-                processes.append(
-                    ServiceProcess(
-                        name=f"worker-{i}",
-                        argv=[*argv, *worker_metrics_argv(launch, i), "--role", "worker"],
-                        log_path=log_file_path(run_dir, f"worker-{i}"),
-                        cwd=Path.cwd(),
-                    )
-                )
-        else:
-            argv = python_module_argv("rlbus_inference.entrypoint", path)
-            if cpus is not None and config.inference.attach is None:  # attach: no vLLM here
-                env = bind_inference_env(cpus.inference[replica_index])
-                if config.deployment.cpu_binding == "auto":
-                    argv = under_taskset(argv, cpus.inference[replica_index])
-            replica_index += 1
-        processes.append(
-            ServiceProcess(
-                name=name, argv=argv, log_path=log_file_path(run_dir, name), env=env, cwd=Path.cwd()
-            )
-        )
-    # inference first, then orchestrator, then trainer (DESIGN.md); nats and the monitor (a
-    # durable consumer, so it misses nothing) before all of them; stopping goes in reverse.
-    order = {"nats": 0, "monitor": 0.5, "orchestrator": 2, "trainer": 3}
-    launch.processes = sorted(
-        processes, key=lambda p: 2.5 if p.name.startswith("worker-") else order.get(p.name, 1)
-    )
+    processes.append(service_process("monitor", monitor_argv(config, run_dir), run_dir))
+    processes += service_processes(config, launch, list(services), planned_cpus(config))
+    launch.processes = in_launch_order(processes)
     return launch

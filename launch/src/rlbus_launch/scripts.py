@@ -11,6 +11,7 @@ The launcher starts the very same argv lists, so running the scripts later repea
 """
 
 import shlex
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -35,7 +36,7 @@ LAUNCHER_CONFIGS = frozenset({"rl"})
 expanded copy would pin. The service configs are written in full."""
 
 
-def write_configs(run_dir: Path, configs: dict[str, BaseModel]) -> list[Path]:
+def write_configs(run_dir: Path, configs: Mapping[str, BaseModel]) -> list[Path]:
     """`<run_dir>/configs/<name>.toml` for each config; returns the paths."""
     paths = []
     for name, config in configs.items():
@@ -130,7 +131,7 @@ def describe_written(run_dir: Path, configs: list[Path], scripts: list[Path]) ->
 
 def write_launch(
     run_dir: Path,
-    configs: dict[str, BaseModel],
+    configs: Mapping[str, BaseModel],
     processes: list[ServiceProcess],
     command: str,
     files: dict[str, str] | None = None,

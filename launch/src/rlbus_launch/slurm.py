@@ -27,6 +27,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,13 +36,15 @@ import structlog
 from pydantic import BaseModel
 
 from rlbus.bus.natsauth import client_flags, write_security_dir
-from rlbus.configs import InferenceConfig, RLConfig, SFTConfig, SlurmConfig
+from rlbus.configs import InferenceConfig, OrchestratorConfig, RLConfig, SFTConfig, SlurmConfig
 from rlbus.configs.base import parse_cli
+from rlbus.configs.common import ServiceConfig
 from rlbus.rundirs import run_id_of
 from rlbus.secrets import write_secret_file
 from rlbus_launch.plan import (
     NATS_STORE_DIR,
     SECRETS_DIR,
+    Launch,
     build_rl_launch,
     python_module_argv,
     torchrun_argv,
@@ -373,99 +376,161 @@ def service_command(argv: list[str], extra: list[str] | None = None) -> str:
     return shlex.join([*argv, *(extra or [])]) + f" --bus.url {BUS_URL}"
 
 
-def rl_job(config: RLConfig, run_dir: Path) -> tuple[Job, dict[str, BaseModel]]:
-    """The resolved configs and the job of a named RL run."""
-    slurm = config.slurm
-    assert slurm is not None
-    user_bus = config.bus.url
+def planned_launch(config: RLConfig, slurm: SlurmConfig, run_dir: Path) -> Launch:
+    """The run planned as `rl` plans it, without `[slurm]`; with no bus.url the services name
+    the sidecar's port (the script passes its real address on every command line)."""
     planned = config.model_copy(deep=True)
     planned.slurm = None
-    if user_bus is None:  # the sidecar; the script passes its real address on every command line
+    if config.bus.url is None:
         planned.bus = planned.bus.model_copy(update={"url": f"nats://127.0.0.1:{slurm.nats_port}"})
-    launch = build_rl_launch(planned, run_dir)
-    configs = launch.configs
-    launcher = config.model_copy(deep=True)  # [slurm] kept: `rl @ rl.toml --resume` resubmits
+    return build_rl_launch(planned, run_dir)
+
+
+def launcher_config(config: RLConfig) -> RLConfig:
+    """`configs/rl.toml` of the job: `[slurm]` kept, so `rl @ rl.toml --resume` resubmits."""
+    launcher = config.model_copy(deep=True)
     launcher.dry_run = False
     launcher.clean = False
-    configs["rl"] = launcher
-    dep = config.deployment
-    multi = slurm.nodes > 1
-    infer_nodes, train_nodes = node_split(slurm) if multi else (1, 1)
-    replicas = [name for name in configs if name.startswith("inference")]
+    return launcher
+
+
+def gpus_of_steps(
+    config: RLConfig, slurm: SlurmConfig, num_replicas: int
+) -> tuple[list[list[int] | None], list[int] | None]:
+    """(devices of each inference replica, trainer devices: None on several nodes, where a
+    trainer node's GPUs all go to its torchrun)."""
+    num_train_gpus = config.deployment.num_train_gpus
+    if slurm.nodes > 1:
+        return multi_node_gpus(slurm, num_replicas, num_train_gpus), None
     per_replica = config.inference.vllm.tensor_parallel_size
-    if multi:
-        infer_devices = multi_node_gpus(slurm, len(replicas), dep.num_train_gpus)
-        train_devices = None
-    else:
-        infer_devices, train_devices = one_node_gpus(
-            slurm, len(replicas), per_replica, dep.num_train_gpus
-        )
+    return one_node_gpus(slurm, num_replicas, per_replica, num_train_gpus)
+
+
+def adapt_configs_to_nodes(
+    configs: dict[str, ServiceConfig], config: RLConfig, replicas: list[str], num_train_nodes: int
+) -> None:
+    """Ports the user did not set become free ports of the node (claim_ports; /metrics ones are
+    named in each service's `metrics_serving` log line); replicas and the orchestrator exit
+    once the run is finished; the orchestrator counts the trainer ranks of every node."""
     for name in replicas:
         replica = configs[name]
+        assert isinstance(replica, InferenceConfig)
         if "port" not in config.inference.server.model_fields_set:
-            replica.server.port = 0  # a free port on the node (claim_ports)
+            replica.server.port = 0
         if "backend_port" not in config.inference.model_fields_set:
             replica.backend_port = 0
         replica.exit_when_finished = True
-    for name in (*replicas, "orchestrator", "trainer"):  # /metrics: a free port of its node
-        if configs[name].metrics is not None and "metrics" not in configs[name].model_fields_set:
-            configs[name].metrics.port = 0  # (named in the service's `metrics_serving` log line)
+    for name in (*replicas, "orchestrator", "trainer"):
+        service = configs[name]
+        if service.metrics is not None and "metrics" not in service.model_fields_set:
+            service.metrics.port = 0
     orchestrator = configs["orchestrator"]
+    assert isinstance(orchestrator, OrchestratorConfig)
     orchestrator.exit_when_finished = True
     if "num_train_ranks" not in config.orchestrator.model_fields_set:
-        orchestrator.num_train_ranks = train_nodes * dep.num_train_gpus
+        orchestrator.num_train_ranks = num_train_nodes * config.deployment.num_train_gpus
 
-    job = Job(name="rl", run_dir=run_dir, slurm=slurm, bus_url=user_bus)
+
+def new_rl_job(config: RLConfig, slurm: SlurmConfig, run_dir: Path, launch: Launch) -> Job:
+    """The job without steps: the given bus.url and its secret files, or the sidecar."""
+    job = Job(name="rl", run_dir=run_dir, slurm=slurm, bus_url=config.bus.url)
     job.secret_files = launch.secret_files
-    if user_bus is None:
+    if config.bus.url is None:
         job.nats = nats_command(run_dir, config, slurm)
         job.nats_http_port = slurm.nats_http_port
         job.security_dir = security_dir_of(run_dir)
         job.run_id = run_id_of(config.bus.run_id, config.run.name)
+    return job
+
+
+def add_monitor_step(job: Job) -> None:
     monitor = [
         sys.executable,
         "-m",
         "rlbus_launch.monitor",
         "@",
-        str(config_path(run_dir, "rl").absolute()),
+        str(config_path(job.run_dir, "rl").absolute()),
     ]
     monitor += ["--exit-when-finished", *bus_flags(job, "monitor")]
     job.steps.append(Step("monitor", service_command(monitor), STOP_SECOND))
-    for name, devices in zip(replicas, infer_devices, strict=True):
+
+
+def add_inference_steps(
+    job: Job, replicas: list[str], devices: list[list[int] | None], num_infer_nodes: int
+) -> None:
+    """One step per replica (on several nodes: an srun over the inference nodes)."""
+    for name, replica_devices in zip(replicas, devices, strict=True):
         argv = python_module_argv(
-            "rlbus_inference.entrypoint", config_path(run_dir, name).absolute()
+            "rlbus_inference.entrypoint", config_path(job.run_dir, name).absolute()
         )
-        text = with_devices(service_command(argv, bus_flags(job, "inference")), devices)
-        if multi:
-            text = f"{srun_on('INFER_NODES', str(infer_nodes), slurm)} {text}"
+        text = with_devices(service_command(argv, bus_flags(job, "inference")), replica_devices)
+        if job.slurm.nodes > 1:
+            text = f"{srun_on('INFER_NODES', str(num_infer_nodes), job.slurm)} {text}"
         job.steps.append(Step(name, text, STOP_SECOND))
+
+
+def add_orchestrator_steps(job: Job, num_rollout_workers: int) -> None:
+    """The orchestrator and its rollout workers (the same argv with `--role worker`)."""
     orch_argv = python_module_argv(
-        "rlbus_orchestrator.entrypoint", config_path(run_dir, "orchestrator").absolute()
+        "rlbus_orchestrator.entrypoint", config_path(job.run_dir, "orchestrator").absolute()
     )
     orch_flags = bus_flags(job, "orchestrator")
     job.steps.append(Step("orchestrator", service_command(orch_argv, orch_flags), STOP_FIRST))
-    for i in range(dep.num_rollout_workers):
+    for i in range(num_rollout_workers):
         worker_flags = ["--role", "worker", *bus_flags(job, "worker")]
         job.steps.append(Step(f"worker-{i}", service_command(orch_argv, worker_flags), STOP_FIRST))
-    trainer_config = config_path(run_dir, "trainer").absolute()
-    if multi:
+
+
+def add_trainer_step(
+    job: Job, num_train_gpus: int, devices: list[int] | None, num_train_nodes: int
+) -> None:
+    """The trainer, the job's main step: one torchrun per trainer node on several nodes."""
+    slurm = job.slurm
+    trainer_config = config_path(job.run_dir, "trainer").absolute()
+    if slurm.nodes > 1:
         torchrun = multi_node_torchrun(
-            train_nodes, dep.num_train_gpus, "rlbus_trainer.entrypoint", trainer_config,
+            num_train_nodes, num_train_gpus, "rlbus_trainer.entrypoint", trainer_config,
             slurm.rdzv_port,
         )  # fmt: skip
         flags = shlex.join(bus_flags(job, "trainer"))
-        text = f"{srun_on('TRAIN_NODES', str(train_nodes), slurm)} {torchrun} {flags} --bus.url {BUS_URL}"
+        srun = srun_on("TRAIN_NODES", str(num_train_nodes), slurm)
+        text = f"{srun} {torchrun} {flags} --bus.url {BUS_URL}"
     else:
-        argv = trainer_argv(dep.num_train_gpus, trainer_config)
-        text = with_devices(service_command(argv, bus_flags(job, "trainer")), train_devices)
+        argv = trainer_argv(num_train_gpus, trainer_config)
+        text = with_devices(service_command(argv, bus_flags(job, "trainer")), devices)
     job.steps.append(Step("trainer", text, STOP_FIRST, main=True))
+
+
+def multi_node_lines(num_infer_nodes: int) -> list[str]:
+    """Bash lines naming the inference nodes (the first ones) and the trainer nodes."""
+    return [
+        f'INFER_NODES=("${{NODES[@]:0:{num_infer_nodes}}}")',
+        f'TRAIN_NODES=("${{NODES[@]:{num_infer_nodes}}}")',
+        rendezvous_line("TRAIN_NODES"),
+        'say "inference on ${INFER_NODES[*]}, trainer on ${TRAIN_NODES[*]} (rendezvous $RDZV)"',
+    ]
+
+
+def rl_job(config: RLConfig, run_dir: Path) -> tuple[Job, dict[str, ServiceConfig]]:
+    """The resolved configs and the job of a named RL run."""
+    slurm = config.slurm
+    assert slurm is not None
+    launch = planned_launch(config, slurm, run_dir)
+    configs = launch.configs
+    configs["rl"] = launcher_config(config)
+    multi = slurm.nodes > 1
+    num_infer_nodes, num_train_nodes = node_split(slurm) if multi else (1, 1)
+    replicas = [name for name in configs if name.startswith("inference")]
+    infer_devices, train_devices = gpus_of_steps(config, slurm, len(replicas))
+    adapt_configs_to_nodes(configs, config, replicas, num_train_nodes)
+
+    job = new_rl_job(config, slurm, run_dir, launch)
+    add_monitor_step(job)
+    add_inference_steps(job, replicas, infer_devices, num_infer_nodes)
+    add_orchestrator_steps(job, config.deployment.num_rollout_workers)
+    add_trainer_step(job, config.deployment.num_train_gpus, train_devices, num_train_nodes)
     if multi:
-        job.node_lines = [
-            f'INFER_NODES=("${{NODES[@]:0:{infer_nodes}}}")',
-            f'TRAIN_NODES=("${{NODES[@]:{infer_nodes}}}")',
-            rendezvous_line("TRAIN_NODES"),
-            'say "inference on ${INFER_NODES[*]}, trainer on ${TRAIN_NODES[*]} (rendezvous $RDZV)"',
-        ]
+        job.node_lines = multi_node_lines(num_infer_nodes)
     return job, configs
 
 
@@ -507,7 +572,7 @@ def inference_job(config: InferenceConfig, run_dir: Path, name: str) -> Job:
 # ---- writing and submitting --------------------------------------------------------------------
 
 
-def write_job(job: Job, command: str, configs: dict[str, BaseModel]) -> Path:
+def write_job(job: Job, command: str, configs: Mapping[str, BaseModel]) -> Path:
     """Write the resolved configs (without their `[slurm]`, so a service never resubmits) and
     the sbatch script; returns the script's path."""
     write_configs(job.run_dir, configs)
@@ -550,7 +615,7 @@ def submit(job: Job, script: Path) -> int:
     return 0
 
 
-def finish(job: Job, command: str, configs: dict[str, BaseModel], dry_run: bool) -> int:
+def finish(job: Job, command: str, configs: Mapping[str, BaseModel], dry_run: bool) -> int:
     """Write the job, then submit it unless this is a dry run; returns the exit code."""
     script = write_job(job, command, configs)
     if dry_run or not job.slurm.submit:
@@ -568,7 +633,8 @@ def report_setup_error(error: SlurmSetupError) -> int:
 
 def submit_rl(config: RLConfig, run_dir: Path, command: str) -> int:
     """`rl --slurm` for a named config whose run directory is prepared."""
-    if config.slurm.requeue and config.ckpt is None:  # type: ignore[union-attr]
+    assert config.slurm is not None
+    if config.slurm.requeue and config.ckpt is None:
         log.warning("slurm_requeue_without_ckpt", hint="a requeued trainer needs [ckpt] to resume")
     try:
         job, configs = rl_job(config, run_dir)
