@@ -15,6 +15,11 @@ from pathlib import Path
 
 import yaml
 
+# Each package declares its own series on import: the dashboard may name any of them.
+import rlbus_inference.metrics  # noqa: F401
+import rlbus_launch.metrics  # noqa: F401
+import rlbus_orchestrator.metrics  # noqa: F401
+import rlbus_trainer.metrics  # noqa: F401
 from rlbus.obs import metrics
 
 ROOT = Path(__file__).resolve().parents[2]

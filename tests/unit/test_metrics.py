@@ -1,4 +1,5 @@
-"""rlbus.obs.metrics: the /metrics server, what each record_* call adds, the low-cardinality
+"""rlbus.obs.metrics and the series each package declares (rlbus_trainer.metrics,
+rlbus_orchestrator.metrics, rlbus_inference.metrics, rlbus_launch.metrics): the /metrics server, what each record_* call adds, the low-cardinality
 labels, the HTTP transport's timing and the JetStream gauges (a fake bus: no NATS here)."""
 
 import http.server
@@ -15,6 +16,10 @@ from rlbus.netutil import free_port
 from rlbus.obs import metrics
 from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus.wire.subjects import RunSubjects
+from rlbus_inference import metrics as inference_metrics
+from rlbus_launch import metrics as launch_metrics
+from rlbus_orchestrator import metrics as orchestrator_metrics
+from rlbus_trainer import metrics as trainer_metrics
 
 FORBIDDEN_LABELS = {"run", "run_id", "step", "task_id", "version"}
 
@@ -42,7 +47,7 @@ def make_sample(prompt: int, completion: int, version: int = 0) -> RolloutSample
 
 
 def test_every_metric_is_rlbus_prefixed_with_low_cardinality_labels():
-    for metric in metrics.ALL_METRICS:
+    for metric in metrics.all_metrics():
         assert metric._name.startswith("rlbus_"), metric._name
         assert not FORBIDDEN_LABELS & set(metric._labelnames), (metric._name, metric._labelnames)
         assert metric._documentation, metric._name
@@ -77,10 +82,10 @@ def test_record_train_step_counts_steps_tokens_and_the_published_version():
     tokens = value("rlbus_trainer_tokens_total")
     observed = value("rlbus_trainer_step_seconds_count")
 
-    metrics.record_train_step(7, {"step_s": 1.5, "wait_s": 0.2, "num_tokens": 300.0})
+    trainer_metrics.record_train_step(7, {"step_s": 1.5, "wait_s": 0.2, "num_tokens": 300.0})
     assert value("rlbus_trainer_step") == 7 and value("rlbus_weights_published_version") == 7
-    metrics.record_train_step(8, {"step_s": 0.1, "wait_s": 0.0, "skipped": 1.0})
-    metrics.record_train_step(9, {"step_s": 0.1, "wait_s": 0.0, "retrained": 1.0})
+    trainer_metrics.record_train_step(8, {"step_s": 0.1, "wait_s": 0.0, "skipped": 1.0})
+    trainer_metrics.record_train_step(9, {"step_s": 0.1, "wait_s": 0.0, "retrained": 1.0})
 
     assert value("rlbus_trainer_steps_total", outcome="trained") == trained + 2
     assert value("rlbus_trainer_steps_total", outcome="skipped") == skipped + 1
@@ -95,7 +100,9 @@ def test_record_batch_observes_each_sample_s_off_policy_lag():
     at_most_0 = value("rlbus_off_policy_lag_steps_bucket", le="0.0")
     batches = value("rlbus_batches_published_total")
 
-    metrics.record_batch(4, {"off_policy_lag/0": 3.0, "off_policy_lag/2": 5.0, "reward/mean": 0.5})
+    orchestrator_metrics.record_batch(
+        4, {"off_policy_lag/0": 3.0, "off_policy_lag/2": 5.0, "reward/mean": 0.5}
+    )
 
     assert value("rlbus_batches_published_total") == batches + 1
     assert value("rlbus_orchestrator_step") == 4
@@ -111,8 +118,12 @@ def test_count_rollout_counts_samples_groups_and_tokens_by_kind():
     completion = value("rlbus_rollout_tokens_total", kind="completion")
 
     group = [make_sample(10, 4), make_sample(10, 6)]
-    metrics.count_rollout(Rollout(task_id="train-1", step=1, env_id="e", samples=group))
-    metrics.count_rollout(Rollout(task_id="train-2", step=1, env_id="e", samples=[], error="x"))
+    orchestrator_metrics.count_rollout(
+        Rollout(task_id="train-1", step=1, env_id="e", samples=group)
+    )
+    orchestrator_metrics.count_rollout(
+        Rollout(task_id="train-2", step=1, env_id="e", samples=[], error="x")
+    )
 
     assert value("rlbus_rollouts_total") == samples + 2
     assert value("rlbus_rollout_groups_total", outcome="ok") == ok + 1
@@ -122,11 +133,11 @@ def test_count_rollout_counts_samples_groups_and_tokens_by_kind():
 
 
 def test_weights_version_dropped_tasks_and_restarts_are_labelled_by_replica_reason_process():
-    metrics.record_weights_version("replica-a", 3)
-    metrics.count_dropped_task("stale")
+    inference_metrics.record_weights_version("replica-a", 3)
+    orchestrator_metrics.count_dropped_task("stale")
     before = value("rlbus_service_restarts_total", process="trainer")
-    metrics.count_restart("trainer", 0)
-    metrics.count_restart("trainer")
+    launch_metrics.count_restart("trainer", 0)
+    launch_metrics.count_restart("trainer")
     assert value("rlbus_weights_version", replica="replica-a") == 3
     assert value("rlbus_tasks_dropped_total", reason="stale") >= 1
     assert value("rlbus_service_restarts_total", process="trainer") == before + 1
@@ -230,7 +241,7 @@ async def test_stream_stats_report_queue_depth_and_lag_of_durable_consumers():
     js.consumers[subjects.tasks_stream] = [consumer("rollout-workers", 5, 7)]
     js.consumers[subjects.events_stream] = [consumer("monitor", 2, 0)]
 
-    await metrics.refresh_stream_stats(bus)
+    await orchestrator_metrics.refresh_stream_stats(bus)
     assert value("rlbus_stream_messages", stream="tasks") == 12
     labels = {"stream": "tasks", "consumer": "rollout-workers"}
     assert value("rlbus_consumer_pending_messages", **labels) == 5
@@ -243,12 +254,12 @@ async def test_stream_stats_report_queue_depth_and_lag_of_durable_consumers():
 
     js.down = True  # an outage: the last values stay, the error reaches the poller
     with pytest.raises(TimeoutError):
-        await metrics.refresh_stream_stats(bus)
+        await orchestrator_metrics.refresh_stream_stats(bus)
     assert value("rlbus_stream_messages", stream="tasks") == 12
 
     js.down = False
     js.consumers[subjects.events_stream] = []  # the monitor's consumer is gone: so is its series
-    await metrics.refresh_stream_stats(bus)
+    await orchestrator_metrics.refresh_stream_stats(bus)
     scraped = metrics.REGISTRY.get_sample_value(
         "rlbus_consumer_pending_messages", {"stream": "events", "consumer": "monitor"}
     )

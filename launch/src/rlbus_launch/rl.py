@@ -39,11 +39,11 @@ from rlbus.lifecycle import (
     raise_terminated,
 )
 from rlbus.obs.logging import setup_logging
-from rlbus.obs.metrics import count_restart
 from rlbus.obs.sinks import check_sinks_installed
 from rlbus.rundirs import RunPlan, resolve_run_dir, rl_run_name, run_id_of
 from rlbus.secrets import SecretError
 from rlbus_launch.lock import refusal, remove_lock, write_lock
+from rlbus_launch.metrics import count_restart
 from rlbus_launch.plan import Launch, build_rl_launch
 from rlbus_launch.progress import Progress
 from rlbus_launch.restarts import (

@@ -25,6 +25,7 @@ from pathlib import Path
 import structlog
 
 from rlbus.obs import metrics
+from rlbus_launch.metrics import count_restart
 from rlbus_launch.plan import Launch
 
 log = structlog.get_logger()
@@ -53,7 +54,9 @@ class ScrapeTargets:
         and no service has one either) and list it."""
         targets = cls(launch.run_dir / TARGETS_FILE, launch.config.run.name or "", launch.metrics)
         if metrics.serve_metrics("rl", launch.config.metrics) is not None:
-            targets.listed["rl"] = metrics.host_port(*metrics.serving_address())
+            address = metrics.serving_address()
+            assert address is not None, "serve_metrics returned a URL: it serves"
+            targets.listed["rl"] = metrics.host_port(*address)
             targets.write()
         if targets.planned:
             log.info("metrics_targets", path=str(targets.path), num_services=len(targets.planned))
@@ -64,7 +67,7 @@ class ScrapeTargets:
         if process not in self.planned or process in self.listed:
             return
         self.listed[process] = self.planned[process]
-        metrics.count_restart(process, 0)
+        count_restart(process, 0)
         self.write()
 
     def close(self) -> None:

@@ -35,10 +35,10 @@ from rlbus.bus import Bus
 from rlbus.bus.kv import KV
 from rlbus.configs.inference import InferenceConfig
 from rlbus.lifecycle import TaskSupervisor
-from rlbus.obs.metrics import record_weights_version
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_inference import engine_process
+from rlbus_inference.metrics import record_weights_version
 
 log = structlog.get_logger()
 

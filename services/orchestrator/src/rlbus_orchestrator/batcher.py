@@ -19,9 +19,9 @@ import structlog
 from rlbus.bus.client import Bus
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
-from rlbus.obs.metrics import record_batch
 from rlbus.wire.batches import TrainBatch
 from rlbus_orchestrator.group_pool import GroupPool, PooledGroup
+from rlbus_orchestrator.metrics import record_batch
 from rlbus_orchestrator.packing import group_sequences, make_train_sample, pack
 from rlbus_orchestrator.state_store import StateStore
 from rlbus_orchestrator.step_metrics import StepStats, publish_metrics, step_metrics

@@ -25,7 +25,7 @@ from rlbus.bus.client import Bus
 from rlbus.bus.core import retry_transient
 from rlbus.bus.errors import PoisonBatch
 from rlbus.bus.kv import KV
-from rlbus.obs.metrics import count_dropped_task
+from rlbus_orchestrator.metrics import count_dropped_task
 
 log = structlog.get_logger()
 

@@ -1,17 +1,16 @@
-"""Prometheus metrics of every rlbus process, and the `/metrics` server that serves them.
+"""Prometheus metrics of every rlbus process: the registry, the `/metrics` server, and the series
+every kind of process shares. Each service declares its own series in its own package
+(`rlbus_trainer.metrics`, `rlbus_orchestrator.metrics`, `rlbus_inference.metrics`,
+`rlbus_launch.metrics`) with `declare`; this module serves them.
 
+    declare(component, *metrics)             a package's series, named by component (at import)
     serve_metrics(service, config.metrics)   rlbus.lifecycle (every service) and the `rl` launcher:
                                              a daemon thread serves REGISTRY on metrics.host and
                                              metrics.port (0: a free port) and logs one
                                              `metrics_serving` line with the URL
-    record_* / count_*                       one call where the thing happens: a trainer step, a
-                                             published batch, a rollout, a dead letter, a restart
+    count_dead_letter(...)                   the bus, where a message is quarantined
     timed_transport()                        an httpx transport timing every request (rollout
                                              workers -> vLLM, weight agent -> engine admin)
-    poll_stream_stats(bus)                   the orchestrator (coordinator role): JetStream
-                                             stream and consumer state every
-                                             STREAM_STATS_INTERVAL_S, kept in gauges, so a scrape
-                                             never waits on NATS
 
 Names start with `rlbus_`; labels are low-cardinality (stream family, consumer, replica, process,
 reason, outcome, endpoint): no run id, step or task id in either. One run is one targets file or
@@ -20,17 +19,18 @@ every metric.
 
 The metrics live in this module's `REGISTRY`, not prometheus_client's global one, so a process
 that imports another instrumented library serves only rlbus's series (plus the process
-collector's). Each metric belongs to one component (`COMPONENTS`) and is registered when its
-process starts serving (`serve_metrics` knows which components a service has) or on first use, so
-a trainer exposes no orchestrator gauges stuck at 0, and the series of a service exist, at 0,
-before its first event.
+collector's). Each metric belongs to one component and is registered when its process starts
+serving (`SERVICE_COMPONENTS` says which components a service has) or on first use, so a trainer
+exposes no orchestrator gauges stuck at 0, and the series of a service exist, at 0, before its
+first event.
 """
 
 import asyncio
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -38,13 +38,13 @@ import structlog
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
     start_http_server,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 from rlbus.netutil import free_port, hostname_if_wildcard, is_wildcard
 
@@ -59,93 +59,11 @@ PlatformCollector(registry=REGISTRY)
 
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
-LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
-"""Off-policy lag in steps (an integer: bucket `le="2"` counts lags 0, 1 and 2)."""
-STREAM_STATS_INTERVAL_S = 5.0
-MAX_CONSUMERS_PER_STREAM = 16
-"""Durable consumers reported per stream: their names are fixed in code, this only guards the
-label's cardinality against a tool that creates many."""
 BIND_WAIT_S = 5.0
 """A metrics port still held (a restart in place, the old socket closing) is tried this long."""
 
-# ---- trainer (rank 0) --------------------------------------------------------------------------
+# ---- HTTP clients (rollout workers, the weight agent) --------------------------------------------
 
-TRAINER_STEPS = Counter(
-    "rlbus_trainer_steps",
-    "Training steps the trainer finished; outcome: trained, or skipped (its batch was quarantined).",
-    ["outcome"],
-    registry=None,
-)
-TRAINER_STEP_SECONDS = Histogram(
-    "rlbus_trainer_step_seconds",
-    "Wall time of one trainer step after its batch arrived: train, checkpoint, publish weights.",
-    buckets=STEP_BUCKETS,
-    registry=None,
-)
-TRAINER_BATCH_WAIT_SECONDS = Histogram(
-    "rlbus_trainer_batch_wait_seconds",
-    "How long the trainer waited for each step's batch (long: the orchestrator is the bottleneck).",
-    buckets=STEP_BUCKETS,
-    registry=None,
-)
-TRAINER_TOKENS = Counter(
-    "rlbus_trainer_tokens",
-    "Tokens of the batches the trainer trained (padding excluded).",
-    registry=None,
-)
-TRAINER_STEP = Gauge("rlbus_trainer_step", "The last step the trainer finished.", registry=None)
-WEIGHTS_PUBLISHED_VERSION = Gauge(
-    "rlbus_weights_published_version",
-    "The newest weights version the trainer published (version N = the model after step N).",
-    registry=None,
-)
-
-# ---- orchestrator: coordinator ------------------------------------------------------------------
-
-BATCHES = Counter(
-    "rlbus_batches_published",
-    "Train batches the coordinator published (one per step).",
-    registry=None,
-)
-ORCHESTRATOR_STEP = Gauge(
-    "rlbus_orchestrator_step",
-    "The step of the last batch the coordinator published.",
-    registry=None,
-)
-OFF_POLICY_LAG = Histogram(
-    "rlbus_off_policy_lag_steps",
-    "Per sample of each published batch: (step - 1) - the weights version that generated it.",
-    buckets=LAG_BUCKETS,
-    registry=None,
-)
-TASKS_DROPPED = Counter(
-    "rlbus_tasks_dropped",
-    "Training tasks ended without being trained, by reason (stale, error, zero_advantage, "
-    "invalid, timeout).",
-    ["reason"],
-    registry=None,
-)
-
-# ---- orchestrator: rollout workers --------------------------------------------------------------
-
-ROLLOUTS = Counter(
-    "rlbus_rollouts",
-    "Samples (completions) of the groups rollout workers published.",
-    registry=None,
-)
-ROLLOUT_GROUPS = Counter(
-    "rlbus_rollout_groups",
-    "Groups (one task each) rollout workers published; outcome: ok, or error (the environment "
-    "raised).",
-    ["outcome"],
-    registry=None,
-)
-ROLLOUT_TOKENS = Counter(
-    "rlbus_rollout_tokens",
-    "Tokens of the published samples; kind: prompt (per sample) or completion (generated).",
-    ["kind"],
-    registry=None,
-)
 HTTP_SECONDS = Histogram(
     "rlbus_http_client_request_seconds",
     "HTTP requests to inference, until the response headers: rollout workers to vLLM "
@@ -153,15 +71,6 @@ HTTP_SECONDS = Histogram(
     "4xx, 5xx, timeout, error (no answer), cancelled.",
     ["endpoint", "outcome"],
     buckets=SECONDS_BUCKETS,
-    registry=None,
-)
-
-# ---- inference ---------------------------------------------------------------------------------
-
-WEIGHTS_VERSION = Gauge(
-    "rlbus_weights_version",
-    "The weights version each inference replica serves (0: the initial model).",
-    ["replica"],
     registry=None,
 )
 
@@ -174,58 +83,19 @@ DEAD_LETTERS = Counter(
     ["stream", "reason"],
     registry=None,
 )
-STREAM_MESSAGES = Gauge(
-    "rlbus_stream_messages",
-    "Messages stored in each stream of the run (tasks, rollouts: the queue depth).",
-    ["stream"],
-    registry=None,
-)
-CONSUMER_PENDING = Gauge(
-    "rlbus_consumer_pending_messages",
-    "Messages of the stream not yet delivered to each durable consumer (its lag).",
-    ["stream", "consumer"],
-    registry=None,
-)
-CONSUMER_ACK_PENDING = Gauge(
-    "rlbus_consumer_ack_pending_messages",
-    "Messages delivered to each durable consumer and not acknowledged yet (in flight).",
-    ["stream", "consumer"],
-    registry=None,
-)
-STREAM_STATS_UPDATED = Gauge(
-    "rlbus_stream_stats_updated_timestamp_seconds",
-    "Unix time the stream and consumer gauges were last read from JetStream.",
-    registry=None,
-)
 
-# ---- launcher ----------------------------------------------------------------------------------
 
-RESTARTS = Counter(
-    "rlbus_service_restarts",
-    "Restarts of each process by the `rl` launcher's supervision (process: trainer, "
-    "orchestrator, inference-0, worker-1, ...).",
-    ["process"],
-    registry=None,
-)
+@dataclass(frozen=True)
+class Component:
+    """A named group of series that one kind of process records."""
 
-COMPONENTS: dict[str, tuple] = {
-    "trainer": (
-        TRAINER_STEPS,
-        TRAINER_STEP_SECONDS,
-        TRAINER_BATCH_WAIT_SECONDS,
-        TRAINER_TOKENS,
-        TRAINER_STEP,
-        WEIGHTS_PUBLISHED_VERSION,
-    ),
-    "coordinator": (BATCHES, ORCHESTRATOR_STEP, OFF_POLICY_LAG, TASKS_DROPPED),
-    "workers": (ROLLOUTS, ROLLOUT_GROUPS, ROLLOUT_TOKENS),
-    "http": (HTTP_SECONDS,),
-    "inference": (WEIGHTS_VERSION,),
-    "bus": (DEAD_LETTERS,),
-    "streams": (STREAM_MESSAGES, CONSUMER_PENDING, CONSUMER_ACK_PENDING, STREAM_STATS_UPDATED),
-    "launcher": (RESTARTS,),
-}
-"""Which metrics each part of rlbus records (every metric is in exactly one)."""
+    metrics: tuple[MetricWrapperBase, ...]
+    zero: Callable[[], None] | None = None
+    """Touches the label values known in advance, so their series exist at 0."""
+
+
+COMPONENTS: dict[str, Component] = {}
+"""Every declared component by name (each metric is in exactly one)."""
 
 SERVICE_COMPONENTS: dict[str, tuple[str, ...]] = {
     "rl": ("launcher",),
@@ -234,36 +104,44 @@ SERVICE_COMPONENTS: dict[str, tuple[str, ...]] = {
     "orchestrator-worker": ("workers", "http", "bus"),
     "inference": ("inference", "http", "bus"),
 }
-"""The components of each service (its name as rlbus.lifecycle.main gets it; `inference-<id>` is an
-inference replica)."""
+"""The components of each service (its name as rlbus.lifecycle.main gets it; `inference-<id>` is
+an inference replica). A component is declared by the package that records it."""
 
-ALL_METRICS = tuple(dict.fromkeys(m for metrics in COMPONENTS.values() for m in metrics))
-
-_enabled: set[str] = set()
-_registered: set[int] = set()
+_wanted: set[str] = set()
+_registered: set[str] = set()
 _register_lock = threading.Lock()
+
+
+def declare(name: str, *metrics: MetricWrapperBase, zero: Callable[[], None] | None = None) -> None:
+    """Declare component `name` (once, at import of the package that records it); registered at
+    once when its process already serves it."""
+    assert name not in COMPONENTS, f"metrics component {name!r} declared twice"
+    COMPONENTS[name] = Component(metrics, zero)
+    if name in _wanted:
+        enable(name)
 
 
 def enable(*components: str) -> None:
     """Register the metrics of `components` in REGISTRY (idempotent; cheap once done), with the
-    label values known in advance at 0, so their series exist before the first event."""
-    if _enabled.issuperset(components):
+    label values known in advance at 0, so their series exist before the first event. A component
+    not declared yet is registered when its package declares it."""
+    if _registered.issuperset(components):
         return
     with _register_lock:
-        for component in components:
-            for metric in COMPONENTS[component]:
-                if id(metric) not in _registered:
-                    REGISTRY.register(metric)
-                    _registered.add(id(metric))
-            _enabled.add(component)
-    if "trainer" in components:
-        for outcome in ("trained", "skipped"):
-            TRAINER_STEPS.labels(outcome=outcome)
-    if "workers" in components:
-        for outcome in ("ok", "error"):
-            ROLLOUT_GROUPS.labels(outcome=outcome)
-        for kind in ("prompt", "completion"):
-            ROLLOUT_TOKENS.labels(kind=kind)
+        _wanted.update(components)
+        for name in components:
+            component = COMPONENTS.get(name)
+            if component is None or name in _registered:
+                continue
+            for metric in component.metrics:
+                REGISTRY.register(metric)
+            _registered.add(name)
+            if component.zero is not None:
+                component.zero()
+
+
+declare("http", HTTP_SECONDS)
+declare("bus", DEAD_LETTERS)
 
 
 def service_components(service: str) -> tuple[str, ...]:
@@ -336,66 +214,6 @@ def bind(host: str, port: int) -> int | None:
 
 
 # ---- recording ---------------------------------------------------------------------------------
-
-
-def record_train_step(step: int, metrics: Mapping[str, float]) -> None:
-    """A trainer step that finished (rank 0), from the step metrics it publishes: `step_s`,
-    `wait_s`, `num_tokens`, and `skipped` / `retrained` when set (a retrained step publishes no
-    weights)."""
-    enable("trainer")
-    skipped = bool(metrics.get("skipped"))
-    TRAINER_STEPS.labels(outcome="skipped" if skipped else "trained").inc()
-    TRAINER_STEP_SECONDS.observe(metrics.get("step_s", 0.0))
-    TRAINER_BATCH_WAIT_SECONDS.observe(metrics.get("wait_s", 0.0))
-    TRAINER_TOKENS.inc(metrics.get("num_tokens", 0.0))
-    TRAINER_STEP.set(step)
-    if not metrics.get("retrained"):
-        WEIGHTS_PUBLISHED_VERSION.set(step)
-
-
-OFF_POLICY_LAG_KEY = re.compile(r"^off_policy_lag/(-?\d+)$")
-
-
-def record_batch(step: int, metrics: Mapping[str, float]) -> None:
-    """A batch the coordinator published, from its step metrics: `off_policy_lag/<lag>` holds
-    how many of its samples have that lag (rlbus_orchestrator.coordinator.step_metrics)."""
-    enable("coordinator")
-    BATCHES.inc()
-    ORCHESTRATOR_STEP.set(step)
-    for key, count in metrics.items():
-        if match := OFF_POLICY_LAG_KEY.match(key):
-            lag = int(match.group(1))
-            for _ in range(int(count)):
-                OFF_POLICY_LAG.observe(lag)
-
-
-def count_dropped_task(reason: str) -> None:
-    """A training task the coordinator dropped (one of its DROP_REASONS)."""
-    enable("coordinator")
-    TASKS_DROPPED.labels(reason=reason).inc()
-
-
-def count_rollout(rollout: Any) -> None:
-    """A group a rollout worker published (a `rlbus.wire.rollouts.Rollout`)."""
-    enable("workers")
-    ROLLOUT_GROUPS.labels(outcome="error" if rollout.error else "ok").inc()
-    ROLLOUTS.inc(len(rollout.samples))
-    ROLLOUT_TOKENS.labels(kind="prompt").inc(sum(len(s.prompt_token_ids) for s in rollout.samples))
-    ROLLOUT_TOKENS.labels(kind="completion").inc(
-        sum(len(s.completion_token_ids) for s in rollout.samples)
-    )
-
-
-def record_weights_version(replica: str, version: int) -> None:
-    """The weights version inference replica `replica` serves now."""
-    enable("inference")
-    WEIGHTS_VERSION.labels(replica=replica).set(version)
-
-
-def count_restart(process: str, num: int = 1) -> None:
-    """The launcher restarted `process` (`num=0`: its series exists at 0 from its first start)."""
-    enable("launcher")
-    RESTARTS.labels(process=process).inc(num)
 
 
 def stream_family(subjects: Any, name: str) -> str:
@@ -480,70 +298,12 @@ def timed_transport(limits: Any = None) -> Any:
     )
 
 
-# ---- JetStream state ---------------------------------------------------------------------------
-
-_stream_labels: set[tuple[str, ...]] = set()
-_consumer_labels: set[tuple[str, ...]] = set()
-
-
-async def refresh_stream_stats(bus: Any) -> None:
-    """Read the message count of every stream of the run and the pending / ack-pending counts of
-    its durable consumers into the gauges; series of streams and consumers gone since are removed.
-    A stream that cannot be read (deleted by a tool, a bus outage) keeps its last values and does
-    not keep the others from being read; the first such error is raised at the end."""
-    enable("streams")
-    subjects = bus.subjects
-    streams, consumers = set(), set()
-    failure: Exception | None = None
-    for spec in subjects.streams():
-        family = stream_family(subjects, spec.name)
-        try:
-            stats = await bus.stream_stats(spec.name)  # rlbus.bus.stats.StreamStats
-        except Exception as error:
-            failure = failure or error
-            continue
-        STREAM_MESSAGES.labels(stream=family).set(stats.num_messages)
-        streams.add((family,))
-        for consumer in stats.consumers[:MAX_CONSUMERS_PER_STREAM]:  # durable ones only
-            labels = (family, consumer.durable)
-            CONSUMER_PENDING.labels(*labels).set(consumer.num_pending)
-            CONSUMER_ACK_PENDING.labels(*labels).set(consumer.num_ack_pending)
-            consumers.add(labels)
-    if failure is not None:  # what could not be read keeps its last values
-        _stream_labels.update(streams)
-        _consumer_labels.update(consumers)
-        raise failure
-    for labels in _stream_labels - streams:
-        STREAM_MESSAGES.remove(*labels)
-    for labels in _consumer_labels - consumers:
-        CONSUMER_PENDING.remove(*labels)
-        CONSUMER_ACK_PENDING.remove(*labels)
-    _stream_labels.clear()
-    _stream_labels.update(streams)
-    _consumer_labels.clear()
-    _consumer_labels.update(consumers)
-    STREAM_STATS_UPDATED.set_to_current_time()
+def all_metrics() -> tuple[MetricWrapperBase, ...]:
+    """Every declared metric (of the packages imported in this process)."""
+    return tuple(m for component in COMPONENTS.values() for m in component.metrics)
 
 
-async def poll_stream_stats(bus: Any, interval_s: float = STREAM_STATS_INTERVAL_S) -> None:
-    """`refresh_stream_stats` every `interval_s` until cancelled, in a process that serves
-    metrics (returns at once otherwise). A bus outage is one warning line; the gauges keep their
-    last values meanwhile (`rlbus_stream_stats_updated_timestamp_seconds` shows their age). Never
-    raises: a supervised task that did would end the service."""
-    if _address is None:
-        return
-    failing = False
-    while True:
-        try:
-            await refresh_stream_stats(bus)
-            failing = False
-        except Exception as error:
-            if not failing:
-                log.warning("stream_stats_failed", error=repr(error), retry_in_s=interval_s)
-            failing = True
-        await asyncio.sleep(interval_s)
-
-
-def metric_names(metrics: Iterable = ALL_METRICS) -> set[str]:
-    """The names of `metrics` as a query spells them without a suffix (`rlbus_trainer_steps`)."""
-    return {metric._name for metric in metrics}
+def metric_names(metrics: Iterable[MetricWrapperBase] | None = None) -> set[str]:
+    """The names of `metrics` (default: every declared one) as a query spells them without a
+    suffix (`rlbus_trainer_steps`)."""
+    return {metric._name for metric in (all_metrics() if metrics is None else metrics)}
