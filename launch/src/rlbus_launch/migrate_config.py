@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     for change in changes:
         print(f"{change.status:8} {change.line()}", file=sys.stderr)
     problems = validation_problems(migrated, kind)
-    for problem in problems:
-        print(f"invalid  {problem}", file=sys.stderr)
+    for invalid in problems:
+        print(f"invalid  {invalid}", file=sys.stderr)
     text = tomli_w.dumps(_none_as_string(migrated))
     if args.output is None:
         sys.stdout.write(text)

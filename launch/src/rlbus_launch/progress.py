@@ -17,7 +17,12 @@ reported; a row holding only weights acks is never a step line of its own).
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # rich is imported where it is used: only a terminal needs it
+    from rich.console import Console
+    from rich.live import Live
+    from rich.panel import Panel
 
 APPLIED_PREFIX = "weights/applied/"
 """Per-replica key the monitor writes for each WeightsApplied: `weights/applied/<replica_id>` = version."""
@@ -129,7 +134,7 @@ def step_line(step: int, row: dict[str, Any], replicas: dict[str, int]) -> str:
 class Progress:
     """Prints each step once; on a terminal also keeps a rich Live panel with the newest step."""
 
-    def __init__(self, metrics_path: Path, tty: bool, services: list[str] | None = None):
+    def __init__(self, metrics_path: Path, tty: bool, services: list[str] | None = None) -> None:
         self.tail = MetricsTail(metrics_path)
         # A resumed run appends to its metrics.jsonl: steps already complete there were shown
         # by the launch that trained them.
@@ -137,19 +142,19 @@ class Progress:
         self.printed: set[int] = {step for step, row in self.tail.steps.items() if is_complete(row)}
         self.tty = tty
         self.services = services or []
-        self._live = None
-        self._console = None
+        self._live: Live | None = None
+        self._console: Console | None = None
         if tty:
-            from rich.console import Console
-            from rich.live import Live
+            import rich.console
+            import rich.live
 
-            self._console = Console()
-            self._live = Live(
+            self._console = rich.console.Console()
+            self._live = rich.live.Live(
                 self._panel(None), console=self._console, refresh_per_second=2, transient=True
             )
             self._live.start()
 
-    def _panel(self, latest: str | None):
+    def _panel(self, latest: str | None) -> "Panel":
         from rich.panel import Panel
 
         body = (

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,7 +150,7 @@ class Supervisor:
         return service
 
     def first_failure(
-        self, expected_to_exit: set[str] = frozenset()
+        self, expected_to_exit: AbstractSet[str] = frozenset()
     ) -> tuple[ServiceProcess, int] | None:
         """The first service that exited, unless it is one that may exit (exit 0 only)."""
         for service in self.services:
@@ -187,6 +188,7 @@ class Supervisor:
             for pid in service.leftovers():
                 _signal(pid, signal.SIGKILL)
         for service in started:
+            assert service.popen is not None  # `started` holds only those
             try:
                 service.popen.wait(5)
             except subprocess.TimeoutExpired:

@@ -81,7 +81,9 @@ class StepJoiner:
     def is_written(self, step: int) -> bool:
         return step in self.written
 
-    def add_metrics(self, event: StepMetrics, token: Any = None) -> list[tuple[dict, list]]:
+    def add_metrics(
+        self, event: StepMetrics, token: Any = None
+    ) -> list[tuple[JoinedRow, list[Any]]]:
         """Add a service's metrics of a step; the caller skips (and acks) a step `is_written`."""
         assert not self.is_written(event.step), "ack a step already written, do not add it"
         row = self._row(event.step, token)
@@ -101,7 +103,7 @@ class StepJoiner:
 
     def add_weights(
         self, event: WeightsApplied | WeightsFailed, token: Any = None
-    ) -> list[tuple[dict, list]]:
+    ) -> list[tuple[JoinedRow, list[Any]]]:
         """A weights ack goes into the row of the step that published its version, or, when that
         row is already written (acks usually arrive after the trainer's metrics), into the next
         row, so no step is written twice. `weights/applied/<replica>` holds the version applied."""
@@ -123,7 +125,7 @@ class StepJoiner:
         later = [step for step in self.pending if step > self.last_written]
         return min(later, default=self.last_written + 1)
 
-    def ready(self) -> list[tuple[dict, list]]:
+    def ready(self) -> list[tuple[JoinedRow, list[Any]]]:
         """Rows that can be written now, in step order: (row, tokens)."""
         complete = [s for s, r in self.pending.items() if set(self.expected) <= r.services]
         late = max(complete, default=-1) - self.lookahead
@@ -142,13 +144,13 @@ class StepJoiner:
                 break
         return out
 
-    def complete_rows(self) -> list[tuple[dict, list]]:
+    def complete_rows(self) -> list[tuple[JoinedRow, list[Any]]]:
         """Every complete buffered row, even behind an incomplete one (at a clean stop: a step
         whose metrics were lost for good must not keep the later, complete rows out of the file)."""
         done = [s for s, r in self.pending.items() if set(self.expected) <= r.services]
         return [self._pop(step) for step in sorted(done)]
 
-    def flush(self) -> list[tuple[dict, list]]:
+    def flush(self) -> list[tuple[JoinedRow, list[Any]]]:
         """Every buffered row, complete or not (a one-shot join; the monitor uses `held_tokens`)."""
         return [self._pop(step) for step in sorted(self.pending)]
 
@@ -164,7 +166,7 @@ class StepJoiner:
             row.tokens.append(token)
         return row
 
-    def _pop(self, step: int) -> tuple[JoinedRow, list]:
+    def _pop(self, step: int) -> tuple[JoinedRow, list[Any]]:
         row = self.pending.pop(step)
         self.last_written = max(self.last_written, step)
         out = JoinedRow({"step": step, **row.values}, row.service_keys)

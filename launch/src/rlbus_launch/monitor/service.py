@@ -9,15 +9,16 @@ has quarantined (docs/bus.md, "Dead letters").
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
-from rlbus.bus import Bus
+from rlbus.bus import Bus, Delivery
 from rlbus.configs import RLConfig
 from rlbus.lifecycle import run_service
-from rlbus.obs.sinks import build_sinks
+from rlbus.obs.sinks import JoinedRow, RowSink, build_sinks
 from rlbus.rundirs import run_dir_of, run_id_of
 from rlbus.wire import events
 from rlbus.wire.events import Lifecycle, StepMetrics
@@ -34,7 +35,7 @@ LAST_ROW_WAIT_S = 60.0
 """`--exit-when-finished`: how long the monitor waits for the last step's row after the finish."""
 
 
-def read_rows(path: Path | None) -> list[dict]:
+def read_rows(path: Path | None) -> list[dict[str, Any]]:
     """The complete rows of a metrics.jsonl (a torn last line, from a killed writer, is left out)."""
     if path is None or not path.exists():
         return []
@@ -56,10 +57,10 @@ class Monitor:
 
     def __init__(
         self,
-        sinks: list,
+        sinks: Sequence[RowSink],
         joiner: StepJoiner | None = None,
         count_dead: Callable[[], Awaitable[int]] | None = None,
-    ):
+    ) -> None:
         self.sinks = sinks
         self.joiner = joiner or StepJoiner()
         self.count_dead = count_dead
@@ -68,7 +69,7 @@ class Monitor:
         self.dead_letters = 0
         self._dead_checked_at = float("-inf")
 
-    def resume(self, rows: list[dict]) -> None:
+    def resume(self, rows: list[dict[str, Any]]) -> None:
         """Continue after the rows already written (one row per step across restarts)."""
         self.joiner.resume(rows)
         self.dead_letters = max(
@@ -77,7 +78,7 @@ class Monitor:
         if rows:
             log.info("monitor_resumed", num_rows=len(rows), last_step=self.joiner.last_written)
 
-    async def handle(self, delivery) -> None:
+    async def handle(self, delivery: Delivery[Any]) -> None:
         event = delivery.data
         if isinstance(event, StepMetrics) and event.service in self.joiner.expected:
             if self.joiner.is_written(event.step):  # redelivered, or a retrained step
@@ -111,7 +112,7 @@ class Monitor:
             log.warning("dead_letters", total=count, new=count - self.dead_letters)
         self.dead_letters = count
 
-    async def write(self, rows) -> None:
+    async def write(self, rows: list[tuple[JoinedRow, list[Any]]]) -> None:
         """Write each row to every sink, then ack its events (a kill in between: the next monitor
         skips the step, see `resume`)."""
         if not rows:
@@ -154,6 +155,7 @@ async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
     bus = await Bus.connect(config.bus, storage_dir=run_dir, name="monitor")
     written = read_rows(metrics_path(config, run_dir))
     run_id = run_id_of(config.bus.run_id, config.run.name, str(run_dir))
+    assert run_id is not None, "the run directory names the run at least"
     monitor = Monitor(
         build_sinks(config.monitors, run_id, run_dir, config.model_dump(mode="json")),
         count_dead=bus.dead_letter_count,

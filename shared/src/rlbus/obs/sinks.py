@@ -6,7 +6,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from rlbus.configs.common import MonitorsConfig, WandbMonitorConfig
 
@@ -24,15 +24,23 @@ WANDB_ID_RESERVED = re.compile(r"[:;,#?/'\\\s]+")
 """Characters wandb refuses in a run id."""
 
 
-class JoinedRow(dict):
+class JoinedRow(dict[str, Any]):
     """A step's row as metrics.jsonl holds it (a plain dict to every sink), plus `service_keys`:
     each service metric's key under its service's name (`loss` -> `trainer/loss`), which the
     wandb sink logs it as. The row's own keys cannot say which service sent them: a name two
     services send is prefixed only for the one that reported second."""
 
-    def __init__(self, values: dict[str, Any], service_keys: dict[str, str]):
+    def __init__(self, values: dict[str, Any], service_keys: dict[str, str]) -> None:
         super().__init__(values)
         self.service_keys = service_keys
+
+
+class RowSink(Protocol):
+    """Where step rows go: each row is written to every sink, which is closed at the end."""
+
+    def write(self, row: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class JsonlSink:
@@ -41,7 +49,7 @@ class JsonlSink:
     A torn last line (the writer was killed mid-row) is cut off on open, so the next row starts
     on a line of its own; that row's events were not acked, so it is written again whole."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         cut_torn_tail(path)
@@ -76,7 +84,9 @@ class WandbSink:
     go under `<run_dir>/wandb`, and a restarted monitor or a resumed run continues the same wandb
     run (`wandb_run_id`)."""
 
-    def __init__(self, config: WandbMonitorConfig, run_id: str, run_dir: Path, run_config: dict):
+    def __init__(
+        self, config: WandbMonitorConfig, run_id: str, run_dir: Path, run_config: dict[str, Any]
+    ) -> None:
         try:
             import wandb
         except ImportError as exc:
@@ -107,7 +117,7 @@ class WandbSink:
         self._run.finish()
 
 
-def wandb_mode(config: WandbMonitorConfig) -> str | None:
+def wandb_mode(config: WandbMonitorConfig) -> Literal["offline", "online"] | None:
     """`offline` or `online` per the config; None, so that wandb reads it, when WANDB_MODE is set
     (an explicit `mode=` would override the user's environment)."""
     if os.environ.get("WANDB_MODE"):
