@@ -29,6 +29,7 @@ import structlog
 log = structlog.get_logger()
 
 CHECKPOINTS_DIR = "checkpoints"
+BROADCASTS_DIR = "broadcasts"
 """Checkpoints live in `<run_dir>/checkpoints/step_<N>/` (written by the trainer)."""
 CHECKPOINT_COMPLETE = "COMPLETE"
 """Written last into a finished checkpoint (rlbus_trainer.ckpt): only marked ones count."""
@@ -125,6 +126,12 @@ def check_leaf_stays_inside(run_dir: Path, output_dir: Path) -> None:
             f"run directory {run_dir} is not inside output_dir {output_dir}: "
             "--run.name / --run.dir must be a relative name without '..'"
         )
+
+
+def broadcasts_dir(run_dir: str | Path) -> Path:
+    """`<run_dir>/broadcasts/`: where the trainer writes weight versions (`step_<N>/`) for
+    inference to load, and the only place a replica of the run loads them from."""
+    return Path(run_dir) / BROADCASTS_DIR
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

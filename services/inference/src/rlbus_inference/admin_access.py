@@ -18,6 +18,7 @@ import stat
 from pathlib import Path
 
 from rlbus.configs.inference import InferenceConfig
+from rlbus.rundirs import broadcasts_dir
 from rlbus.secrets import resolve_secret
 
 ADMIN_TOKEN_ENV = "RLBUS_ADMIN_TOKEN"
@@ -68,7 +69,7 @@ def weights_root(config: InferenceConfig) -> Path | None:
     if config.admin.weights_root:
         return Path(config.admin.weights_root)
     if config.run_dir:
-        return Path(config.run_dir) / "broadcasts"
+        return broadcasts_dir(config.run_dir)
     return None
 
 

@@ -35,6 +35,7 @@ import structlog
 
 from rlbus import process_marks
 from rlbus.configs.inference import AttachConfig, InferenceConfig
+from rlbus.netutil import loopback_if_wildcard
 from rlbus_inference import admin_access, patches
 from rlbus_inference.engine_plugin import FAST_START_ENV, GUARD_ENV
 
@@ -64,11 +65,6 @@ def see_log(message: str, log_path: Path | None) -> str:
     return f"{message}; its output is in {log_path}" if log_path is not None else message
 
 
-def local_host(host: str) -> str:
-    """Address this machine's clients use to reach a server bound to `host`."""
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
 def attached_server(config: InferenceConfig) -> AttachConfig:
     """`config.attach` in attach mode (its `admin_url` is always set by then: the config fills
     in its default)."""
@@ -80,14 +76,14 @@ def engine_url(config: InferenceConfig) -> str:
     """The engine's admin port: ours, or the attached server's."""
     if config.attach is not None:
         return str(attached_server(config).admin_url)
-    return f"http://{local_host(config.admin.host)}:{config.backend_port}"
+    return f"http://{loopback_if_wildcard(config.admin.host)}:{config.backend_port}"
 
 
 def public_url(config: InferenceConfig) -> str:
     """The public port (the gate in front of vLLM): ours, or the attached server's."""
     if config.attach is not None:
         return config.attach.url
-    return f"http://{local_host(config.server.host)}:{config.server.port}"
+    return f"http://{loopback_if_wildcard(config.server.host)}:{config.server.port}"
 
 
 def vllm_plugins_allowlist() -> str:
