@@ -27,12 +27,12 @@ from rlbus.lifecycle import (
     drain_when_finished,
     run_service,
 )
-from rlbus.obs.metrics import poll_stream_stats
 from rlbus.rundirs import run_dir_of, run_id_of
 from rlbus.wire.events import Lifecycle
 from rlbus_orchestrator.coordinator import Coordinator
 from rlbus_orchestrator.envs import EnvironmentNotFoundError, load_environment
 from rlbus_orchestrator.leader import become_leader, watch_lease
+from rlbus_orchestrator.metrics import poll_stream_stats
 from rlbus_orchestrator.worker import run_workers
 
 log = structlog.get_logger()

@@ -46,7 +46,6 @@ from rlbus.bus.consumer import Delivery
 from rlbus.configs.orchestrator import InferenceHttpConfig
 from rlbus.lifecycle import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
 from rlbus.obs import tracing
-from rlbus.obs.metrics import count_rollout
 from rlbus.wire import tasks as tasks_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus.wire.tasks import SamplingArgs, Task
@@ -58,6 +57,7 @@ from rlbus_orchestrator.client import (
     static_replicas,
 )
 from rlbus_orchestrator.envs import Environment, GroupEnvironment, load_environment
+from rlbus_orchestrator.metrics import count_rollout
 
 log = structlog.get_logger()
 
