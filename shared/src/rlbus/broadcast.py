@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -148,7 +148,14 @@ class BroadcastGroup(Protocol):
 class _Membership:
     """The store-side part shared by both backends: join keys, heartbeats, silent ranks."""
 
-    def _rendezvous(self, store, where: str) -> None:
+    rank: int
+    world_size: int
+    timeout_s: float
+    store: dist.Store
+    where: str
+    closed: bool
+
+    def _rendezvous(self, store: dist.Store, where: str) -> None:
         """Mark this rank joined; rank 0 waits for every rank and names the missing ones."""
         self.store, self.where, self.closed = store, where, False
         store.set(f"joined/{self.rank}", "1")
@@ -197,7 +204,7 @@ class _Membership:
 class GlooGroup(_Membership):
     """A private gloo group (own TCPStore) that leaves torch.distributed's default group alone."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.timeout = timedelta(seconds=timeout_s)
         where = f"{host}:{port}"
@@ -217,7 +224,9 @@ class GlooGroup(_Membership):
             ) from error
         self._rendezvous(store, where)
         try:
-            self.group = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+            self.group: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
+                store, rank, world_size, self.timeout
+            )
         except Exception as error:
             self.close()
             raise BroadcastError(
@@ -226,16 +235,19 @@ class GlooGroup(_Membership):
         self.device = torch.device("cpu")
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        self._complete("broadcast", lambda: self.group.broadcast(tensor, 0))
+        # torch's stubs give ProcessGroupGloo (a Backend) none of ProcessGroup's collectives;
+        # the pybind class has them
+        self._complete("broadcast", lambda group: group.broadcast(tensor, 0))  # type: ignore[attr-defined]
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        self._complete("all_reduce", lambda: self.group.allreduce(tensor))
+        self._complete("all_reduce", lambda group: group.allreduce(tensor))  # type: ignore[attr-defined]
 
-    def _complete(self, what: str, start) -> None:
-        if self.closed:
+    def _complete(self, what: str, start: Callable[[dist.ProcessGroupGloo], dist.Work]) -> None:
+        if self.closed or self.group is None:  # close() drops the group
             raise BroadcastError(f"the weight broadcast group at {self.where} is closed")
+        group = self.group
         try:
-            if not start().wait(self.timeout):
+            if not start(group).wait(self.timeout):
                 raise TimeoutError(f"not complete within {self.timeout_s:g} s")
         except Exception as error:
             self.close()
@@ -260,7 +272,7 @@ class NcclGroup(_Membership):
         world_size: int,
         timeout_s: float,
         device: torch.device,
-    ):
+    ) -> None:
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
@@ -284,7 +296,7 @@ class NcclGroup(_Membership):
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self._complete("all_reduce", lambda s: self.comm.all_reduce(tensor, tensor, stream=s))
 
-    def _complete(self, what: str, start) -> None:
+    def _complete(self, what: str, start: Callable[[torch.cuda.Stream], object]) -> None:
         if self.closed:
             raise BroadcastError(f"the weight broadcast group at {self.where} is closed")
         stream = torch.cuda.current_stream()

@@ -29,6 +29,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import Any, Literal
 
 import structlog
@@ -230,7 +231,7 @@ class ServiceState:
     work (it is redelivered elsewhere), but still never leave a half-written artifact.
     """
 
-    def __init__(self, service: str):
+    def __init__(self, service: str) -> None:
         self.service = service
         self.mode: Mode = "running"
         self.reason: str | None = None
@@ -306,7 +307,7 @@ def control_handler(state: ServiceState, *, pausable: bool) -> Callable[[Any], A
     issuing where `pausable`, else they are refused with a message."""
     from rlbus.wire import control
 
-    async def handle(request) -> control.ControlReply:
+    async def handle(request: control.ControlRequest) -> control.ControlReply:
         name = type(request).__name__
         if isinstance(request, control.Drain):
             state.drain(f"control drain: {request.reason or ''}".strip())
@@ -350,7 +351,7 @@ class Terminated(Exception):
     for SIGINT): the launchers and `rlbus-nats` then stop what they started."""
 
 
-def raise_terminated(signum, frame) -> None:
+def raise_terminated(signum: int, frame: FrameType | None) -> None:
     """A `signal.signal` handler for SIGTERM in commands without an event loop."""
     raise Terminated()
 
@@ -371,7 +372,7 @@ def exit_now(code: int) -> None:
 class TaskFailed(Exception):
     """A supervised task raised; carries the task's name and its error."""
 
-    def __init__(self, task: str, error: BaseException):
+    def __init__(self, task: str, error: BaseException) -> None:
         super().__init__(f"{task}: {type(error).__name__}: {error}")
         self.task = task
         self.error = error
@@ -394,9 +395,9 @@ class TaskSupervisor:
 
     def _on_done(self, task: asyncio.Task) -> None:
         name = self.tasks.pop(task, task.get_name())
-        if task.cancelled() or task.exception() is None or self.failure is not None:
+        error = None if task.cancelled() else task.exception()
+        if error is None or self.failure is not None:
             return
-        error = task.exception()
         # A nested supervisor already named the task that failed: keep the innermost name.
         self.failure = error if isinstance(error, TaskFailed) else TaskFailed(name, error)
         self._failed.set()
@@ -443,7 +444,12 @@ class TaskSupervisor:
     async def __aenter__(self) -> TaskSupervisor:
         return self
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.close()
         if exc_type is None:
             self.raise_if_failed()
@@ -454,9 +460,9 @@ def terminate_on_failure(task: asyncio.Task, name: str) -> None:
     the one `service_task_failed` line and SIGTERM this process, so its parent sees it end."""
 
     def on_done(done: asyncio.Task) -> None:
-        if done.cancelled() or done.exception() is None:
+        error = None if done.cancelled() else done.exception()
+        if error is None:
             return
-        error = done.exception()
         log.error(
             "service_task_failed",
             task=name,
