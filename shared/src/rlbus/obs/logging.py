@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 import structlog
+from structlog.typing import Processor
 
 LOGS_DIR = "logs"
 
@@ -48,7 +49,7 @@ def make_formatter(json_lines: bool, colors: bool = False) -> structlog.stdlib.P
         if json_lines
         else structlog.dev.ConsoleRenderer(colors=colors)
     )
-    final = [structlog.stdlib.ProcessorFormatter.remove_processors_meta]
+    final: list[Processor] = [structlog.stdlib.ProcessorFormatter.remove_processors_meta]
     if json_lines:
         final.append(structlog.processors.format_exc_info)
     return structlog.stdlib.ProcessorFormatter(
@@ -116,7 +117,7 @@ def setup_logging(
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
-    context = {"service": service}
+    context: dict[str, object] = {"service": service}
     if run_id is not None:
         context["run_id"] = run_id
     if rank is not None:

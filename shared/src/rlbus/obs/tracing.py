@@ -21,18 +21,26 @@ many others (a batch from rollouts) should not pick one parent: pass all their h
 (a heartbeat, a metrics event) records no span: single-span traces are noise.
 """
 
+from __future__ import annotations
+
 import base64
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import INVALID_SPAN, Link, Span, SpanKind
+from opentelemetry.util.types import AttributeValue
+
+if TYPE_CHECKING:  # the SDK and protobuf load only where a process traces (setup_tracing)
+    from google.protobuf.message import Message
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 TRACER_NAME = "rlbus"
 
@@ -74,7 +82,7 @@ REPLICA = "rlbus.replica_id"
 VERSION = "rlbus.weights.version"
 
 _provider_lock = threading.Lock()
-_provider = None
+_provider: TracerProvider | None = None
 
 
 # ---- the OTLP-JSON file ----------------------------------------------------------------------
@@ -82,7 +90,7 @@ _provider = None
 _ID_FIELDS = frozenset({"traceId", "spanId", "parentSpanId"})
 
 
-def _hex_ids(node):
+def _hex_ids(node: Any) -> Any:
     """Protobuf's JSON mapping writes bytes as base64; OTLP-JSON wants trace and span ids hex."""
     if isinstance(node, dict):
         return {
@@ -96,14 +104,14 @@ def _hex_ids(node):
     return node
 
 
-def otlp_json(spans: Sequence) -> dict:
+def otlp_json(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
     """Finished SDK spans as one OTLP-JSON `ExportTraceServiceRequest` (the OTLP/HTTP JSON body)."""
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
     return request_json(encode_spans(spans))
 
 
-def request_json(request) -> dict:
+def request_json(request: Message) -> dict[str, Any]:
     """A protobuf `ExportTraceServiceRequest` in OTLP-JSON form (hex ids, integer enums)."""
     from google.protobuf.json_format import MessageToDict
 
@@ -144,11 +152,11 @@ class OtlpJsonFileExporter:
     """SpanExporter appending one OTLP-JSON `ExportTraceServiceRequest` per line to a file (used
     without an OTLP endpoint); the collector's `otlpjsonfile` receiver reads it back."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
 
-    def export(self, spans: Sequence) -> "object":
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         from opentelemetry.sdk.trace.export import SpanExportResult
 
         line = json.dumps(otlp_json(spans), separators=(",", ":"))
@@ -201,16 +209,20 @@ def otlp_traces_endpoint(endpoint: str) -> str:
     return endpoint if endpoint.endswith("/v1/traces") else f"{endpoint}/v1/traces"
 
 
-def span_exporter(endpoint: str, protocol: str):
+def span_exporter(endpoint: str, protocol: str) -> SpanExporter:
     """The OTLP exporter for `endpoint` over `protocol` (gRPC: `host:4317`; HTTP: base URL)."""
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcSpanExporter,
+        )
 
         insecure = not endpoint.startswith("https://")
-        return OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        return GrpcSpanExporter(endpoint=endpoint, insecure=insecure)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpSpanExporter,
+    )
 
-    return OTLPSpanExporter(endpoint=otlp_traces_endpoint(endpoint))
+    return HttpSpanExporter(endpoint=otlp_traces_endpoint(endpoint))
 
 
 def service_attributes(service: str) -> dict[str, str]:
@@ -230,7 +242,7 @@ def setup_tracing(
     protocol: str | None = None,
     enabled: bool = True,
     run_id: str | None = None,
-):
+) -> TracerProvider | None:
     """Install the process's tracer provider; returns it (None when tracing is off or no sink exists).
 
     `service` is the process's name (`service_attributes`; the OTLP-JSON file without an
@@ -251,7 +263,11 @@ def setup_tracing(
         if endpoint:
             exporter = span_exporter(endpoint, otlp_protocol(protocol))
         elif run_dir is not None:
-            exporter = OtlpJsonFileExporter(Path(run_dir) / "traces" / f"{service}.jsonl")
+            # a SpanExporter by its methods: subclassing would load the SDK with this module
+            exporter = cast(
+                "SpanExporter",
+                OtlpJsonFileExporter(Path(run_dir) / "traces" / f"{service}.jsonl"),
+            )
         else:
             return None
         attributes = service_attributes(service)
@@ -327,7 +343,7 @@ def span(
     context: otel_context.Context | None = None,
     kind: SpanKind = SpanKind.INTERNAL,
     links: Sequence[Link] = (),
-    attributes: Mapping[str, object] | None = None,
+    attributes: Mapping[str, AttributeValue] | None = None,
     root: bool = False,
 ) -> Iterator[Span]:
     """A span named `name`, child of `context` (default: the current span), made current.
@@ -365,12 +381,12 @@ def consumer_span(
     headers: Mapping[str, str] | None = None,
     links_from: Iterable[Mapping[str, str] | None] = (),
     subject: str | None = None,
-    attributes: Mapping[str, object] | None = None,
+    attributes: Mapping[str, AttributeValue] | None = None,
 ) -> Iterator[Span]:
     """A CONSUMER span: child of the producer in `headers`, linked to every producer in
     `links_from`; nothing when the message came from outside any trace."""
     links = [link for link in map(link_from_headers, links_from) if link is not None]
-    span_attributes = {"messaging.system": "nats", **(attributes or {})}
+    span_attributes: dict[str, AttributeValue] = {"messaging.system": "nats", **(attributes or {})}
     if subject is not None:
         span_attributes["messaging.destination.name"] = subject
     parent = extract_context(headers) if headers else None
@@ -380,7 +396,9 @@ def consumer_span(
         yield current
 
 
-def add_trace_ids(logger, method_name: str, event_dict: dict) -> dict:
+def add_trace_ids(
+    logger: object, method_name: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
     """structlog processor: add `trace_id` / `span_id` of the current span (when one is recording)."""
     span_context = trace.get_current_span().get_span_context()
     if span_context.is_valid:
