@@ -293,7 +293,8 @@ def _use_fast_docstrings() -> None:
     # `pydantic_config.cli` the attribute is the function; the module is only in sys.modules.
     loader = sys.modules["pydantic_config.cli"]
     if hasattr(loader, "_extract_field_docstrings"):
-        loader._extract_field_docstrings = lambda cls: dict(_field_docstrings(cls))
+        # a private function of pydantic_config, which its module type does not declare
+        loader._extract_field_docstrings = lambda cls: dict(_field_docstrings(cls))  # type: ignore[attr-defined]
 
 
 # --- argument pre-processing -------------------------------------------------------------------

@@ -7,6 +7,8 @@ the secret comes from a 0600 file (`token_file`, `password_file`) or an environm
 keeps it out of every dump (docs/security.md, "The bus: authentication, TLS and permissions").
 """
 
+from typing import Any
+
 from pydantic import Field, PrivateAttr, model_validator
 
 from rlbus.configs.base import BaseConfig
@@ -121,7 +123,7 @@ class BusConfig(BaseConfig):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_plain_secrets(cls, data):
+    def _refuse_plain_secrets(cls, data: Any) -> Any:
         """A before-validator, so the error's input is the whole block and the secret itself is
         never echoed back in the message."""
         for name, env in (("token", TOKEN_ENV), ("password", PASSWORD_ENV)):

@@ -142,6 +142,7 @@ class AttachConfig(BaseConfig):
     def shifted(self, offset: int) -> "AttachConfig":
         """The server `offset` ports up on both URLs: replica i of a run attaches to port + i
         and admin port + i, the rule by which `rl` numbers the replicas it starts itself."""
+        assert self.admin_url is not None, "set by _default_admin_url"
         return self.model_copy(
             update={
                 "url": shift_port(self.url, offset),

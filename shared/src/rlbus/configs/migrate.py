@@ -27,7 +27,7 @@ _UNSET = object()
 class Unmappable(ValueError):
     """A value under a converted key that has no rlbus meaning: `key` (a prime-rl path) and why."""
 
-    def __init__(self, key: str, why: str):
+    def __init__(self, key: str, why: str) -> None:
         super().__init__(f"{key}: {why}")
         self.key = key
         self.why = why

@@ -14,6 +14,7 @@ checks them all and, offline (HF_HUB_OFFLINE=1), that a hub id is in the local h
 """
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -87,7 +88,9 @@ def data_problem(flag: str, name: str | None, *, strict: bool) -> str | None:
     )
 
 
-def _walk(config: BaseModel, prefix: str, parent: BaseModel | None = None):
+def _walk(
+    config: BaseModel, prefix: str, parent: BaseModel | None = None
+) -> Iterator[tuple[str, BaseModel, BaseModel | None]]:
     """(flag prefix, sub-config, its parent) for `config` and every sub-config below it."""
     yield prefix, config, parent
     for name in type(config).model_fields:

@@ -5,7 +5,7 @@ and pushed down into `trainer`, `orchestrator` and `inference`; a value set expl
 service (`--trainer.max-steps 5`) wins over the pushed one.
 """
 
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -119,7 +119,7 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
         return data
 
     @model_validator(mode="after")
-    def _push_shared_values_down(self):
+    def _push_shared_values_down(self) -> Self:
         self.push_shared_values_down()
         errors = [*self._pushed_value_errors(), *self._replica_port_errors()]
         if errors:

@@ -1,6 +1,6 @@
 """SFT config (`sft` command): the trainer fed from local files instead of the bus."""
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -38,7 +38,7 @@ class SFTDataConfig(BaseConfig):
     knows the reversal (greedy) but samples it noisily, which is what RL then fixes."""
 
     @model_validator(mode="after")
-    def _copy_fraction_needs_built_in_data(self):
+    def _copy_fraction_needs_built_in_data(self) -> Self:
         if self.copy_fraction and self.path != "reverse-text":
             raise ValueError(
                 f"data.copy_fraction={self.copy_fraction} only applies to the built-in 'reverse-text' data, "

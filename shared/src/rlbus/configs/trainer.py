@@ -1,6 +1,6 @@
 """Trainer service config (`trainer` command, and the base of `sft`)."""
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
@@ -46,7 +46,7 @@ class TrainerModelConfig(ModelConfig):
         return self.full_offload or None
 
     @model_validator(mode="after")
-    def _offload_modes_exclusive(self):
+    def _offload_modes_exclusive(self) -> Self:
         if self.full_offload_config is not None and self.optim_cpu_offload:
             raise ValueError(
                 "model.full_offload and model.optim_cpu_offload are mutually exclusive: "
@@ -267,7 +267,7 @@ class TrainerConfig(TrainingRunConfig):
     the longest step rank 0 does alone (writing a checkpoint or a broadcast of a large model)."""
 
     @model_validator(mode="after")
-    def _full_offload_rules(self):
+    def _full_offload_rules(self) -> Self:
         if self.model.full_offload_config is None:
             return self
         if self.lora is not None:
