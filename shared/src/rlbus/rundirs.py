@@ -22,7 +22,7 @@ import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import structlog
 
@@ -167,6 +167,10 @@ def complete_steps(run_dir: Path) -> list[int]:
     return sorted(steps)
 
 
+@overload
+def resolve_resume_step(run_dir: Path, step: int) -> int: ...
+@overload
+def resolve_resume_step(run_dir: Path, step: None) -> int | None: ...
 def resolve_resume_step(run_dir: Path, step: int | None) -> int | None:
     """The checkpoint step a resumed run loads: `step` if it is complete, else the latest complete
     one; None when the run has none yet (it then continues from its bus state only)."""

@@ -71,7 +71,7 @@ class BucketSpec:
 class RunSubjects:
     """Names of one run's subjects, streams, consumers and buckets."""
 
-    def __init__(self, run_id: str):
+    def __init__(self, run_id: str) -> None:
         self.run_id = sanitize_run_id(run_id)
         self.prefix = f"{PREFIX}.{self.run_id}"
         upper = f"RLBUS_{self.run_id}"
