@@ -117,6 +117,7 @@ def test_rl_dry_run_writes_every_resolved_config_and_one_script_per_process(tmp_
         "orchestrator.toml",
         "trainer.toml",
         "nats.conf",
+        "bus.json",  # where outside readers find the bus (docs/bus.md, "Reading a run")
     }
     scripts = sorted((run_dir / "scripts").iterdir())
     assert [p.name for p in scripts] == [
