@@ -272,9 +272,9 @@ def resolved_config(opts):
 
 def training_examples(config, count: int) -> list[dict]:
     """The first `count` training problems in the orchestrator's order (one environment only)."""
-    from rlbus_orchestrator.task_issue import dataset_index
     from rlbus_orchestrator.envs.base import problem_messages
     from rlbus_orchestrator.envs.registry import load_environment
+    from rlbus_orchestrator.task_issue import dataset_index
 
     orch = config.orchestrator
     if len(orch.env) != 1:

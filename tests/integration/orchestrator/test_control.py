@@ -14,8 +14,8 @@ from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.lifecycle import ServiceState
 from rlbus.wire import control
 from rlbus.wire import tasks as tasks_wire
-from rlbus_orchestrator.state_store import STATE_KEY
 from rlbus_orchestrator.service import serve
+from rlbus_orchestrator.state_store import STATE_KEY
 
 BATCH_SIZE = 4
 GROUP_SIZE = 2

@@ -23,8 +23,8 @@ from orch_support import (
 )
 
 from rlbus.bus import Bus
-from rlbus_orchestrator.state_store import read_saved_state
 from rlbus_orchestrator.service import serve
+from rlbus_orchestrator.state_store import read_saved_state
 
 
 @pytest.fixture
