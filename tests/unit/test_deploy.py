@@ -22,7 +22,11 @@ BIN = Path(sys.executable).parent
 
 def console_scripts() -> set[str]:
     names = set()
-    for pyproject in [ROOT / "shared/pyproject.toml", ROOT / "launch/pyproject.toml", *ROOT.glob("services/*/pyproject.toml")]:
+    for pyproject in [
+        ROOT / "shared/pyproject.toml",
+        ROOT / "launch/pyproject.toml",
+        *ROOT.glob("services/*/pyproject.toml"),
+    ]:
         names |= set(tomllib.loads(pyproject.read_text())["project"].get("scripts", {}))
     return names
 
