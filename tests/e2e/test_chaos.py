@@ -27,7 +27,7 @@ CHEAP = (
     "nats-server",
     "monitor",
 )
-VLLM = ("engine-core", "api-server", "router", "inference-leader")
+VLLM = ("engine-core", "api-server", "inference-leader")
 KILLS = 22
 MAX_STEPS = 4 * KILLS + 8
 """A kill waits for a step after the one before plus up to MAX_DELAY_S: at ~0.5 s per step (the

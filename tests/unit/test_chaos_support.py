@@ -17,7 +17,6 @@ CMDLINES = {
     "/v/bin/python -m vllm.entrypoints.openai.api_server --host 0.0.0.0 --port 1": "api-server",
     "VLLM::EngineCore": "engine-core",
     "VLLM::Worker": None,
-    "vllm::router": "router",
     "/v/bin/python -B -c from multiprocessing.resource_tracker import main;main(31)": None,
     "/v/bin/python -m rlbus_orchestrator.entrypoint @ /r/configs/orchestrator.toml": "coordinator",
     "/v/bin/python -m rlbus_orchestrator.entrypoint @ /r/o.toml --role worker": "rollout-worker",
@@ -73,20 +72,20 @@ def test_recovery_rows_time_the_next_trained_step_and_count_repeats(tmp_path):
 
 
 SEED = 7
-"""A seed whose first round starts with the router (checked: with the router skipped for good,
-this seed's second round starts with the coordinator again)."""
+"""A seed whose first round starts with the engine core (checked: with the engine core skipped for
+good, this seed's second round starts with the coordinator again)."""
 
 
 def test_a_kind_absent_for_a_moment_is_retried_later_in_the_round(monkeypatch, tmp_path):
-    """The router is gone while its replica restarts: the monkey comes back to it instead of
+    """The engine core is gone while its replica restarts: the monkey comes back to it instead of
     leaving that kind never killed (the chaos test asserts every kind is hit)."""
     looks = {"n": 0}
 
     def by_kind(launcher_pid):
         looks["n"] += 1
         live = {"coordinator": [101]}
-        if looks["n"] > 1:  # the router is back from the second look on
-            live["router"] = [103]
+        if looks["n"] > 1:  # the engine core is back from the second look on
+            live["engine-core"] = [103]
         return live
 
     steps = iter(range(1, 1000))
@@ -103,8 +102,8 @@ def test_a_kind_absent_for_a_moment_is_retried_later_in_the_round(monkeypatch, t
         ),
     )
     monkey = chaos.ChaosMonkey(
-        1, tmp_path, num_kills=2, seed=SEED, kinds=("router", "coordinator"),
+        1, tmp_path, num_kills=2, seed=SEED, kinds=("engine-core", "coordinator"),
         max_delay_s=0.0, say=lambda text: None,
     )  # fmt: skip
     monkey.run()
-    assert sorted(killed) == ["coordinator", "router"]
+    assert sorted(killed) == ["coordinator", "engine-core"]

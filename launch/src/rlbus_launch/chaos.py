@@ -38,7 +38,6 @@ KINDS = (
     "torchrun-agent",
     "engine-core",
     "api-server",
-    "router",
     "inference-leader",
     "nats-server",
     "monitor",
@@ -50,8 +49,6 @@ def kind_of(cmdline: str) -> str | None:
     """The kind of a run's process from its command line (None: not one of ours, e.g. a shell)."""
     if cmdline.startswith("VLLM::EngineCore"):
         return "engine-core"
-    if cmdline.startswith("vllm::router") or "vllm_router" in cmdline:
-        return "router"
     if cmdline.startswith("VLLM::"):
         return None  # vLLM's own workers: they go with the engine core
     if "vllm.entrypoints" in cmdline:
@@ -209,7 +206,7 @@ class ChaosMonkey:
             by_kind = processes_by_kind(self.launcher_pid)
             kind = schedule.pop(0)
             if not by_kind.get(kind):
-                # Absent for now (e.g. the router while its replica restarts): try it again after
+                # Absent for now (e.g. the engine core while its replica restarts): try it again after
                 # the rest of this round, so that every kind is still hit; give up on a kind only
                 # after MAX_SKIPS misses (one the run does not have).
                 skips[kind] = skips.get(kind, 0) + 1

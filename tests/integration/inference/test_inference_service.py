@@ -328,12 +328,12 @@ async def test_second_replica_registers_and_kill9_expires_its_lease(run):
     try:
         keys = await wait_for_keys(bus, lambda keys: {"replica-a", "replica-b"} <= keys, 30)
         assert {"replica-a", "replica-b"} <= keys
-        children = second.child_pids()  # engine and router, each leading its process group
-        assert len(children) == 2
+        children = second.child_pids()  # the engine, leading its process group (no router)
+        assert len(children) == 1
         second.kill()  # kill -9: no withdrawal, the lease (TTL 3 s) must expire
         keys = await wait_for_keys(bus, lambda keys: "replica-b" not in keys, 20)
         assert "replica-a" in keys
-        # its router and engine (EngineCore included) die with it, leaving no orphans
+        # its engine (EngineCore included) dies with it, leaving no orphans
         for pgid in children:
             await asyncio.to_thread(
                 wait_for, lambda pgid=pgid: _group_gone(pgid), 60, f"group {pgid} gone"

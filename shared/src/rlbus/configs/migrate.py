@@ -367,8 +367,8 @@ RL_RULES: list[Rule] = [
     *_trainer_rules("trainer."),
     Rule("inference.server.liveness_timeout_seconds", "drop", note="see inference.health"),
     Rule("inference.deployment", "human", "deployment.num_infer_replicas (and slurm.inference_nodes)"),
-    Rule("inference.router", "human", "no equivalent: each replica has its own router; rollout "
-         "workers spread requests over replicas"),
+    Rule("inference.router", "human", "no equivalent: rlbus runs no router; rollout workers "
+         "spread requests over replicas"),
     Rule("inference.kv_cache_offload", "human", "no equivalent (vLLM flags pass through inference.vllm)"),
 ]  # fmt: skip
 """prime-rl `rl` keys (RLConfig)."""
