@@ -217,7 +217,7 @@ async def listener():
     raise OSError("address already in use")
 
 async def server():  # an event loop the shell does not own, like vLLM's API server
-    terminate_on_failure(asyncio.get_running_loop().create_task(listener()), "router_listener")
+    terminate_on_failure(asyncio.get_running_loop().create_task(listener()), "gate_listener")
     await asyncio.sleep(30)
 
 asyncio.run(server())
@@ -233,4 +233,4 @@ def test_a_failed_task_in_a_foreign_loop_terminates_the_process_with_one_line(tm
 
     assert result.returncode == -signal.SIGTERM
     (line,) = [e for e in events(result.stderr) if e["level"] == "error"]
-    assert line["task"] == "router_listener" and "address already in use" in line["error"]
+    assert line["task"] == "gate_listener" and "address already in use" in line["error"]

@@ -13,7 +13,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     that this process has not handed out before.
 
     Another process may take it before the caller binds it; callers that must not race (vLLM's
-    router-facing port, test fixtures) pick it immediately before starting the server.
+    gate-facing port, test fixtures) pick it immediately before starting the server.
     """
     return free_ports(1, host)[0]
 
@@ -21,7 +21,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` distinct free ports, none handed out by this process before: all are held bound
     until the last is picked, so two calls can never hand out the same port (an engine and its
-    router, a NATS client and HTTP port, a service's port and the launcher's /metrics)."""
+    gate, a NATS client and HTTP port, a service's port and the launcher's /metrics)."""
     sockets: list[socket.socket] = []
     ports: list[int] = []
     try:

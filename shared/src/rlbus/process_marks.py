@@ -1,7 +1,7 @@
 """Process trees of a run: mark them, find them, end them, even after their parent is gone.
 
 A service may spawn processes that leave its process group or outlive it (torchrun's ranks, vLLM's
-engine core, a router). Two mechanisms make sure none is left behind:
+engine core). Two mechanisms make sure none is left behind:
 
 - **a mark**: every process the launcher starts gets `RLBUS_LAUNCH_ID=<id>` and
   `RLBUS_SERVICE_INSTANCE=<service>` in its environment, and everything it spawns inherits them.

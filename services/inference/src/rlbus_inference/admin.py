@@ -402,5 +402,5 @@ class RlbusAdminPlugin:
             listener = asyncio.get_running_loop().create_task(server.serve())
             # A listener that cannot serve (port taken) must end the engine, not leave the
             # gate talking to nothing.
-            terminate_on_failure(listener, "router_listener")
+            terminate_on_failure(listener, "gate_listener")
             state.rlbus.gate_listener = listener

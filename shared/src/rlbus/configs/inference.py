@@ -1,4 +1,4 @@
-"""Inference service config (`inference` command): vLLM engine behind a router."""
+"""Inference service config (`inference` command): vLLM engine behind the public gate."""
 
 from typing import Any
 from urllib.parse import urlsplit
@@ -56,7 +56,7 @@ class VLLMConfig(BaseConfig):
 
 
 class ServerConfig(BaseConfig):
-    """The client-facing router."""
+    """The client-facing public port (the gate: OpenAI API, /health, /metrics)."""
 
     host: str = "0.0.0.0"
     """Bind address of the public port (the engine's admin port binds admin.host)."""
@@ -172,13 +172,13 @@ def attach_url_flags(args: list[str], flag: str) -> list[str]:
 
 
 class InferenceConfig(ServiceConfig):
-    """The inference service: one vLLM engine, its router, its weight agent and replica lease.
+    """The inference service: one vLLM engine, its public gate, its weight agent and replica lease.
     Without bus.url the weight agent and the lease are off."""
 
     # Bus, logging, tracing: the ServiceConfig block (`rl` pushes its own values down).
 
     server: ServerConfig = ServerConfig()
-    """Router."""
+    """The public port (the gate in front of the engine)."""
 
     backend_port: int = Field(DEFAULT_BACKEND_PORT, ge=0, le=65535)
     """Engine port; admin endpoints (/update_weights, ...) live here only."""
@@ -261,15 +261,15 @@ class InferenceConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _ports_differ(self) -> "InferenceConfig":
-        """The router and the engine cannot share a port (0 picks a free one for each). Before,
+        """The gate and the engine cannot share a port (0 picks a free one for each). Before,
         only the replica's start (`claim_ports`) noticed, after the config was written."""
         if self.server.port == self.backend_port != 0:
             raise field_errors(
                 self,
                 (
                     "backend_port",
-                    f"must differ from server.port ({self.server.port}): the router listens "
-                    "there; give the engine another port, or 0 for a free one",
+                    f"must differ from server.port ({self.server.port}): the public gate "
+                    "listens there; give the engine another port, or 0 for a free one",
                 ),
             )
         return self

@@ -171,7 +171,7 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
             port, backend = ports.values()
             if abs(port - backend) < count:
                 why = (
-                    f"the engine ports {backend}..{backend + count - 1} overlap the router ports "
+                    f"the engine ports {backend}..{backend + count - 1} overlap the public ports "
                     f"{port}..{port + count - 1} of the {count} replicas (replica i serves on "
                     f"server.port + i and backend_port + i): keep them at least {count} apart"
                 )
