@@ -10,8 +10,7 @@ from rlbus.configs.trainer import TrainerConfig
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_trainer.engine import World
-from rlbus_trainer.lora import LoraWeightPublisher
-from rlbus_trainer.weights import build_weight_publisher
+from rlbus_trainer.weights import LoraWeightPublisher, build_weight_publisher
 
 
 def make_engine(state: dict[str, torch.Tensor]):

@@ -9,13 +9,7 @@ import time
 
 import pytest
 from msgspec.structs import replace
-from transformers import AutoModelForCausalLM
-
-from rlbus.checksums import sha256_file
-from rlbus.wire import events, weights
-from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
-from rlbus_trainer.ckpt import complete_steps
-from rlbus_trainer.testing import (
+from trainer_support import (
     descendants,
     is_alive,
     kill_tree,
@@ -24,6 +18,12 @@ from rlbus_trainer.testing import (
     start_ranks,
     wait_ranks,
 )
+from transformers import AutoModelForCausalLM
+
+from rlbus.checksums import sha256_file
+from rlbus.wire import events, weights
+from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
+from rlbus_trainer.ckpt import complete_steps
 from rlbus_trainer.tiny_model import build_tiny_model
 
 

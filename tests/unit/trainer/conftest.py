@@ -1,4 +1,4 @@
-"""Trainer test fixtures: one tiny model per session (helpers live in rlbus_trainer.testing)."""
+"""Trainer test fixtures: one tiny model per session (helpers live in tests/trainer_support.py)."""
 
 import pytest
 

@@ -3,9 +3,9 @@
 import math
 
 import pytest
+from trainer_support import make_train_batch
 
 from rlbus_trainer.batch_check import batch_problem
-from rlbus_trainer.testing import make_train_batch
 
 VOCAB = 300
 

@@ -5,16 +5,16 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from rlbus.runs import CHECKPOINT_COMPLETE, resolve_resume_step
-from rlbus_trainer.ckpt import complete_steps, prune_checkpoints
-from rlbus_trainer.testing import (
+from trainer_support import (
     kill_tree,
     make_sft_config,
     read_metrics,
     run_sft_ranks,
     start_sft_ranks,
 )
+
+from rlbus.rundirs import CHECKPOINT_COMPLETE, resolve_resume_step
+from rlbus_trainer.ckpt import complete_steps, prune_checkpoints
 
 
 def wait_for(predicate, timeout_s=180.0):

@@ -3,8 +3,7 @@
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from rlbus_trainer.testing import make_sft_config, read_metrics, run_sft_ranks
+from trainer_support import make_sft_config, read_metrics, run_sft_ranks
 
 
 @pytest.mark.slow

@@ -3,13 +3,13 @@ layout change nothing."""
 
 import pytest
 import torch
+from trainer_support import make_train_batch
 
 from rlbus.configs.trainer import TrainerConfig
 from rlbus.wire.batches import MicroBatch, TrainBatch
 from rlbus_trainer.engine import build_engine, setup_distributed
 from rlbus_trainer.loss import build_loss_fn
 from rlbus_trainer.service import rank_micro_batches
-from rlbus_trainer.testing import make_train_batch
 
 
 def one_token_padding() -> MicroBatch:

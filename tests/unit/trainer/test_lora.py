@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from trainer_support import make_train_batch
 
 from rlbus.configs.trainer import LoRAConfig, TrainerConfig, TrainerModelConfig
 from rlbus_trainer.ckpt import load_checkpoint, save_checkpoint
@@ -19,7 +20,6 @@ from rlbus_trainer.lora import (
     write_adapter_dir,
 )
 from rlbus_trainer.loss import build_loss_fn
-from rlbus_trainer.testing import make_train_batch
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3]])
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from trainer_support import make_train_batch
 
 from rlbus.configs.trainer import TrainerConfig
 from rlbus_trainer import qwen3
@@ -13,7 +14,6 @@ from rlbus_trainer.engine import build_engine, load_model, setup_distributed
 from rlbus_trainer.hf_dir import write_hf_dir
 from rlbus_trainer.loss import ancestor_mask, block_causal_mask, build_loss_fn
 from rlbus_trainer.service import rank_micro_batches
-from rlbus_trainer.testing import make_train_batch
 from rlbus_trainer.tiny_model import build_tiny_model
 
 

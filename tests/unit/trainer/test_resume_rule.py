@@ -1,9 +1,9 @@
-"""rlbus.runs.trainer_start: a trainer started again continues from its newest complete
+"""rlbus.rundirs.trainer_start: a trainer started again continues from its newest complete
 checkpoint even with `resume` unset, and never silently from step 1 once the bus has trained."""
 
 import pytest
 
-from rlbus.runs import (
+from rlbus.rundirs import (
     CHECKPOINT_COMPLETE,
     RunDirError,
     checkpoint_dir,

@@ -1,10 +1,10 @@
 """SFT: tokenization masks, packing, a short in-process run whose loss falls and whose model loads."""
 
+from trainer_support import make_sft_config, read_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlbus.configs.sft import SFTConfig
 from rlbus_trainer.sft_data import SFTData, pack, tokenize_conversation
-from rlbus_trainer.testing import make_sft_config, read_metrics
 
 
 def test_loss_mask_covers_assistant_content_and_end_token_only(tiny_model):

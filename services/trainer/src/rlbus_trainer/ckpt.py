@@ -18,11 +18,14 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import structlog
 import torch
 import torch.distributed as dist
+
+from rlbus.configs.common import ResumeConfig
 
 # The path rule, the completeness marker and resume-step resolution are the run directory's
 # contract, shared with the launcher: one home in rlbus.rundirs.
@@ -33,11 +36,13 @@ from rlbus.rundirs import (
     complete_steps,
     resolve_resume_step,
 )
+from rlbus_trainer.engine import Engine, torch_optimizers
+from rlbus_trainer.full_offload import OptimizerInBackward
 
 log = structlog.get_logger()
 
 
-def _rng_state() -> dict:
+def _rng_state() -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -46,7 +51,7 @@ def _rng_state() -> dict:
     }
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -73,10 +78,10 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def _dcp_state(engine) -> dict:
+def _dcp_state(engine: Engine) -> dict[str, Any]:
+    # torch.distributed.checkpoint is imported where it is used: it costs 0.1-0.8 s, which a run
+    # without [ckpt] (and every `--help`) would pay at start-up.
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    from rlbus_trainer.engine import torch_optimizers
 
     if engine.full_offload:
         return {"model": get_model_state_dict(engine.model)}
@@ -84,9 +89,9 @@ def _dcp_state(engine) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save_checkpoint(engine, run_dir: Path, step: int, progress: dict) -> Path:
+def save_checkpoint(engine: Engine, run_dir: Path, step: int, progress: dict[str, Any]) -> Path:
     """Write step `step`'s checkpoint on every rank, then mark it complete. Collective."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # deferred: see _dcp_state
 
     path = checkpoint_dir(run_dir, step)
     if engine.world.is_main and path.exists():
@@ -94,8 +99,8 @@ def save_checkpoint(engine, run_dir: Path, step: int, progress: dict) -> Path:
     dist.barrier()
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(_dcp_state(engine), checkpoint_id=str(path))
-    extras = {"rng": _rng_state()}
-    if engine.full_offload:
+    extras: dict[str, Any] = {"rng": _rng_state()}
+    if isinstance(engine.optimizer, OptimizerInBackward):  # engine.full_offload
         extras["full_offload"] = engine.optimizer.state_dict()
     torch.save(extras, path / f"rank_{engine.world.rank}.pt")
     if engine.world.is_main:
@@ -115,7 +120,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, progress: dict) -> Path:
     return path
 
 
-def load_for_resume(engine, run_dir: Path, resume) -> int:
+def load_for_resume(engine: Engine, run_dir: Path, resume: ResumeConfig | None) -> int:
     """SFT: with `resume` (a ResumeConfig, or None for a fresh start) load the checkpoint the run
     continues from (rlbus.rundirs.resolve_resume_step) and return its step; 0 when there is none."""
     if resume is None:
@@ -127,12 +132,10 @@ def load_for_resume(engine, run_dir: Path, resume) -> int:
     return step
 
 
-def load_checkpoint(engine, run_dir: Path, step: int) -> dict:
+def load_checkpoint(engine: Engine, run_dir: Path, step: int) -> dict[str, Any]:
     """Restore model, optimizer, schedule and RNG from step `step`; returns the saved progress."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # deferred: see _dcp_state
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    from rlbus_trainer.engine import torch_optimizers
 
     path = checkpoint_dir(run_dir, step)
     assert (path / CHECKPOINT_COMPLETE).exists(), f"checkpoint {path} is incomplete"
@@ -153,7 +156,7 @@ def load_checkpoint(engine, run_dir: Path, step: int) -> dict:
     if rank_file.exists():  # absent when resuming with more ranks than were saved
         extras = torch.load(rank_file, weights_only=False)
         _set_rng_state(extras["rng"])
-        if engine.full_offload:
+        if isinstance(engine.optimizer, OptimizerInBackward):  # engine.full_offload
             engine.optimizer.load_state_dict(extras["full_offload"])
     log.info("checkpoint_loaded", step=step, path=str(path))
     return meta["progress"]

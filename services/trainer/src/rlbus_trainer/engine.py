@@ -20,19 +20,23 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import cast
 
 import structlog
 import torch
 import torch.distributed as dist
 
+from rlbus.configs.trainer import TrainerConfig, TrainerModelConfig
 from rlbus.netutil import free_port
 from rlbus.wire.batches import MicroBatch
 from rlbus_trainer import qwen3
+from rlbus_trainer.full_offload import OptimizerInBackward
 from rlbus_trainer.hf_dir import local_model_dir
+from rlbus_trainer.lora import apply_lora
 from rlbus_trainer.loss import (
+    LossFn,
     LossInputs,
     ancestor_mask,
     block_causal_mask,
@@ -49,6 +53,9 @@ from rlbus_trainer.optim import (
 log = structlog.get_logger()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+EngineOptimizer = Optimizers | OptimizerStateOffload | OptimizerInBackward
+"""What `build_engine` steps: plain, with its state offloaded, or stepping in backward."""
 
 
 @dataclass(frozen=True)
@@ -67,11 +74,11 @@ def setup_distributed(timeout_s: float | None = None) -> World:
     `timeout_s`: the deadline of every collective (torch's default when None)."""
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)  # None: torch's
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if "RANK" in os.environ:
-            dist.init_process_group(backend, **timeout)
+            dist.init_process_group(backend, timeout=timeout)
         else:
             # A 1-rank group through an explicit address, not RANK/MASTER_* in os.environ: those
             # would leak into every process this one starts later and make an `sft` or `trainer`
@@ -81,7 +88,7 @@ def setup_distributed(timeout_s: float | None = None) -> World:
                 init_method=f"tcp://127.0.0.1:{free_port()}",
                 rank=0,
                 world_size=1,
-                **timeout,
+                timeout=timeout,
             )
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -92,11 +99,12 @@ def setup_distributed(timeout_s: float | None = None) -> World:
 
 
 def teardown_distributed() -> None:
+    """Leave the process group (if this process joined one)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def load_model(model_config, device: torch.device) -> torch.nn.Module:
+def load_model(model_config: TrainerModelConfig, device: torch.device) -> torch.nn.Module:
     """A causal LM from a local directory or HF id (Qwen3, Llama, ...), in the configured dtype:
     rlbus's own module where `model.impl` allows and it covers the model (`rlbus_trainer.qwen3`:
     no transformers import), else transformers'."""
@@ -111,22 +119,27 @@ def load_model(model_config, device: torch.device) -> torch.nn.Module:
         model.activation_checkpointing = model_config.activation_checkpointing
         log.info("model_loaded", impl="rlbus", architecture=qwen3.ARCHITECTURE)
         return model.to(device)
+    # transformers is imported only when a model needs it: its model classes cost ~3 s of one
+    # core to import (docs/trainer.md, "Model implementation").
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
+    hf_model = AutoModelForCausalLM.from_pretrained(
         model_config.name,
         dtype=DTYPES[model_config.dtype],
         trust_remote_code=model_config.trust_remote_code,
         attn_implementation="sdpa",
     )
     if getattr(model_config, "activation_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    log.info("model_loaded", impl="transformers", architecture=type(model).__name__)
-    return model.to(device)
+        hf_model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+    hf_model.config.use_cache = False
+    log.info("model_loaded", impl="transformers", architecture=type(hf_model).__name__)
+    # transformers declares .to() with functools.wraps(nn.Module.to): mypy reads it unbound
+    return hf_model.to(device)  # type: ignore[arg-type]
 
 
-def load_native(model_config) -> torch.nn.Module | None:
+def load_native(model_config: TrainerModelConfig) -> qwen3.Qwen3ForCausalLM | None:
     """rlbus's module for the model, or None when it has none (or the files are not local)."""
     if model_config.trust_remote_code:
         return None
@@ -141,11 +154,11 @@ def shard_model(model: torch.nn.Module, world: World) -> torch.nn.Module:
     dict and checkpoint helpers take both; tests/unit/trainer/test_ckpt.py)."""
     if world.world_size == 1:
         return model
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh  # deferred: see the docstring
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(world.device.type, (world.world_size,))
-    for layer in model.model.layers:
+    for layer in model.get_submodule("model.layers").children():
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -167,18 +180,23 @@ class Engine:
     """Model + optimizer + schedule of one rank; `train_step` runs one optimizer step."""
 
     def __init__(
-        self, config, world: World, model: torch.nn.Module, optimizer, schedule: LRSchedule
-    ):
+        self,
+        config: TrainerConfig,
+        world: World,
+        model: torch.nn.Module,
+        optimizer: EngineOptimizer,
+        schedule: LRSchedule,
+    ) -> None:
         self.config = config
         self.world = world
         self.model = model
         self.optimizer = optimizer
         self.schedule = schedule
         self.max_norm = config.optim.max_norm
-        self.full_offload = getattr(optimizer, "last_micro_batch", None) is not None
+        self.full_offload = isinstance(optimizer, OptimizerInBackward)
 
     # ---- one optimizer step -------------------------------------------------------------
-    def train_step(self, micro_batches: list[MicroBatch], loss_fn: Callable) -> StepResult:
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> StepResult:
         """Forward/backward this rank's micro-batches, then clip and step. Collective over ranks."""
         t0 = time.perf_counter()
         num_local_loss = sum(sum(mb.loss_mask) for mb in micro_batches)
@@ -192,13 +210,14 @@ class Engine:
         metric_sums: dict[str, torch.Tensor] = {}
         self.model.train()
         for i, mb in enumerate(padded):
-            if self.full_offload:
+            if isinstance(self.optimizer, OptimizerInBackward):
                 self.optimizer.last_micro_batch = i == len(padded) - 1
             loss, metrics = self._forward_loss(mb, loss_fn, num_global_loss)
             (loss * self.world.world_size).backward()
             loss_sum += loss.detach().double().cpu()
             for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0) + v.detach().double().cpu()
+                v64 = v.detach().double().cpu()
+                metric_sums[k] = metric_sums[k] + v64 if k in metric_sums else v64
         t1 = time.perf_counter()
 
         grad_norm = (
@@ -224,7 +243,9 @@ class Engine:
             optimizer_s=t2 - t1,
         )
 
-    def _forward_loss(self, group: list[MicroBatch], loss_fn: Callable, num_global_loss: int):
+    def _forward_loss(
+        self, group: list[MicroBatch], loss_fn: LossFn, num_global_loss: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One forward pass over a group of packed rows (padded to the longest), loss over all."""
         dev = self.world.device
         num_rows, width = len(group), max(len(mb.input_ids) for mb in group)
@@ -253,7 +274,7 @@ class Engine:
             logprobs.append(lp)
             entropies.append(ent)
 
-        def flat(attr, dtype):
+        def flat(attr: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(
                 [x for mb in group for x in getattr(mb, attr)], dtype=dtype, device=dev
             )
@@ -286,7 +307,7 @@ class Engine:
         return groups + [[make_padding_micro_batch()]] * (int(count) - len(groups))
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: list[MicroBatch], loss_fn: Callable) -> float:
+    def eval_loss(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> float:
         """Mean loss over micro-batches of every rank without updating anything (validation)."""
         self.model.eval()
         total = torch.tensor([sum(sum(mb.loss_mask) for mb in micro_batches)], dtype=torch.float64)
@@ -306,9 +327,10 @@ class Engine:
             return {name: t.detach().cpu() for name, t in self.model.state_dict().items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(
+        state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        return cast(dict[str, torch.Tensor], state)  # a model's state: tensors only
 
 
 def make_padding_micro_batch() -> MicroBatch:
@@ -324,19 +346,16 @@ def make_padding_micro_batch() -> MicroBatch:
     )
 
 
-def build_engine(config, world: World) -> Engine:
+def build_engine(config: TrainerConfig, world: World) -> Engine:
     """Model, FSDP2 sharding, optimizer (plain, state-offloaded or in-backward) and schedule."""
     torch.manual_seed(config.seed)
     model = load_model(config.model, world.device)
     if config.lora is not None:  # freezes the base: the optimizer sees adapters
-        from rlbus_trainer.lora import apply_lora
-
         apply_lora(model, config.lora)
     model = shard_model(model, world)
     full = config.model.full_offload_config
+    optimizer: EngineOptimizer
     if full is not None:
-        from rlbus_trainer.full_offload import OptimizerInBackward
-
         optimizer = OptimizerInBackward(
             model, config.optim, backend=full.backend, numa_binding=full.numa_binding
         )
@@ -358,7 +377,7 @@ def build_engine(config, world: World) -> Engine:
     return Engine(config, world, model, optimizer, schedule)
 
 
-def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+def torch_optimizers(optimizer: EngineOptimizer) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside an `Optimizers` / `OptimizerStateOffload` (for DCP)."""
     assert isinstance(optimizer, (Optimizers, OptimizerStateOffload)), type(optimizer)
     return optimizer.optimizers

@@ -17,10 +17,14 @@ by the config). NUMA binding pins this process's CPU threads to the cores of its
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 import torch
+from torch.utils.hooks import RemovableHandle
 
+from rlbus.configs.trainer import AdamWConfig, OptimizerConfig, SignSGDConfig
 from rlbus_trainer.optim import SignSGD
 
 log = structlog.get_logger()
@@ -38,7 +42,7 @@ def bind_to_numa_node() -> None:
         node_dirs = [d for d in os.listdir("/sys/devices/system/node") if d.startswith("node")]
         for node in sorted(node_dirs):
             text = open(f"/sys/devices/system/node/{node}/cpulist").read().strip()
-            cpus = set()
+            cpus: set[int] = set()
             for part in text.split(","):
                 lo, _, hi = part.partition("-")
                 cpus.update(range(int(lo), int(hi or lo) + 1))
@@ -56,17 +60,18 @@ class OptimizerInBackward:
     def __init__(
         self,
         model: torch.nn.Module,
-        optim_config,
+        optim_config: OptimizerConfig,
         *,
         backend: str = "native",
         numa_binding: bool = True,
-    ):
-        assert optim_config.type in ("adamw", "sign_sgd"), optim_config.type
+    ) -> None:
+        # the config refuses full offload with other optimizers (trainer.optim)
+        assert isinstance(optim_config, (AdamWConfig, SignSGDConfig)), optim_config
         if numa_binding:
             bind_to_numa_node()
         self.last_micro_batch = True
         self.optimizers: list[torch.optim.Optimizer] = []
-        self._handles = []
+        self._handles: list[RemovableHandle] = []
         self._params: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         for param in model.parameters():
             if not param.requires_grad:
@@ -89,25 +94,31 @@ class OptimizerInBackward:
             )
 
     @staticmethod
-    def _make_optimizer(master, cfg, backend: str) -> torch.optim.Optimizer:
-        if cfg.type == "sign_sgd":
+    def _make_optimizer(
+        master: torch.nn.Parameter, cfg: AdamWConfig | SignSGDConfig, backend: str
+    ) -> torch.optim.Optimizer:
+        if isinstance(cfg, SignSGDConfig):
             return SignSGD([master], lr=cfg.lr, weight_decay=cfg.weight_decay)
         fused = backend == "native"
         return torch.optim.AdamW(
             [master],
             lr=cfg.lr,
-            betas=tuple(cfg.betas),
+            betas=(cfg.betas[0], cfg.betas[1]),
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
             fused=fused,
             foreach=False if not fused else None,
         )
 
-    def _make_hook(self, param, master, opt):
+    def _make_hook(
+        self, param: torch.nn.Parameter, master: torch.nn.Parameter, opt: torch.optim.Optimizer
+    ) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            grad = _local(p.grad).detach().to("cpu", torch.float32)
+            assert p.grad is not None  # the hook runs once the gradient is accumulated
+            device_grad = _local(p.grad)
+            grad = device_grad.detach().to("cpu", torch.float32)
             if master.grad is None:
-                master.grad = grad.clone() if grad.data_ptr() == _local(p.grad).data_ptr() else grad
+                master.grad = grad.clone() if grad.data_ptr() == device_grad.data_ptr() else grad
             else:
                 master.grad.add_(grad)
             p.grad = None
@@ -120,7 +131,7 @@ class OptimizerInBackward:
         return hook
 
     @property
-    def param_groups(self) -> list[dict]:
+    def param_groups(self) -> list[dict[str, Any]]:
         return [g for opt in self.optimizers for g in opt.param_groups]
 
     def step(self) -> None:
@@ -130,13 +141,13 @@ class OptimizerInBackward:
         for _, master in self._params:
             master.grad = None
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "masters": [m.detach() for _, m in self._params],
             "optimizers": [opt.state_dict() for opt in self.optimizers],
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             for (param, master), saved in zip(self._params, state["masters"], strict=True):
                 master.copy_(saved)
@@ -145,5 +156,6 @@ class OptimizerInBackward:
             opt.load_state_dict(saved)
 
     def remove(self) -> None:
+        """Take the gradient hooks off the model's parameters."""
         for h in self._handles:
             h.remove()

@@ -3,7 +3,8 @@
     apply_lora(model, config)        freeze the model, add lora_A/lora_B to each target Linear
     adapter_state_dict(state)        the adapter tensors of a state dict, PEFT key names
     merged_state_dict(state, config) W + scaling * B @ A folded in (full weights, no adapters)
-    LoraWeightPublisher              PEFT adapter dirs under <run_dir>/broadcasts/step_N/
+    write_adapter_dir(tensors, ...)  a PEFT adapter directory (what LoraWeightPublisher, in
+                                     weights.py, writes under <run_dir>/broadcasts/step_N/)
 
 Each target `nn.Linear` keeps its own weight under its own name and gains two bias-free
 sub-layers, `lora_A` ([rank, in]) and `lora_B` ([out, rank], zero at init), plus a forward hook
@@ -13,7 +14,7 @@ model implementations (`qwen3.py`, transformers) see the same tree, and an adapt
 Linear's name + `.lora_A.weight`, which is PEFT's key without the `base_model.model.` prefix.
 B = 0 at init: the adapted model starts as the base model exactly.
 
-The publisher writes `adapter_config.json` + `adapter_model.safetensors` (what vLLM's
+The publisher (`rlbus_trainer.weights.LoraWeightPublisher`) writes `adapter_config.json` + `adapter_model.safetensors` (what vLLM's
 /load_lora_adapter and PEFT read) and announces `WeightsPublished(lora_name=...)`: replicas load
 it in place under that name (rlbus_inference.admin) and advertise it as their model, so rollouts
 sample from the adapter (docs/lora.md).
@@ -21,18 +22,20 @@ sample from the adapter (docs/lora.md).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from rlbus_trainer.weights import FilesystemWeightPublisher
+from rlbus.configs.trainer import LoRAConfig
 
 log = structlog.get_logger()
 
@@ -41,49 +44,56 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def _lora_hook(module: nn.Linear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
-    x = module.lora_dropout(inputs[0])
-    return output + module.lora_B(module.lora_A(x)) * module.lora_scaling
+def _lora_hook(
+    module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, *, scaling: float
+) -> torch.Tensor:
+    x = module.get_submodule("lora_dropout")(inputs[0])
+    return output + module.get_submodule("lora_B")(module.get_submodule("lora_A")(x)) * scaling
 
 
 def add_adapter(linear: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
-    """Give `linear` a LoRA adapter (A: kaiming-uniform as PEFT, B: zeros) and its hook."""
+    """Give `linear` a LoRA adapter (A: kaiming-uniform as PEFT, B: zeros) and its hook, which
+    adds `alpha / rank * lora_B(lora_A(lora_dropout(x)))` to the layer's output."""
     weight = linear.weight
-    kwargs = dict(bias=False, device=weight.device, dtype=weight.dtype)
-    linear.lora_A = nn.Linear(linear.in_features, rank, **kwargs)
-    linear.lora_B = nn.Linear(rank, linear.out_features, **kwargs)
-    nn.init.kaiming_uniform_(linear.lora_A.weight, a=math.sqrt(5))
-    nn.init.zeros_(linear.lora_B.weight)
+    lora_a = nn.Linear(
+        linear.in_features, rank, bias=False, device=weight.device, dtype=weight.dtype
+    )
+    lora_b = nn.Linear(
+        rank, linear.out_features, bias=False, device=weight.device, dtype=weight.dtype
+    )
+    nn.init.kaiming_uniform_(lora_a.weight, a=math.sqrt(5))
+    nn.init.zeros_(lora_b.weight)
+    linear.lora_A, linear.lora_B = lora_a, lora_b
     linear.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-    linear.lora_scaling = alpha / rank
-    linear.register_forward_hook(_lora_hook)
+    linear.register_forward_hook(functools.partial(_lora_hook, scaling=alpha / rank))
 
 
-def apply_lora(model: nn.Module, config) -> list[str]:
+def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     """Freeze every parameter of `model`, then add trainable adapters to the `nn.Linear`s whose
     last name component is in `config.target_modules`; returns their names. `ValueError` when
     none matches (a typo in target_modules would otherwise train nothing)."""
     for param in model.parameters():
         param.requires_grad_(False)
     targets = set(config.target_modules)
-    names = [
-        name
+    linears = {
+        name: module
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
-    ]
-    if not names:
+    }
+    if not linears:
         raise ValueError(
             f"trainer.lora.target_modules {sorted(targets)} matches no Linear layer of the model: "
             "use projection names such as q_proj, v_proj, down_proj"
         )
-    for name in names:
-        add_adapter(model.get_submodule(name), config.rank, config.alpha, config.dropout)
+    for linear in linears.values():
+        add_adapter(linear, config.rank, config.alpha, config.dropout)
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("lora_applied", num_modules=len(names), num_trainable=num_trainable)
-    return names
+    log.info("lora_applied", num_modules=len(linears), num_trainable=num_trainable)
+    return list(linears)
 
 
 def is_adapter_key(name: str) -> bool:
+    """A state-dict key of an adapter tensor (lora_A or lora_B)."""
     return ".lora_A." in name or ".lora_B." in name
 
 
@@ -92,7 +102,9 @@ def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {PEFT_PREFIX + k: v.contiguous() for k, v in state.items() if is_adapter_key(k)}
 
 
-def merged_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+def merged_state_dict(
+    state: dict[str, torch.Tensor], config: LoRAConfig
+) -> dict[str, torch.Tensor]:
     """The base model's state dict with every adapter folded in: W + (alpha / rank) * B @ A
     (the full-weights fallback; an engine without LoRA serves it as any other version)."""
     scaling = config.alpha / config.rank
@@ -106,7 +118,7 @@ def merged_state_dict(state: dict[str, torch.Tensor], config) -> dict[str, torch
     return merged
 
 
-def adapter_config(config, base_model: str) -> dict:
+def adapter_config(config: LoRAConfig, base_model: str) -> dict[str, Any]:
     """PEFT's adapter_config.json for these adapters (what vLLM's LoRA loader reads)."""
     return {
         "peft_type": "LORA",
@@ -122,7 +134,9 @@ def adapter_config(config, base_model: str) -> dict:
     }
 
 
-def write_adapter_dir(tensors: dict[str, torch.Tensor], config, base_model: str, out: Path) -> Path:
+def write_adapter_dir(
+    tensors: dict[str, torch.Tensor], config: LoRAConfig, base_model: str, out: Path
+) -> Path:
     """Write a PEFT adapter directory to `out` (temp dir, fsync, rename: readers never see a
     partial one)."""
     tmp = out.parent / f".{out.name}.tmp"  # as hf_dir.write_hf_dir: pruning skips it
@@ -137,16 +151,3 @@ def write_adapter_dir(tensors: dict[str, torch.Tensor], config, base_model: str,
         shutil.rmtree(out)
     os.rename(tmp, out)
     return out
-
-
-class LoraWeightPublisher(FilesystemWeightPublisher):
-    """Adapters only: `<run_dir>/broadcasts/step_N/` holds a PEFT adapter directory, announced
-    with `lora_name` (replicas call /load_lora_adapter). Pruning as the filesystem publisher."""
-
-    def __init__(self, config, *, bus, run_dir: Path, world):
-        super().__init__(config, bus=bus, run_dir=run_dir, world=world)
-        self.lora = config.lora
-        self.lora_name = config.lora.name
-
-    def write(self, state: dict, out: Path) -> Path:
-        return write_adapter_dir(adapter_state_dict(state), self.lora, self.config.model.name, out)

@@ -27,6 +27,8 @@ from typing import Protocol
 
 import torch
 
+from rlbus.configs.trainer import DefaultLossConfig, LossConfig
+
 
 @dataclass
 class LossInputs:
@@ -138,7 +140,9 @@ def default_loss(
     return loss, metrics
 
 
-def _import_function(import_path: str) -> Callable:
+def _import_function(
+    import_path: str,
+) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     module_name, sep, attr = import_path.partition(":")
     if not sep:
         raise ValueError(
@@ -147,11 +151,13 @@ def _import_function(import_path: str) -> Callable:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def build_loss_fn(config) -> LossFn:
+def build_loss_fn(config: LossConfig) -> LossFn:
     """The loss function selected by `trainer.loss.type`."""
-    if config.type == "default":
+    if isinstance(config, DefaultLossConfig):
 
-        def loss_fn(inputs, num_global_tokens):
+        def loss_fn(
+            inputs: LossInputs, num_global_tokens: int
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             return default_loss(
                 inputs,
                 num_global_tokens,

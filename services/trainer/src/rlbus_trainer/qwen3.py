@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -48,7 +49,7 @@ class Qwen3Config:
     tie_word_embeddings: bool
 
 
-def read_config(raw: dict) -> Qwen3Config | None:
+def read_config(raw: dict[str, Any]) -> Qwen3Config | None:
     """The config of a config.json this module covers, else None (see module docstring)."""
     if raw.get("architectures") != [ARCHITECTURE] or raw.get("attention_bias", False):
         return None
@@ -90,7 +91,7 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
@@ -102,7 +103,9 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_cos_sin(config: Qwen3Config, position_ids: torch.Tensor, dtype: torch.dtype):
+def rope_cos_sin(
+    config: Qwen3Config, position_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, [B, 1, T, head_dim] each (float32 math, then dtype)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=position_ids.device).float()
@@ -119,7 +122,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         d, h, kv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.num_groups = d, h // kv
@@ -130,7 +133,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         heads = (b, t, -1, self.head_dim)
         q = self.q_norm(self.q_proj(x).view(heads)).transpose(1, 2)  # [B, H, T, D]
@@ -145,31 +150,33 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.self_attn = Attention(config)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
@@ -185,7 +192,7 @@ class Qwen3ForCausalLM(nn.Module):
     `vocab_size`, and `get_input_embeddings` answers, as on a transformers model (what the
     trainer reads of one)."""
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.config = config
         self.model = Qwen3Model(config)
@@ -198,7 +205,9 @@ class Qwen3ForCausalLM(nn.Module):
         """As transformers names it (the trainer bounds token ids by its rows)."""
         return self.model.embed_tokens
 
-    def forward(self, input_ids, position_ids, attention_mask) -> CausalLMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> CausalLMOutput:
         """input_ids, position_ids: [B, T]; attention_mask: bool [B, 1, T, T], True = attend."""
         x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
@@ -212,8 +221,6 @@ class Qwen3ForCausalLM(nn.Module):
 
 def read_weights(model_dir: Path) -> dict[str, torch.Tensor] | None:
     """Every tensor of the directory's safetensors (one file or an index of shards)."""
-    from safetensors.torch import load_file
-
     if (model_dir / WEIGHTS_FILE).is_file():
         return load_file(model_dir / WEIGHTS_FILE)
     if not (model_dir / WEIGHTS_INDEX).is_file():
@@ -229,7 +236,7 @@ def load(model_dir: Path, dtype: torch.dtype) -> Qwen3ForCausalLM | None:
         return None
     config = read_config(json.loads(config_file.read_text()))
     weights = read_weights(model_dir) if config is not None else None
-    if weights is None:
+    if config is None or weights is None:
         return None
     model = Qwen3ForCausalLM(config)  # uninitialised: every parameter comes from the file
     if config.tie_word_embeddings:

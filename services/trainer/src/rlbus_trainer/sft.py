@@ -7,6 +7,14 @@ split round-robin over ranks and packed into rows of seq_len. Validation loss ev
 an HF directory that `inference` and `rl` load. The `sft` command (rlbus_launch.sft) names the
 run, writes the resolved config and starts torchrun, whose ranks (sft_entrypoint.py) call
 `run(config)`.
+
+    setup: process group, run dir, data (train, val), engine, its checkpoint, sinks (rank 0)
+    for step in start + 1 .. num_steps:
+        train    this rank's share of the step's examples, packed (train_step)
+        validate every `data.val_interval` steps and at the last (validation_loss)
+        report   an `sft_step` line and a row for every sink (rank 0)
+        ckpt     every `ckpt.interval` steps and at the last, then prune to keep_last
+    end: the final model (write_final_model), unless `save_final_model` is off
 """
 
 from __future__ import annotations
@@ -15,60 +23,36 @@ import time
 from pathlib import Path
 
 import structlog
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from rlbus.configs.sft import SFTConfig
+from rlbus.obs.sinks import build_sinks
+from rlbus.rundirs import require_run_dir
+from rlbus_trainer import ckpt
+from rlbus_trainer.engine import (
+    Engine,
+    World,
+    build_engine,
+    setup_distributed,
+    teardown_distributed,
+)
+from rlbus_trainer.hf_dir import write_hf_dir
+from rlbus_trainer.lora import merged_state_dict
+from rlbus_trainer.sft_data import SFTData, Tokenized, pack, sft_loss
 
 log = structlog.get_logger()
 
 
-def _num_steps(config, data) -> int:
-    if config.max_steps is not None:
-        return config.max_steps
-    if data.num_examples is None:
-        raise ValueError(
-            "sft: the built-in reverse-text data never ends: set max_steps (--max-steps N)"
-        )
-    return max(1, data.num_examples // config.data.batch_size)
-
-
-def run(config) -> Path | None:
+def run(config: SFTConfig) -> Path | None:
     """Train per `config` (an SFTConfig) on this rank; returns the final model dir on rank 0."""
-    import torch.distributed as dist
-    from transformers import AutoTokenizer
-
-    from rlbus.obs.sinks import build_sinks
-    from rlbus.rundirs import require_run_dir
-    from rlbus_trainer import ckpt
-    from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
-    from rlbus_trainer.hf_dir import write_hf_dir
-    from rlbus_trainer.sft_data import SFTData, pack, sft_loss
-
     world = setup_distributed()
     run_dir = require_run_dir(config, "sft")
     run_dir.mkdir(parents=True, exist_ok=True)
     structlog.contextvars.bind_contextvars(service="sft", rank=world.rank)
-    tokenizer = AutoTokenizer.from_pretrained(
-        config.model.name, trust_remote_code=config.model.trust_remote_code
-    )
-    data = SFTData(
-        config.data.path,
-        tokenizer,
-        loss_roles=config.data.loss_roles,
-        batch_size=config.data.batch_size,
-        seed=config.seed,
-        copy_fraction=config.data.copy_fraction,
-    )
-    val = None
-    if config.data.val_path:
-        val = SFTData(
-            config.data.val_path,
-            tokenizer,
-            loss_roles=config.data.loss_roles,
-            batch_size=config.data.batch_size,
-            seed=config.seed,
-            split="val",
-        )
+    data, val = load_data(config)
     num_steps = _num_steps(config, data)
     engine = build_engine(config, world)
-
     start = ckpt.load_for_resume(engine, run_dir, config.resume)
     log.info("sft_started", run_dir=str(run_dir), start_step=start, num_steps=num_steps)
     # Rank 0 writes the step rows: metrics.jsonl and, with --monitors.wandb, wandb.
@@ -81,48 +65,13 @@ def run(config) -> Path | None:
     for step in range(start + 1, num_steps + 1):
         t0 = time.perf_counter()
         samples = data.batch(step)[world.rank :: world.world_size]
-        if (
-            step == start + 1
-            and (longest := max(len(x.input_ids) for x in samples)) > config.seq_len
-        ):
-            log.warning(
-                "sft_samples_truncated",
-                longest=longest,
-                seq_len=config.seq_len,
-                fix=f"raise seq_len to at least {longest}: truncated samples lose their answers",
-            )
-        micro_batches = pack(samples, config.seq_len, pack=config.data.pack)
-        result = engine.train_step(micro_batches, sft_loss)
-        elapsed = time.perf_counter() - t0
-        record = {
-            "step": step,
-            "loss": result.loss,
-            "grad_norm": result.grad_norm,
-            "lr": result.lr,
-            "tokens_per_s": result.num_tokens / elapsed,
-            "num_tokens": result.num_tokens,
-            "step_time_s": elapsed,
-            **result.metrics,
-        }
+        if step == start + 1:
+            warn_if_truncated(samples, config.seq_len)
+        record = train_step(engine, config, step, samples, t0)
         if val is not None and (step % config.data.val_interval == 0 or step == num_steps):
-            record["val_loss"] = engine.eval_loss(
-                pack(
-                    val.batch(1)[world.rank :: world.world_size],
-                    config.seq_len,
-                    pack=config.data.pack,
-                ),
-                sft_loss,
-            )
+            record["val_loss"] = validation_loss(engine, config, val, world)
         if world.is_main:
-            log.info(
-                "sft_step",
-                step=step,
-                loss=round(result.loss, 4),
-                lr=result.lr,
-                grad_norm=round(result.grad_norm, 3),
-                tokens_per_s=round(record["tokens_per_s"]),
-                **({"val_loss": round(record["val_loss"], 4)} if "val_loss" in record else {}),
-            )
+            log_step(record)
         for sink in sinks:
             sink.write(record)
         if config.ckpt is not None and (step % config.ckpt.interval == 0 or step == num_steps):
@@ -132,21 +81,115 @@ def run(config) -> Path | None:
 
     for sink in sinks:
         sink.close()
-    out = None
-    if config.save_final_model:
-        state = engine.full_state_dict()
-        if config.lora is not None:  # a plain HF model: the adapters folded into the weights
-            from rlbus_trainer.lora import merged_state_dict
-
-            state = merged_state_dict(state, config.lora)
-        if world.is_main:
-            out = write_hf_dir(
-                state,
-                config.model.name,
-                run_dir / "model",
-                trust_remote_code=config.model.trust_remote_code,
-            )
-            log.info("sft_model_written", path=str(out))
-        dist.barrier()
+    out = write_final_model(engine, config, run_dir, world) if config.save_final_model else None
     teardown_distributed()
+    return out
+
+
+def _num_steps(config: SFTConfig, data: SFTData) -> int:
+    if config.max_steps is not None:
+        return config.max_steps
+    if data.num_examples is None:
+        raise ValueError(
+            "sft: the built-in reverse-text data never ends: set max_steps (--max-steps N)"
+        )
+    return max(1, data.num_examples // config.data.batch_size)
+
+
+def load_data(config: SFTConfig) -> tuple[SFTData, SFTData | None]:
+    """The training data and, with `data.val_path`, the validation data (same tokenizer)."""
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.model.name, trust_remote_code=config.model.trust_remote_code
+    )
+    data = SFTData(
+        config.data.path,
+        tokenizer,
+        loss_roles=config.data.loss_roles,
+        batch_size=config.data.batch_size,
+        seed=config.seed,
+        copy_fraction=config.data.copy_fraction,
+    )
+    if not config.data.val_path:
+        return data, None
+    val = SFTData(
+        config.data.val_path,
+        tokenizer,
+        loss_roles=config.data.loss_roles,
+        batch_size=config.data.batch_size,
+        seed=config.seed,
+        split="val",
+    )
+    return data, val
+
+
+def warn_if_truncated(samples: list[Tokenized], seq_len: int) -> None:
+    """One warning when a sample is longer than a row (packing cuts its end: its answer)."""
+    longest = max(len(x.input_ids) for x in samples)
+    if longest > seq_len:
+        log.warning(
+            "sft_samples_truncated",
+            longest=longest,
+            seq_len=seq_len,
+            fix=f"raise seq_len to at least {longest}: truncated samples lose their answers",
+        )
+
+
+def train_step(
+    engine: Engine, config: SFTConfig, step: int, samples: list[Tokenized], t0: float
+) -> dict[str, float]:
+    """One optimizer step on this rank's samples (collective); the step's row of metrics, timed
+    from `t0` (the start of the step, tokenizing included)."""
+    micro_batches = pack(samples, config.seq_len, pack=config.data.pack)
+    result = engine.train_step(micro_batches, sft_loss)
+    elapsed = time.perf_counter() - t0
+    return {
+        "step": step,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "tokens_per_s": result.num_tokens / elapsed,
+        "num_tokens": result.num_tokens,
+        "step_time_s": elapsed,
+        **result.metrics,
+    }
+
+
+def validation_loss(engine: Engine, config: SFTConfig, val: SFTData, world: World) -> float:
+    """Mean loss over the validation batch, this rank's share packed as for training
+    (collective)."""
+    samples = val.batch(1)[world.rank :: world.world_size]
+    return engine.eval_loss(pack(samples, config.seq_len, pack=config.data.pack), sft_loss)
+
+
+def log_step(record: dict[str, float]) -> None:
+    """The `sft_step` line of one step's row (rank 0)."""
+    log.info(
+        "sft_step",
+        step=record["step"],
+        loss=round(record["loss"], 4),
+        lr=record["lr"],
+        grad_norm=round(record["grad_norm"], 3),
+        tokens_per_s=round(record["tokens_per_s"]),
+        **({"val_loss": round(record["val_loss"], 4)} if "val_loss" in record else {}),
+    )
+
+
+def write_final_model(
+    engine: Engine, config: SFTConfig, run_dir: Path, world: World
+) -> Path | None:
+    """`<run_dir>/model/`, an HF directory with any LoRA adapters folded into the weights, written
+    by rank 0 (returned there; None elsewhere). Collective."""
+    state = engine.full_state_dict()
+    if config.lora is not None:  # a plain HF model: the adapters folded into the weights
+        state = merged_state_dict(state, config.lora)
+    out = None
+    if world.is_main:
+        out = write_hf_dir(
+            state,
+            config.model.name,
+            run_dir / "model",
+            trust_remote_code=config.model.trust_remote_code,
+        )
+        log.info("sft_model_written", path=str(out))
+    dist.barrier()
     return out

@@ -22,8 +22,15 @@ import random
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlbus.wire.batches import MicroBatch
+
+if TYPE_CHECKING:  # names for annotations only: this module imports neither at run time
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from rlbus_trainer.loss import LossInputs
 
 REVERSE_TEXT_SYSTEM_PROMPT = "Reverse the text character by character."
 
@@ -36,7 +43,7 @@ class Tokenized:
 
 def reverse_text_conversation(
     rng: random.Random, min_len: int = 5, max_len: int = 10, copy_fraction: float = 0.0
-) -> list[dict]:
+) -> list[dict[str, str]]:
     """One reverse-text conversation; with probability `copy_fraction` the answer is the text
     itself (a lazy demonstration) instead of its reversal."""
     text = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(min_len, max_len)))
@@ -48,7 +55,9 @@ def reverse_text_conversation(
     ]
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], loss_roles: list[str]) -> Tokenized:
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], loss_roles: list[str]
+) -> Tokenized:
     """Token ids of the rendered chat, loss on the turns of `loss_roles` (content + end token).
 
     Each turn is the difference between the template rendered up to it and up to the turn before;
@@ -59,19 +68,13 @@ def tokenize_conversation(tokenizer, messages: list[dict], loss_roles: list[str]
     rendered = ""
     for i, message in enumerate(messages):
         if message["role"] in loss_roles:
-            header_end = (
-                tokenizer.apply_chat_template(
-                    messages[:i], tokenize=False, add_generation_prompt=True
-                )
-                if i
-                else ""
-            )
+            header_end = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
             header = header_end[len(rendered) :]
             ids_h = tokenizer.encode(header, add_special_tokens=False) if header else []
             ids += ids_h
             mask += [0] * len(ids_h)
             rendered = header_end
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        upto = _render(tokenizer, messages[: i + 1])
         assert upto.startswith(rendered), "chat template is not prefix-stable"
         piece_ids = tokenizer.encode(upto[len(rendered) :], add_special_tokens=False)
         ids += piece_ids
@@ -80,7 +83,21 @@ def tokenize_conversation(tokenizer, messages: list[dict], loss_roles: list[str]
     return Tokenized(ids, mask)
 
 
-def _read_conversations(path: str) -> list[list[dict]]:
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    *,
+    add_generation_prompt: bool = False,
+) -> str:
+    """The chat template's text of `messages`."""
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert isinstance(text, str)  # tokenize=False renders text
+    return text
+
+
+def _read_conversations(path: str) -> list[list[dict[str, str]]]:
     p = Path(path)
     if not p.exists():
         raise ValueError(
@@ -88,7 +105,7 @@ def _read_conversations(path: str) -> list[list[dict]]:
             "`datasets` directory, or the built-in 'reverse-text'"
         )
     if p.is_dir():
-        try:
+        try:  # optional: only a saved dataset needs it
             import datasets
         except ImportError as e:
             raise ValueError(
@@ -97,7 +114,7 @@ def _read_conversations(path: str) -> list[list[dict]]:
             ) from e
         return [row["messages"] for row in datasets.load_from_disk(str(p))]
     if p.suffix == ".parquet":
-        try:
+        try:  # optional: only Parquet data needs it
             import pyarrow.parquet as pq
         except ImportError as e:
             raise ValueError(
@@ -114,14 +131,14 @@ class SFTData:
     def __init__(
         self,
         path: str,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         loss_roles: list[str],
         batch_size: int,
         seed: int,
         split: str = "train",
         copy_fraction: float = 0.0,
-    ):
+    ) -> None:
         self.path, self.tokenizer, self.loss_roles = path, tokenizer, loss_roles
         self.batch_size, self.seed, self.split = batch_size, seed, split
         self.copy_fraction = copy_fraction
@@ -133,7 +150,8 @@ class SFTData:
     def num_examples(self) -> int | None:
         return None if self.conversations is None else len(self.conversations)
 
-    def conversation(self, index: int) -> list[dict]:
+    def conversation(self, index: int) -> list[dict[str, str]]:
+        """Example `index` of the data (the epochs are shuffled, each its own way)."""
         if self.conversations is None:
             rng = random.Random(f"sft-reverse-text/{self.seed}/{self.split}/{index}")
             return reverse_text_conversation(rng, copy_fraction=self.copy_fraction)
@@ -180,12 +198,14 @@ def _micro_batch(row: list[Tokenized]) -> MicroBatch:
     )
 
 
-def sft_loss(inputs, num_global_tokens: int):
+def sft_loss(
+    inputs: LossInputs, num_global_tokens: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Cross-entropy on loss tokens, normalised by the step's global loss-token count."""
     mask = inputs.loss_mask
     denom = max(num_global_tokens, 1)
     loss = -(inputs.trainer_logprobs * mask).sum() / denom
-    metrics = {}
+    metrics: dict[str, torch.Tensor] = {}
     if inputs.entropy is not None:
         metrics["entropy"] = (inputs.entropy * mask).sum() / denom
     return loss, metrics

@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 PAD = "<|endoftext|>"
@@ -47,10 +49,8 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def build_tokenizer():
+def build_tokenizer() -> Tokenizer:
     """A byte-level BPE tokenizer without merges: token id = byte value, then the special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -73,6 +73,8 @@ def build_tiny_model(
     max_position_embeddings: int = 2048,
 ) -> Path:
     """Write a tiny Qwen3 HF model directory (weights, config, tokenizer, chat template) to out_dir."""
+    # torch and transformers are imported here, not at the top: `rlbus-tiny-model --help` stays
+    # instant (they cost seconds to import).
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -87,7 +89,9 @@ def build_tiny_model(
         model_max_length=max_position_embeddings,
     )
     assert len(tokenizer) <= vocab_size, f"vocab_size must be >= {len(tokenizer)}"
-    eos_id, pad_id = tokenizer.convert_tokens_to_ids([IM_END, PAD])
+    ids = tokenizer.convert_tokens_to_ids([IM_END, PAD])
+    assert isinstance(ids, list)  # a list of tokens gives a list of ids
+    eos_id, pad_id = ids
     config = Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

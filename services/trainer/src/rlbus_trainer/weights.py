@@ -8,6 +8,9 @@
   each file's sha256 (`rlbus.checksums.weight_files`) under the weights KV key `latest` and on
   the weights-published subject.
   Broadcasts beyond the newest `keep_last` that no replica serves any more are pruned.
+- `LoraWeightPublisher` (with `trainer.lora`): the same, but each directory holds the LoRA
+  adapters only, as PEFT writes them (`rlbus_trainer.lora.write_adapter_dir`), announced with
+  `lora_name` (docs/lora.md).
 - `NcclWeightPublisher`: rank 0 hosts a broadcast group with every worker of every registered
   replica (TCPStore at host:port, announced with the ranks as `location`, `ranks`, `world_size`
   in the weights KV key: the rendezvous goes over the bus), then sends the version tensor by
@@ -27,31 +30,39 @@ retried through an outage for `ANNOUNCE_RETRY_S`, with a log line per retry.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import msgspec
 import structlog
 import torch
 
 from rlbus import broadcast
+from rlbus.bus import Bus
 from rlbus.bus.core import retry_transient
 from rlbus.bus.errors import CasMismatch
 from rlbus.checksums import weight_files
+from rlbus.configs.trainer import TrainerConfig
 from rlbus.netutil import free_port, reachable_host
 from rlbus.obs import tracing
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
+from rlbus_trainer.engine import Engine, World
 from rlbus_trainer.hf_dir import hf_tensors, write_hf_dir
+from rlbus_trainer.lora import adapter_state_dict, write_adapter_dir
 
 log = structlog.get_logger()
 
+T = TypeVar("T")
+
 
 class WeightPublisher(Protocol):
-    async def publish(self, step: int, engine) -> dict[str, float]:
+    async def publish(self, step: int, engine: Engine) -> dict[str, float]:
         """Publish the engine's weights as version `step` (collective); returns timing metrics."""
 
     async def close(self) -> None: ...
@@ -61,14 +72,14 @@ ANNOUNCE_RETRY_S = 120.0
 """How long a weights KV read or write is retried through a NATS outage before it fails."""
 
 
-async def _retrying(what: str, call):
+async def _retrying(what: str, call: Callable[[], Awaitable[T]]) -> T:
     """`await call()`, retried on transient bus errors for ANNOUNCE_RETRY_S (one log per try)."""
     return await retry_transient(
         what, call, within_s=ANNOUNCE_RETRY_S, event="weights_kv_retry", max_delay_s=2.0
     )
 
 
-async def _latest_entry(bus):
+async def _latest_entry(bus: Bus) -> tuple[int | None, int]:
     """(revision, version) of the weights KV key `latest`; (None, 0) when absent; a record that
     does not decode counts as version 0 (it is overwritten by the next publish)."""
     entry = await _retrying(
@@ -83,12 +94,12 @@ async def _latest_entry(bus):
         return entry.revision, 0
 
 
-async def latest_version(bus) -> int:
+async def latest_version(bus: Bus) -> int:
     """The weights version the bus announces (0: none yet): how far this run has trained."""
     return (await _latest_entry(bus))[1]
 
 
-async def _announce(bus, message: weights.WeightsPublished) -> bool:
+async def _announce(bus: Bus, message: weights.WeightsPublished) -> bool:
     """Put the version under the weights KV key (what agents watch) and on the events stream;
     False (nothing written) when the key already holds this version or a newer one."""
     payload = weights.encoder.encode(message)
@@ -108,8 +119,8 @@ async def _announce(bus, message: weights.WeightsPublished) -> bool:
             else:
                 await _retrying(
                     "update_latest",
-                    lambda r=revision: kv.update(
-                        WEIGHTS_LATEST_KEY, payload, revision=r, headers=headers
+                    functools.partial(
+                        kv.update, WEIGHTS_LATEST_KEY, payload, revision=revision, headers=headers
                     ),
                 )
             break
@@ -126,15 +137,15 @@ async def _announce(bus, message: weights.WeightsPublished) -> bool:
 class FilesystemWeightPublisher:
     """Safetensors directories under `<run_dir>/broadcasts/` (see module docstring)."""
 
-    def __init__(self, config, *, bus, run_dir: Path, world):
+    def __init__(self, config: TrainerConfig, *, bus: Bus, run_dir: Path, world: World) -> None:
         self.config, self.bus, self.world = config, bus, world
         self.root = Path(run_dir) / "broadcasts"
         self.keep_last = config.weight_broadcast.keep_last
 
     lora_name: str | None = None
-    """The record's `lora_name`: set by a publisher of adapters only (`rlbus_trainer.lora`)."""
+    """The record's `lora_name`: set by a publisher of adapters only (`LoraWeightPublisher`)."""
 
-    def write(self, state: dict, out: Path) -> Path:
+    def write(self, state: dict[str, torch.Tensor], out: Path) -> Path:
         """Write one version's files to `out` (atomically: temp dir, fsync, rename)."""
         return write_hf_dir(
             state,
@@ -143,7 +154,8 @@ class FilesystemWeightPublisher:
             trust_remote_code=self.config.model.trust_remote_code,
         )
 
-    async def publish(self, step: int, engine) -> dict[str, float]:
+    async def publish(self, step: int, engine: Engine) -> dict[str, float]:
+        """Rank 0 writes version `step`, announces it and prunes old ones (collective)."""
         t0 = time.perf_counter()
         state = await asyncio.to_thread(engine.full_state_dict)
         if not self.world.is_main:
@@ -187,6 +199,7 @@ class FilesystemWeightPublisher:
         }
 
     async def versions_in_use(self) -> set[int]:
+        """The weights versions the registered replicas serve."""
         return {info.weights_version for info in await self.bus.read_replicas()}
 
     async def prune(self, newest: int) -> list[int]:
@@ -208,7 +221,7 @@ class FilesystemWeightPublisher:
         return doomed
 
     async def close(self) -> None:
-        pass
+        """Nothing to release: every version is a directory of its own."""
 
 
 def _advertised_host() -> str:
@@ -234,11 +247,19 @@ class NcclWeightPublisher:
     docstring; docs/weights.md). One group generation serves versions while the replica registry
     keeps the same members; a join, a leave or a failed version forms a new one."""
 
-    def __init__(self, config, *, bus, run_dir: Path, world, host: str | None = None):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        bus: Bus,
+        run_dir: Path,
+        world: World,
+        host: str | None = None,
+    ) -> None:
         self.config, self.bus, self.world = config, bus, world
         self.timeout_s = config.weight_broadcast.timeout_s
         self.host = host or _advertised_host()
-        self.group = None
+        self.group: broadcast.BroadcastGroup | None = None
         self.members: Members = ()
         self.started: tuple[float, ...] = ()
         """`ReplicaInfo.started_at` of each member of the current group."""
@@ -293,6 +314,7 @@ class NcclWeightPublisher:
         return True
 
     async def _announce(self, step: int) -> bool:
+        assert self.location is not None  # a group was formed (_open_group) before
         return await _announce(
             self.bus,
             weights.WeightsPublished(
@@ -305,7 +327,9 @@ class NcclWeightPublisher:
             ),
         )
 
-    async def publish(self, step: int, engine) -> dict[str, float]:
+    async def publish(self, step: int, engine: Engine) -> dict[str, float]:
+        """Rank 0 broadcasts version `step` to the group, formed anew when the registered
+        replicas changed (collective over the trainer's ranks)."""
         t0 = time.perf_counter()
         state = await asyncio.to_thread(engine.full_state_dict)
         if not self.world.is_main:
@@ -323,6 +347,7 @@ class NcclWeightPublisher:
                 announced = await self._announce(step)
             if not announced:
                 return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
+            assert self.group is not None  # formed by _open_group, or kept from the last version
             await asyncio.to_thread(
                 broadcast.send_state_dict, self.group, step, tensors, self.rank_names()
             )
@@ -365,12 +390,32 @@ class NcclWeightPublisher:
             self.group = None
 
 
-PUBLISHERS = {"filesystem": FilesystemWeightPublisher, "nccl": NcclWeightPublisher}
+class LoraWeightPublisher(FilesystemWeightPublisher):
+    """Adapters only: `<run_dir>/broadcasts/step_N/` holds a PEFT adapter directory, announced
+    with `lora_name` (replicas call /load_lora_adapter). Pruning as the filesystem publisher."""
+
+    def __init__(self, config: TrainerConfig, *, bus: Bus, run_dir: Path, world: World) -> None:
+        super().__init__(config, bus=bus, run_dir=run_dir, world=world)
+        assert config.lora is not None  # build_weight_publisher picks this class only then
+        self.lora = config.lora
+        self.lora_name = config.lora.name
+
+    def write(self, state: dict[str, torch.Tensor], out: Path) -> Path:
+        """The adapters of `state` as a PEFT directory at `out` (atomically)."""
+        return write_adapter_dir(adapter_state_dict(state), self.lora, self.config.model.name, out)
 
 
-def build_weight_publisher(config, *, bus, run_dir: Path, world) -> WeightPublisher:
-    if config.lora is not None:  # adapters only, always through the filesystem
-        from rlbus_trainer.lora import LoraWeightPublisher
+PUBLISHERS: dict[str, type[FilesystemWeightPublisher] | type[NcclWeightPublisher]] = {
+    "filesystem": FilesystemWeightPublisher,
+    "nccl": NcclWeightPublisher,
+}
 
+
+def build_weight_publisher(
+    config: TrainerConfig, *, bus: Bus, run_dir: Path, world: World
+) -> WeightPublisher:
+    """The publisher `trainer.weight_broadcast.type` selects; LoRA adapters always go through
+    the filesystem."""
+    if config.lora is not None:
         return LoraWeightPublisher(config, bus=bus, run_dir=run_dir, world=world)
     return PUBLISHERS[config.weight_broadcast.type](config, bus=bus, run_dir=run_dir, world=world)
