@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
-from nats.aio.subscription import Subscription
 
+from rlbus.bus import Subscription
 from rlbus.bus.client import Bus
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.wire import weights as weights_wire
