@@ -50,6 +50,7 @@ from rlbus.checksums import weight_files
 from rlbus.configs.trainer import TrainerConfig
 from rlbus.netutil import free_port, reachable_host
 from rlbus.obs import tracing
+from rlbus.rundirs import broadcasts_dir
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_trainer.engine import Engine, World
@@ -139,7 +140,7 @@ class FilesystemWeightPublisher:
 
     def __init__(self, config: TrainerConfig, *, bus: Bus, run_dir: Path, world: World) -> None:
         self.config, self.bus, self.world = config, bus, world
-        self.root = Path(run_dir) / "broadcasts"
+        self.root = broadcasts_dir(run_dir)
         self.keep_last = config.weight_broadcast.keep_last
 
     lora_name: str | None = None
