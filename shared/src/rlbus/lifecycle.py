@@ -73,6 +73,8 @@ def setup_observability(
 ) -> None:
     """structlog and tracing from `config.log` / `config.otel`, once per process. Only rank 0 of
     a torchrun job traces: the other ranks would write the same spans again."""
+    # Deferred: the OpenTelemetry SDK, exporters and prometheus_client load only in a process
+    # that runs a service, never for an entry point's `--help` or a config error.
     from rlbus.obs import tracing
     from rlbus.obs.logging import setup_logging
     from rlbus.obs.metrics import serve_metrics
@@ -129,7 +131,7 @@ def main(
     rank: int | None = None,
 ) -> Any:
     """The body of every service entry point (see module docstring); returns what `run` returns."""
-    from rlbus.obs import tracing
+    from rlbus.obs import tracing  # deferred: see setup_observability
 
     with errors_in_one_line(command, inputs=config_inputs(config)):
         setup_observability(service, config, run_dir=run_dir, run_id=run_id, rank=rank)

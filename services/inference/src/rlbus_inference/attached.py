@@ -25,6 +25,7 @@ import structlog
 from rlbus.configs.inference import InferenceConfig
 from rlbus.lifecycle import EXIT_INPUT_MISSING
 from rlbus_inference import engine_process, validation
+from rlbus_inference.replica import served_model_name
 
 log = structlog.get_logger()
 
@@ -99,8 +100,6 @@ def served_models(public: httpx.Client, config: InferenceConfig) -> list[str]:
 def check_model(public: httpx.Client, config: InferenceConfig) -> list[str]:
     """The names the server serves, which must include the run's model (what the rollout
     clients ask for)."""
-    from rlbus_inference.replica import served_model_name
-
     wanted = served_model_name(config)
     served = served_models(public, config)
     if wanted not in served:

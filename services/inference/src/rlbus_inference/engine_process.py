@@ -36,6 +36,7 @@ import structlog
 from rlbus import process_marks
 from rlbus.configs.inference import AttachConfig, InferenceConfig
 from rlbus.netutil import loopback_if_wildcard
+from rlbus.obs import tracing
 from rlbus_inference import admin_access, patches
 from rlbus_inference.engine_plugin import FAST_START_ENV, GUARD_ENV
 
@@ -123,8 +124,6 @@ def engine_tracing(config: InferenceConfig) -> tuple[list[str], dict[str, str]]:
     request, child of the caller's traceparent) with the collector and protocol rlbus uses.
     Nothing without an OTLP endpoint (vLLM has no file exporter), or when `[inference.vllm]`
     sets `otlp_traces_endpoint` itself."""
-    from rlbus.obs import tracing
-
     endpoint = tracing.otlp_endpoint(config.otel.endpoint)
     if not (config.otel.enabled and endpoint) or "otlp_traces_endpoint" in (
         config.vllm.model_extra or {}

@@ -56,8 +56,9 @@ from rlbus.configs.inference import InferenceConfig
 from rlbus.lifecycle import ServiceState, TaskSupervisor, run_service
 from rlbus.netutil import free_port, port_in_use
 from rlbus.secrets import SecretError
-from rlbus_inference import admin_access, engine_process
+from rlbus_inference import admin_access, attached, engine_process
 from rlbus_inference.gate import PublicGate, no_signal_server
+from rlbus_inference.replica import run_replica_tasks
 
 if TYPE_CHECKING:  # uvicorn loads with the gate
     import uvicorn
@@ -160,8 +161,6 @@ def run(config: InferenceConfig) -> None:
 def run_attached(config: InferenceConfig, token: str | None) -> None:
     """Attach mode: check and reset the running server (`rlbus_inference.attached`: one line and
     exit 2 or 4 when it cannot be used), then only the bus part of `serve` until stopped."""
-    from rlbus_inference import attached
-
     if config.bus.url is None:  # `rl` always sets it (its bus, embedded or not)
         exit_with_config_error(
             "--attach registers a running server for a run: it needs --bus.url (the run's bus); "
@@ -321,8 +320,6 @@ def spawn_replica_tasks(
     config: InferenceConfig, state: ServiceState, tasks: TaskSupervisor, token: str | None
 ) -> asyncio.Task:
     """The bus part of a replica, owned or attached: weights, lease, applied/failed events."""
-    from rlbus_inference.replica import run_replica_tasks
-
     return tasks.spawn("replica_tasks", run_replica_tasks(config, state, token))
 
 

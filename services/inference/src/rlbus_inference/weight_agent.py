@@ -35,6 +35,7 @@ from rlbus.bus import Bus
 from rlbus.bus.kv import KV
 from rlbus.configs.inference import InferenceConfig
 from rlbus.lifecycle import TaskSupervisor
+from rlbus.obs import tracing
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
 from rlbus_inference import engine_process
@@ -157,8 +158,6 @@ class WeightAgent:
         self, kv: KV, revision: int | None, target: weights.WeightsPublished | None
     ) -> None:
         """Keep the trace context stored with record `revision` (one read, only when tracing)."""
-        from rlbus.obs import tracing
-
         if target is None or revision is None or not tracing.enabled():
             return
         if record_key(target) in self.trace_headers:
@@ -208,8 +207,6 @@ class WeightAgent:
     async def apply_with_retry(self, target: weights.WeightsPublished) -> None:
         """Apply `target` with retries, inside an `inference.weights_load` span that is a child
         of the trainer's publish (the record's trace context) when tracing is on."""
-        from rlbus.obs import tracing
-
         headers = self.trace_headers.get(record_key(target))
         with tracing.span(
             tracing.WEIGHTS_LOAD,

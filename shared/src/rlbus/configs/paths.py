@@ -20,6 +20,10 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from rlbus.configs.base import count_header, exit_with_config_error
+from rlbus.configs.common import ModelConfig
+from rlbus.configs.inference import VLLMConfig
+from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.configs.sft import SFTDataConfig
 
 EXPLICIT_PREFIXES = ("/", "./", "../", "~")
 BUILT_IN_DATA = "reverse-text"
@@ -102,11 +106,6 @@ def _walk(
 def path_problems(config: BaseModel, *, strict: bool) -> list[str]:
     """One line per missing path of `config`, each named by the first flag that holds it
     (`rl` pushes `--model.name` into every service: it is reported once, as `--model.name`)."""
-    from rlbus.configs.common import ModelConfig
-    from rlbus.configs.inference import VLLMConfig
-    from rlbus.configs.orchestrator import OrchestratorConfig
-    from rlbus.configs.sft import SFTDataConfig
-
     problems: dict[str, str] = {}
     for prefix, sub, parent in _walk(config, "--"):
         found: list[tuple[str, str | None]] = []

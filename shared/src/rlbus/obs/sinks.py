@@ -8,6 +8,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from rlbus.configs.base import exit_with_config_error
 from rlbus.configs.common import MonitorsConfig, WandbMonitorConfig
 
 WANDB_MISSING = (
@@ -144,8 +145,6 @@ def check_sinks_installed(monitors: MonitorsConfig) -> None:
     the monitor's log after the run started."""
     if monitors.wandb is None:
         return
-    from rlbus.configs.base import exit_with_config_error
-
     if importlib.util.find_spec("wandb") is None:
         exit_with_config_error(WANDB_MISSING)
     if wandb_online(monitors.wandb) and not wandb_logged_in():
