@@ -42,12 +42,6 @@ class Replica:
     ports: tuple[int, int] = (0, 0)
     """(public port, engine port)."""
 
-    @property
-    def router_url(self) -> str:
-        """The public URL under its name from when a vllm-router sat behind the gate (the
-        orchestrator and e2e tests still use it)."""
-        return self.public_url
-
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the replica's whole process group (the engine is in its own group)."""
         try:

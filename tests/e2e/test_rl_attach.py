@@ -54,7 +54,7 @@ def attached_args(server, starting_model, steps: int = STEPS) -> list[str]:
         "--max-steps",
         str(steps),
         "--inference.attach",
-        server.router_url,
+        server.public_url,
         "--inference.attach.admin-url",
         server.engine_url,
     ]
@@ -63,7 +63,7 @@ def attached_args(server, starting_model, steps: int = STEPS) -> list[str]:
 def server_serves(server) -> bool:
     return (
         server.proc.poll() is None
-        and httpx.get(server.router_url + "/health", timeout=10).status_code == 200
+        and httpx.get(server.public_url + "/health", timeout=10).status_code == 200
     )
 
 

@@ -53,7 +53,7 @@ def attach_command(server, nats_server, run_id: str, *extra: str) -> list[str]:
     return [
         *inference_command(),
         "--attach.url",
-        server["replica"].router_url,
+        server["replica"].public_url,
         "--attach.admin-url",
         server["replica"].engine_url,
         "--vllm.model",
@@ -98,7 +98,7 @@ class Attached:
 def greedy(server) -> tuple[list[int], str]:
     """(greedy token ids, weights version header) of the server's public URL."""
     response = httpx.post(
-        server["replica"].router_url + "/v1/chat/completions",
+        server["replica"].public_url + "/v1/chat/completions",
         json={
             "model": str(server["base"]),
             "messages": PROMPT,
@@ -137,7 +137,7 @@ async def test_attach_registers_applies_resets_and_leaves_the_server_serving(
     bus = await connect_run(nats_server, first_run)
     try:
         info = await wait_registered(bus, replica_id, 0, first)
-        assert info.base_url == replica.router_url + "/v1"
+        assert info.base_url == replica.public_url + "/v1"
         assert info.admin_url == replica.engine_url
         applied = await bus.nc.subscribe(bus.subjects.weights_applied)
         await bus.kv(bus.subjects.weights_bucket).put(

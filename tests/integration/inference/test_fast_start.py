@@ -31,7 +31,7 @@ def sampled(replica, model: str) -> list[dict]:
         "logprobs": True,
         "return_token_ids": True,
     }
-    response = httpx.post(replica.router_url + "/v1/chat/completions", json=body, timeout=120)
+    response = httpx.post(replica.public_url + "/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return [
         {

@@ -76,7 +76,7 @@ def replica(tmp_path_factory, nats_server_module):
         yield dict(
             replica=started,
             engine=f"http://{ADDRESS}:{started.ports[1]}",
-            public=started.router_url,
+            public=started.public_url,
             root=root,
             run_dir=run_dir,
             broadcasts=run_dir / "broadcasts",

@@ -116,7 +116,7 @@ async def next_event(bus: Bus, subject: str, decoder, *, timeout_s: float):
 
 
 def test_router_serves_health_models_and_chat_with_token_ids_and_logprobs(run):
-    url, model = run["replica"].router_url, str(run["base"])
+    url, model = run["replica"].public_url, str(run["base"])
     assert httpx.get(url + "/health").status_code == 200
     assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [model]
 
@@ -132,7 +132,7 @@ def test_router_serves_health_models_and_chat_with_token_ids_and_logprobs(run):
 @pytest.mark.parametrize("path", ADMIN_PATHS)
 def test_admin_endpoints_answer_on_engine_port_and_404_on_router_port(run, path):
     replica = run["replica"]
-    assert httpx.post(replica.router_url + path, json={}).status_code == 404
+    assert httpx.post(replica.public_url + path, json={}).status_code == 404
     # On the engine port the route exists: an empty body is a 4xx with a reason, or (pause/resume) 200.
     response = httpx.post(replica.engine_url + path, json={}, timeout=60)
     assert response.status_code in (200, 400, 422), response.text
@@ -154,7 +154,7 @@ async def test_replica_registers_in_registry(run):
     bus = await connect(run)
     try:
         info = (await registered(bus))["replica-a"]
-        assert info.base_url == run["replica"].router_url + "/v1"
+        assert info.base_url == run["replica"].public_url + "/v1"
         assert info.admin_url == run["replica"].engine_url
         assert info.model == str(run["base"])
     finally:
@@ -164,7 +164,7 @@ async def test_replica_registers_in_registry(run):
 async def test_published_weights_are_applied_and_output_matches_transformers(run):
     step_dir = make_changed_weights(run["base"], run["run_dir"] / "broadcasts" / "step_1")
     expected_tokens, expected_logprobs = transformers_greedy(step_dir, MAX_TOKENS)
-    before = completion_tokens(chat(run["replica"].router_url, str(run["base"])))
+    before = completion_tokens(chat(run["replica"].public_url, str(run["base"])))
     assert before != expected_tokens  # the new weights must make a visible difference
 
     bus = await connect(run)
@@ -185,7 +185,7 @@ async def test_published_weights_are_applied_and_output_matches_transformers(run
     finally:
         await bus.close()
 
-    response = chat(run["replica"].router_url, str(run["base"]))
+    response = chat(run["replica"].public_url, str(run["base"]))
     assert response.headers["x-rlbus-weights-version"] == "1"
     assert completion_tokens(response) == expected_tokens
     # Same tokens; logprobs within 2% (the x100-scaled weights amplify kernel rounding).
@@ -200,7 +200,7 @@ async def test_corrupted_weights_are_refused_and_old_version_still_served(run):
     with open(corrupt / "model.safetensors", "r+b") as f:
         f.seek(-64, 2)
         f.write(b"\x7f" * 64)
-    before = chat(run["replica"].router_url, str(run["base"]))
+    before = chat(run["replica"].public_url, str(run["base"]))
 
     bus = await connect(run)
     try:
@@ -217,14 +217,14 @@ async def test_corrupted_weights_are_refused_and_old_version_still_served(run):
     assert isinstance(event, weights.WeightsFailed)
     assert event.version == 2 and "sha256" in event.reason
 
-    after = chat(run["replica"].router_url, str(run["base"]))
+    after = chat(run["replica"].public_url, str(run["base"]))
     assert served_version(run) == 1
     assert after.headers["x-rlbus-weights-version"] == "1"
     assert completion_tokens(after) == completion_tokens(before)
 
 
 def test_lora_adapter_load_and_reload_changes_output(run):
-    engine, router = run["replica"].engine_url, run["replica"].router_url
+    engine, router = run["replica"].engine_url, run["replica"].public_url
     base_tokens = completion_tokens(chat(router, str(run["base"])))
     outputs = []
     for seed in (1, 2):
@@ -305,7 +305,7 @@ def check_broadcast_updates_weights(run, make_sender_group) -> None:
     assert joined.status_code == 200, joined.text
     assert joined.json()["ranks"] == [1]
 
-    before = completion_tokens(chat(run["replica"].router_url, str(run["base"])))
+    before = completion_tokens(chat(run["replica"].public_url, str(run["base"])))
     sender = threading.Thread(
         target=broadcast.send_state_dict, args=(holder["group"], 5, state_dict)
     )
@@ -315,7 +315,7 @@ def check_broadcast_updates_weights(run, make_sender_group) -> None:
     )
     sender.join(60)
     assert updated.status_code == 200, updated.text
-    response = chat(run["replica"].router_url, str(run["base"]))
+    response = chat(run["replica"].public_url, str(run["base"]))
     assert response.headers["x-rlbus-weights-version"] == "5"
     assert completion_tokens(response) != before
 

