@@ -115,7 +115,7 @@ async def next_event(bus: Bus, subject: str, decoder, *, timeout_s: float):
         await sub.unsubscribe()
 
 
-def test_router_serves_health_models_and_chat_with_token_ids_and_logprobs(run):
+def test_public_port_serves_health_models_and_chat_with_token_ids_and_logprobs(run):
     url, model = run["replica"].public_url, str(run["base"])
     assert httpx.get(url + "/health").status_code == 200
     assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [model]
@@ -130,7 +130,7 @@ def test_router_serves_health_models_and_chat_with_token_ids_and_logprobs(run):
 
 
 @pytest.mark.parametrize("path", ADMIN_PATHS)
-def test_admin_endpoints_answer_on_engine_port_and_404_on_router_port(run, path):
+def test_admin_endpoints_answer_on_engine_port_and_404_on_public_port(run, path):
     replica = run["replica"]
     assert httpx.post(replica.public_url + path, json={}).status_code == 404
     # On the engine port the route exists: an empty body is a 4xx with a reason, or (pause/resume) 200.
