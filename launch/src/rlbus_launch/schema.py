@@ -443,6 +443,31 @@ _SAMPLE = rollouts.RolloutSample(
     timings={"generate": 0.5},
     temperature=1.0,
 )
+_TOOL_SAMPLE = rollouts.RolloutSample(
+    prompt_token_ids=[1, 2, 3],
+    completion_token_ids=[4, 5, 6, 7, 8],
+    completion_logprobs=[-0.5, -0.25, 0.0, 0.0, -1.0],
+    completion_mask=[1, 1, 0, 0, 1],
+    reward=1.0,
+    finish_reason="stop",
+    policy_version=2,
+    num_turns=2,
+    num_tool_calls=1,
+    stop_reason="done",
+    messages=[
+        tasks.ChatMessage(
+            role="assistant",
+            tool_calls=[
+                tasks.ToolCall(
+                    id="call-0",
+                    function=tasks.ToolFunction(name="search", arguments='{"query": "abc"}'),
+                )
+            ],
+        ),
+        tasks.ChatMessage(role="tool", content="doc 3: abc", tool_call_id="call-0", name="search"),
+        tasks.ChatMessage(role="assistant", content="cba"),
+    ],
+)
 _MICRO_BATCH = batches.MicroBatch(
     input_ids=[1, 2, 3, 4, 5],
     position_ids=[0, 1, 2, 3, 4],
@@ -467,6 +492,7 @@ REGISTRY: tuple[MessageSpec, ...] = (
             ),
             sampling=tasks.SamplingArgs(temperature=1.0, max_tokens=64),
             group_size=2,
+            limits=tasks.EpisodeLimits(max_turns=4, deadline_s=60.0),
             min_policy_version=2,
             created_at=EXAMPLE_TIME,
         ),
@@ -479,8 +505,9 @@ REGISTRY: tuple[MessageSpec, ...] = (
             step=3,
             env_id="reverse-text",
             example_id=12,
-            samples=[_SAMPLE],
+            samples=[_SAMPLE, _TOOL_SAMPLE],
             worker_id="worker-0",
+            dropped={"error": 1},
             finished_at=EXAMPLE_TIME,
         ),
     ),

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from rlbus.wire.base import Message, NonNegative, now
+from rlbus.wire.tasks import ChatMessage
 
 
 class RolloutSample(msgspec.Struct, kw_only=True, array_like=True):
@@ -36,6 +37,18 @@ class RolloutSample(msgspec.Struct, kw_only=True, array_like=True):
     """Named durations in seconds (e.g. `generate`, `score`)."""
     temperature: float = 1.0
     completion_text: str | None = None
+    num_turns: NonNegative = 1
+    """Model turns of the episode (1 for a single-turn environment)."""
+    num_tool_calls: NonNegative = 0
+    num_tool_errors: NonNegative = 0
+    """Tool calls answered with an error (a tool that raised or timed out, broken JSON
+    arguments, an unknown tool name); the episode went on."""
+    stop_reason: str | None = None
+    """Why a multi-turn episode ended: `done` (the environment said so), `max_turns`,
+    `max_total_tokens`, `deadline`, `length` (the model's turn was cut at max_tokens)."""
+    messages: list[ChatMessage] = []
+    """The episode's conversation after the prompt (assistant turns, tool calls, tool and
+    environment messages); empty for single-turn samples (`completion_text` holds the answer)."""
 
 
 class Rollout(Message, kw_only=True):
@@ -49,6 +62,9 @@ class Rollout(Message, kw_only=True):
     worker_id: str | None = None
     error: str | None = None
     """Set when the group could not be produced; samples are then empty."""
+    dropped: dict[str, NonNegative] = {}
+    """Episodes of the group that failed and were left out of `samples`, by reason (e.g.
+    `error`, `timeout`); the group trains on the rest when enough remain."""
     metadata: dict[str, Any] = {}
     finished_at: float = msgspec.field(default_factory=now)
 

@@ -12,11 +12,43 @@ import msgspec
 from rlbus.wire.base import Message, NonNegative, Positive, now
 
 
+class ToolFunction(msgspec.Struct, kw_only=True):
+    """The function a tool call names, with its arguments as the model wrote them (a JSON text
+    that may not parse: the environment answers a broken one with a tool message)."""
+
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One tool call of an assistant message (OpenAI chat format)."""
+
+    id: str
+    function: ToolFunction
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    """One chat turn of a prompt (OpenAI chat format)."""
+    """One message of a conversation (OpenAI chat format): a prompt's turn, an assistant's answer
+    with its tool calls, or a tool's result (`role = "tool"`, with the `tool_call_id` it answers)."""
 
     role: str
-    content: str
+    content: str = ""
+    tool_calls: list[ToolCall] = []
+    tool_call_id: str | None = None
+    name: str | None = None
+    """The tool's name on a `tool` message (some chat templates print it)."""
+
+
+class EpisodeLimits(msgspec.Struct, kw_only=True):
+    """Where a multi-turn episode ends if its environment has not said done (None: no limit)."""
+
+    max_turns: Positive | None = None
+    """Model turns per episode."""
+    max_total_tokens: Positive | None = None
+    """Tokens of the whole episode (prompt, every completion, every environment message)."""
+    deadline_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """Wall-clock seconds per episode, from its first request."""
 
 
 class SamplingArgs(msgspec.Struct, kw_only=True):
@@ -55,6 +87,8 @@ class Task(Message, kw_only=True):
     problem: Problem
     sampling: SamplingArgs = msgspec.field(default_factory=SamplingArgs)
     group_size: Positive = 1
+    limits: EpisodeLimits = msgspec.field(default_factory=EpisodeLimits)
+    """Limits of a multi-turn episode (single-turn environments ignore them)."""
     min_policy_version: NonNegative = 0
     """Rollouts must come from weights at least this new."""
     created_at: float = msgspec.field(default_factory=now)
