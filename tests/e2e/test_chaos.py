@@ -77,8 +77,13 @@ def test_twenty_sigkills_over_every_process_kind_and_the_run_heals(tmp_path, sta
     # Steps consecutive, none trained twice: every step finished once, in order.
     trained = [step for step, _ in chaos.trained_steps(run.run_dir)]
     assert trained == sorted(set(trained)), f"seed {seed}: a step was trained twice: {trained}"
-    rows = [row for row in metrics_lines(run.run_dir) if "loss" in row]
-    assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1)), f"seed {seed}"
+    all_rows = metrics_lines(run.run_dir)
+    rows = [row for row in all_rows if "loss" in row]
+    missing = sorted(set(range(1, MAX_STEPS + 1)) - {row["step"] for row in rows})
+    assert [row["step"] for row in rows] == list(range(1, MAX_STEPS + 1)), (
+        f"seed {seed}: steps without a trainer row {missing}; their rows: "
+        f"{[row for row in all_rows if row['step'] in missing]}; kills: {monkey.kills}"
+    )
     assert not any(row.get("retrained") for row in rows), f"seed {seed}: retrained steps"
     # Every issued task trained, dropped with a counted reason, or still outstanding.
     last = rows[-1]

@@ -130,3 +130,33 @@ async def test_rows_carry_the_dead_letter_count(nats_server, tmp_path):
     finally:
         stop(process)
         await bus.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_clean_stop_after_the_finish_writes_rows_missing_a_service(nats_server, tmp_path):
+    """Step 2's orchestrator half never comes (its coordinator was killed between the batch and
+    its metrics): once the run is finished, the stop writes step 2 with the trainer's half and
+    the rows held behind it, instead of dropping them for a next monitor that never starts."""
+    config = make_rl_config(nats_server, tmp_path, "monitor-finish")
+    metrics = tmp_path / "outputs" / "monitor-finish" / "metrics.jsonl"
+    bus = await Bus.connect(config.bus, storage_dir=tmp_path, name="test")
+    process = start_monitor(config, tmp_path)
+    try:
+        await publish_step(bus, 1)
+        await bus.publish(
+            bus.subjects.metrics("trainer"),
+            StepMetrics(service="trainer", step=2, metrics={"loss": 0.5}),
+            msg_id="t-2",
+        )
+        await publish_step(bus, 3)
+        read_rows(metrics, 1, timeout_s=60)
+        time.sleep(1.5)  # let the monitor take step 3 in; it waits behind step 2
+        assert steps_in(metrics) == [1]
+        await bus.mark_finished(3)
+        stop(process)
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert [row["step"] for row in rows] == [1, 2, 3]
+        assert rows[1]["loss"] == 0.5 and "reward/mean" not in rows[1]
+    finally:
+        stop(process)
+        await bus.close()

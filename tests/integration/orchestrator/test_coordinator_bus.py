@@ -98,3 +98,30 @@ async def test_a_refused_weights_version_is_logged_with_its_reason(bus, make_bus
     seen = [e for e in logs if e["event"] == "weights_failed_seen"]
     assert seen and (seen[0]["version"], seen[0]["replica_id"]) == (4, "r0")
     assert seen[0]["reason"] == "tensor x: holds NaN" and seen[0]["log_level"] == "error"
+
+
+async def test_restart_sends_the_metrics_of_a_batch_published_without_them(bus):
+    """Killed between storing step 2's batch and publishing its StepMetrics: the restarted
+    coordinator sends them from the stored batch (marked replayed); step 1's are on the bus
+    already and are not sent twice."""
+    from rlbus.wire import events
+
+    await bus.kv(bus.subjects.state_bucket).put(
+        STATE_KEY, CoordinatorState(next_step=3, cursor=4).encode()
+    )
+    for step in (1, 2):
+        await bus.publish(
+            bus.subjects.batch(step),
+            TrainBatch(step=step, micro_batches=[[]], metrics={"reward/mean": step / 10}),
+            msg_id=bus.subjects.batch_msg_id(step),
+        )
+    await bus.publish(
+        bus.subjects.metrics("orchestrator"),
+        events.StepMetrics(service="orchestrator", step=1, metrics={"reward/mean": 0.1}),
+    )
+    await make_coordinator(bus).load_state()
+    raw = await bus.last_stored(bus.subjects.events_stream, bus.subjects.metrics("orchestrator"))
+    sent = events.decoder.decode(raw.data)
+    assert (sent.step, sent.metrics) == (2, {"reward/mean": 0.2, "replayed": 1.0})
+    info = await bus.js.stream_info(bus.subjects.events_stream)
+    assert info.state.messages == 2  # step 1's were not sent again

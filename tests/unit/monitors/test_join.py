@@ -164,3 +164,36 @@ def test_a_fresh_file_waits_for_step_one_too():
     joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))
     rows = joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))
     assert [row["step"] for row, _ in rows] == [1, 2]
+
+
+def test_metrics_a_service_sends_again_after_a_restart_do_not_change_its_row():
+    joiner = StepJoiner()
+    joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0), "a")
+    assert joiner.add_metrics(make_metrics("orchestrator", 1, r=9.0, replayed=1.0), "b") == []
+    ((row, tokens),) = joiner.add_metrics(make_metrics("trainer", 1, loss=1.0), "c")
+    assert row["r"] == 1.0 and "replayed" not in row and "orchestrator/r" not in row
+    assert tokens == ["a", "b", "c"]  # the replay is acked with the row
+
+
+def test_replayed_metrics_fill_a_row_that_lacks_the_service():
+    joiner = StepJoiner()
+    joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))
+    ((row, _),) = joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0, replayed=1.0))
+    assert row["r"] == 1.0 and row["loss"] == 1.0
+
+
+def test_when_the_run_is_over_rows_missing_a_service_are_written_as_they_are():
+    """A step whose orchestrator half never came (its coordinator was killed between the batch
+    and its metrics) must not take its trainer half, and every row behind it, out of the file."""
+    joiner = StepJoiner()
+    joiner.add_metrics(make_metrics("orchestrator", 1, r=1.0))
+    joiner.add_metrics(make_metrics("trainer", 1, loss=1.0))
+    joiner.add_metrics(make_metrics("trainer", 2, loss=2.0))  # no orchestrator half
+    for step in (3, 4):
+        joiner.add_metrics(make_metrics("orchestrator", step, r=1.0))
+        joiner.add_metrics(make_metrics("trainer", step, loss=1.0))
+    joiner.add_weights(WeightsApplied(version=5, replica_id="r0", duration_s=0.1))
+    rows = joiner.rows_with_metrics()
+    assert [row["step"] for row, _ in rows] == [2, 3, 4]
+    assert rows[0][0]["loss"] == 2.0
+    assert list(joiner.pending) == [5]  # a row of weights acks only is not a step's row

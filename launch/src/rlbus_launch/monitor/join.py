@@ -10,6 +10,10 @@ row (e.g. only weights acks for step k+1) never takes the place of the real one.
 Rows are written in step order: a row waits up to `gap_wait_s` for earlier steps this monitor
 has not seen (held by a monitor that was killed, redelivered after the ack wait).
 
+Metrics a service sends again after a restart (`replayed`) fill a row that lacks the service
+and are otherwise only acked. When the run is over, `rows_with_metrics` lets the last monitor
+write the rows still missing a service (nobody will send the rest).
+
 A row missing a service is written without it only after `wait_s` (a restarting coordinator or
 trainer republishes a step's metrics a minute or more later, and a row written without them
 would drop them for good), and when `lookahead` later steps are complete.
@@ -25,6 +29,8 @@ from rlbus.wire.events import StepMetrics
 from rlbus.wire.weights import WeightsApplied, WeightsFailed
 
 JOINED_SERVICES = ("orchestrator", "trainer")
+REPLAYED_KEY = "replayed"
+"""Set (1.0) on a service's step metrics sent again after a restart, in case they were lost."""
 MONITOR_PREFIXES = ("weights/", "dead_letters/")
 """Keys the monitor adds to a row itself (weights acks, the dead-letter count)."""
 
@@ -87,6 +93,8 @@ class StepJoiner:
         """Add a service's metrics of a step; the caller skips (and acks) a step `is_written`."""
         assert not self.is_written(event.step), "ack a step already written, do not add it"
         row = self._row(event.step, token)
+        if event.metrics.get(REPLAYED_KEY) and event.service in row.services:
+            return self.ready()  # sent again after a restart: the row has them already
         for key, value in event.metrics.items():
             # Same metric name from two services: keep both, prefixed by service.
             name = f"{event.service}/{key}"
@@ -143,6 +151,12 @@ class StepJoiner:
             else:
                 break
         return out
+
+    def rows_with_metrics(self) -> list[tuple[JoinedRow, list[Any]]]:
+        """Every buffered row that holds a service's metrics, complete or not (the run is over:
+        no restarted service will send what is missing, and no later monitor will write it)."""
+        steps = [s for s, r in self.pending.items() if r.services]
+        return [self._pop(step) for step in sorted(steps)]
 
     def complete_rows(self) -> list[tuple[JoinedRow, list[Any]]]:
         """Every complete buffered row, even behind an incomplete one (at a clean stop: a step

@@ -33,6 +33,7 @@ DEAD_COUNT_EVERY_S = 1.0
 """The dead-letter stream is asked for its count at most this often."""
 LAST_ROW_WAIT_S = 60.0
 """`--exit-when-finished`: how long the monitor waits for the last step's row after the finish."""
+FINISH_READ_TIMEOUT_S = 5.0
 
 
 def read_rows(path: Path | None) -> list[dict[str, Any]]:
@@ -127,12 +128,14 @@ class Monitor:
             for delivery in deliveries:
                 await delivery.ack()
 
-    async def close(self) -> None:
+    async def close(self, run_over: bool = False) -> None:
         """Write the complete rows still held behind an incomplete one, hand the events of the
         incomplete ones back to the bus (nak: the next monitor gets them at once), then close
-        the sinks."""
+        the sinks. When the run is over (`run_over`: its finish is on the bus) no later monitor
+        will complete a row, so every row holding a service's metrics is written as it is."""
         try:
-            await self.write(self.joiner.complete_rows())
+            rows = self.joiner.rows_with_metrics() if run_over else self.joiner.complete_rows()
+            await self.write(rows)
         except Exception as error:  # the bus is gone: their events are redelivered anyway
             log.warning("monitor_final_rows_failed", error=repr(error))
         for delivery in self.joiner.held_tokens():
@@ -182,9 +185,19 @@ async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
             else:
                 await stop.wait()
     finally:
-        await monitor.close()
+        await monitor.close(run_over=await run_is_over(bus))
         await bus.close()
         log.info("monitor_stopped", num_rows=monitor.num_rows, num_skipped=monitor.num_skipped)
+
+
+async def run_is_over(bus: Bus) -> bool:
+    """Whether the run's finish is on the bus (False when it cannot be read: rows are then kept
+    for the next monitor, as on any stop)."""
+    try:
+        return await asyncio.wait_for(bus.run_finished(), FINISH_READ_TIMEOUT_S) is not None
+    except Exception as error:
+        log.warning("run_finished_unread", error=repr(error))
+        return False
 
 
 async def until_rows_written(bus: Bus, monitor: Monitor) -> None:

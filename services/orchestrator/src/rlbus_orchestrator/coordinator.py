@@ -80,7 +80,7 @@ from rlbus_orchestrator.eval_runner import EvalRunner
 from rlbus_orchestrator.group_pool import GroupPool
 from rlbus_orchestrator.rollout_intake import RolloutIntake
 from rlbus_orchestrator.state_store import StateStore
-from rlbus_orchestrator.step_metrics import StepStats
+from rlbus_orchestrator.step_metrics import StepStats, replay_lost_metrics
 from rlbus_orchestrator.step_traces import StepTraces
 from rlbus_orchestrator.task_issue import TaskIssuer, load_run_envs
 from rlbus_orchestrator.weights_watch import WeightsWatcher
@@ -146,6 +146,7 @@ class Coordinator:
     async def load_state(self) -> None:
         """The saved state (stored batches adopted), and the interrupted publish redone."""
         state = await self.store.load()
+        await replay_lost_metrics(self.bus, state.next_step - 1)
         await self.issuer.resume()
         log.info(
             "coordinator_state_loaded",

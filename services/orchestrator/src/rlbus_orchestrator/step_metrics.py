@@ -12,11 +12,20 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import structlog
+
 from rlbus.bus.client import Bus
+from rlbus.bus.errors import PoisonBatch
+from rlbus.wire import events
 from rlbus.wire.events import StepMetrics
 from rlbus.wire.rollouts import RolloutSample
 from rlbus_orchestrator.staleness import off_policy_lag
 from rlbus_orchestrator.state_store import DROP_REASONS, CoordinatorState
+
+log = structlog.get_logger()
+
+MAX_REPLAYED_STEPS = 8
+"""At most this many of the last published steps get their metrics sent again on a restart."""
 
 
 @dataclass
@@ -123,3 +132,36 @@ async def publish_metrics(bus: Bus, step: int, metrics: dict[str, float]) -> Non
     """A `StepMetrics` event of the orchestrator (monitors write it to metrics.jsonl)."""
     event = StepMetrics(service="orchestrator", step=step, metrics=metrics)
     await bus.publish(bus.subjects.metrics("orchestrator"), event)
+
+
+async def last_metrics_step(bus: Bus) -> int:
+    """The step of the newest orchestrator metrics stored on the events stream (0: none, or
+    unreadable: then the metrics are sent again, and the monitor keeps one row per step)."""
+    subjects = bus.subjects
+    try:
+        raw = await bus.last_stored(subjects.events_stream, subjects.metrics("orchestrator"))
+        event = None if raw is None else events.decoder.decode(raw.data or b"")
+    except Exception as error:
+        log.warning("orchestrator_metrics_unread", error=repr(error))
+        return 0
+    return event.step if isinstance(event, StepMetrics) else 0
+
+
+async def replay_lost_metrics(bus: Bus, last_published: int) -> list[int]:
+    """A coordinator killed between storing a batch and publishing its `StepMetrics` left the
+    step without orchestrator metrics: send them again from the stored batch (`replayed = 1`),
+    for the published steps after the newest metrics on the bus. Returns the steps sent."""
+    first = max(await last_metrics_step(bus) + 1, last_published - MAX_REPLAYED_STEPS + 1, 1)
+    sent = []
+    for step in range(first, last_published + 1):
+        try:
+            batch = await bus.step_log.read(step)
+        except PoisonBatch:
+            continue  # the trainer skips that step; it has no metrics to send
+        if batch is None or not batch.metrics:
+            continue
+        await publish_metrics(bus, step, {**batch.metrics, "replayed": 1.0})
+        sent.append(step)
+    if sent:
+        log.warning("step_metrics_replayed", steps=sent)
+    return sent
