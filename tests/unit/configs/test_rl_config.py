@@ -92,3 +92,29 @@ def test_a_lora_trainer_turns_on_lora_in_the_engine():
     explicit = make_rl("--trainer.lora", "--inference.vllm.max-lora-rank", "64")
     assert explicit.inference.vllm.model_extra["max_lora_rank"] == "64"  # extras stay strings
     assert "--enable-lora" not in make_rl().inference.vllm_cli_args()
+
+
+def test_the_tool_call_parser_follows_the_model_family_unless_set(tmp_path):
+    import json as json_
+
+    from rlbus.configs.inference import InferenceConfig
+
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json_.dumps({"model_type": "qwen3"}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json_.dumps({"model_type": "gpt2"}))
+
+    def parser_flags(**vllm):
+        args = InferenceConfig(vllm=vllm).vllm_cli_args(on_cpu=True)
+        parser = (
+            args[args.index("--tool-call-parser") + 1] if "--tool-call-parser" in args else None
+        )
+        return parser, "--enable-auto-tool-choice" in args
+
+    assert parser_flags(model=str(qwen)) == ("hermes", True)
+    assert parser_flags(model=str(other)) == (None, False)  # unknown family: no guess
+    assert parser_flags(model="Org/not-on-disk") == (None, False)
+    assert parser_flags(model=str(other), tool_call_parser="pythonic") == ("pythonic", True)
+    assert parser_flags(model=str(qwen), tool_call_parser="none") == (None, False)

@@ -273,3 +273,67 @@ def test_greedy_chat_n_asks_for_one_completion_and_copies_it():
     assert [t.completion_token_ids for t in turns] == [[5, 6]] * 3
     turns[0].completion_token_ids.append(7)  # copies, not one shared turn
     assert turns[1].completion_token_ids == [5, 6]
+
+
+def test_a_later_turn_sends_its_exact_prompt_ids_and_tools_and_reads_tool_calls():
+    """A multi-turn episode's later turn: vLLM generates from the ids it is given
+    (`kv_transfer_params.prompt_token_ids`) and parses tool calls from the output."""
+    from rlbus_orchestrator.client import TurnRequest
+
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        data = completion_json()
+        data["choices"][0]["message"] = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call-1", "type": "function",
+                 "function": {"name": "search", "arguments": '{"query": "x"}'}},
+            ],
+        }  # fmt: skip
+        return httpx.Response(200, json=data)
+
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    client, _ = make_client(handler, [make_replica("a"), make_replica("b")])
+    turn = asyncio.run(
+        client.chat(
+            [{"role": "user", "content": "x"}],
+            SamplingArgs(),
+            TurnRequest(tools=tools, prompt_token_ids=[1, 2, 3, 4]),
+            prefer="b",
+        )
+    )
+    assert seen[0]["tools"] == tools
+    assert seen[0]["kv_transfer_params"] == {"prompt_token_ids": [1, 2, 3, 4]}
+    assert turn.replica_id == "b"  # the episode's replica, though "a" is as free
+    assert turn.text == ""
+    assert [(c.id, c.function.name, c.function.arguments) for c in turn.tool_calls] == [
+        ("call-1", "search", '{"query": "x"}')
+    ]
+
+
+def test_tokenize_chat_asks_the_replicas_tokenize_endpoint_with_the_generation_prompt():
+    seen = []
+
+    def handler(request):
+        seen.append((str(request.url), json.loads(request.content)))
+        return httpx.Response(200, json={"count": 3, "tokens": [7, 8, 9]})
+
+    client, _ = make_client(handler, [make_replica("a")])
+    messages = [{"role": "tool", "content": "r", "tool_call_id": "c"}]
+    assert asyncio.run(client.tokenize_chat(messages)) == [7, 8, 9]
+    url, body = seen[0]
+    assert url == "http://a/tokenize"
+    assert body == {"model": "m", "messages": messages, "add_generation_prompt": True}
+
+
+def test_a_tokenize_answer_without_ids_backs_the_replica_off():
+    def handler(request):
+        return httpx.Response(200, json={"tokens": "no"})
+
+    client, pool = make_client(handler, [make_replica("a")])
+    with pytest.raises(NoReplicaError):
+        asyncio.run(client.tokenize_chat([{"role": "user", "content": "x"}]))
+    assert pool.replicas["a"].failures == 1

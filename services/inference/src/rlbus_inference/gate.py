@@ -6,7 +6,7 @@ routes. So the engine binds `admin.host` (loopback by default) and this gate, ru
 replica process, serves `server.port`:
 
     PUBLIC paths (the OpenAI API, vLLM's token-in/token-out /inference/v1/generate,
-                  /health, /metrics)                   -> streamed through to vLLM
+                  /tokenize, /health, /metrics)        -> streamed through to vLLM
     anything else                                      -> 404 {"error": ...}
     CORS                                               -> only for server.cors_allowed_origins
 
@@ -42,7 +42,10 @@ Headers = list[tuple[bytes, bytes]]
 GENERATE_PATH = "/inference/v1/generate"
 """vLLM's token-in/token-out endpoint (`--enable-scale-out`): verifiers 0.4's train client calls
 it. The rest of vLLM's scale-out API (/render, /derender, ...) stays closed."""
-PUBLIC_EXACT = frozenset({"/health", "/metrics", GENERATE_PATH})
+TOKENIZE_PATH = "/tokenize"
+"""vLLM's chat-template rendering to token ids (read-only): a multi-turn episode learns the tokens
+of the messages it adds between two model turns from it (rlbus_orchestrator.envs.turns)."""
+PUBLIC_EXACT = frozenset({"/health", "/metrics", GENERATE_PATH, TOKENIZE_PATH})
 PUBLIC_PREFIX = "/v1/"
 NOT_PUBLIC = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 """vLLM's own adapter management lives under /v1/ but is an admin operation."""
@@ -125,7 +128,7 @@ class PublicGate:
         if not is_public(scope["path"]):
             refusal = {
                 "error": f"{scope['path']} is not served on the public port (only the OpenAI API "
-                f"under /v1/, {GENERATE_PATH}, /health and /metrics are)"
+                f"under /v1/, {GENERATE_PATH}, {TOKENIZE_PATH}, /health and /metrics are)"
             }
             for message in json_response(HTTPStatus.NOT_FOUND, refusal):
                 await send(message)

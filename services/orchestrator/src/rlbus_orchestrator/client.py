@@ -24,9 +24,11 @@ and the worker waits for a replica, then naks the task for later.
 
 import asyncio
 import copy
+import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import structlog
@@ -36,11 +38,13 @@ from rlbus.configs.orchestrator import InferenceHttpConfig
 from rlbus.obs import tracing
 from rlbus.obs.metrics import timed_transport
 from rlbus.wire.replicas import ReplicaInfo
-from rlbus.wire.tasks import SamplingArgs
+from rlbus.wire.tasks import SamplingArgs, ToolCall, ToolFunction
 from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
 from rlbus_orchestrator.envs.base import ChatTurn
 
 log = structlog.get_logger()
+
+T = TypeVar("T")
 
 
 GREEDY_TEMPERATURE = 1e-5
@@ -95,11 +99,16 @@ class ReplicaPool:
                 known.failures, known.down_until = 0, 0.0
             known.info = info
 
-    def pick(self, exclude: set[str]) -> Replica | None:
+    def pick(self, exclude: set[str], prefer: str | None = None) -> Replica | None:
+        """The replica with the fewest outstanding requests, or `prefer` (the replica of an
+        episode's earlier turns: its prefix cache holds the conversation) while it is up."""
         now = time.monotonic()
         alive = [
             r for rid, r in self.replicas.items() if rid not in exclude and r.down_until <= now
         ]
+        preferred = [r for r in alive if r.info.replica_id == prefer]
+        if preferred:
+            return preferred[0]
         return min(alive, key=lambda r: (r.outstanding, r.num_requests), default=None)
 
     def mark_down(self, replica: Replica, error: str) -> None:
@@ -145,8 +154,23 @@ def static_replicas(urls: list[str], model: str) -> list[ReplicaInfo]:
     ]
 
 
+@dataclass
+class TurnRequest:
+    """What a multi-turn episode adds to a chat request: the tools it offers (OpenAI tool
+    schemas), and the exact prompt token ids of a later turn (the previous turn's prompt and
+    completion plus the new messages' tokens: `envs.turns`). vLLM then generates from those ids
+    instead of rendering `messages` again, and still parses tool calls from the output."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+
+
 def request_body(
-    model: str, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int = 1
+    model: str,
+    messages: list[dict[str, Any]],
+    sampling: SamplingArgs,
+    n: int = 1,
+    turn: TurnRequest | None = None,
 ) -> dict[str, Any]:
     """The chat completion request for `n` samples; `n` is set last, so `sampling.extra` cannot
     change how many choices `parse_turns` expects."""
@@ -164,6 +188,13 @@ def request_body(
     if sampling.seed is not None:
         body["seed"] = sampling.seed
     body.update(sampling.extra)
+    if turn is not None and turn.tools:
+        body["tools"] = turn.tools
+    if turn is not None and turn.prompt_token_ids is not None:
+        # vLLM's decode-side token reuse: the engine takes these ids as the prompt as they are
+        # (vllm/renderers/online_renderer.py `_reused_prompt_token_ids`); `messages` are not
+        # rendered, the tool parser still runs on the output.
+        body["kv_transfer_params"] = {"prompt_token_ids": turn.prompt_token_ids}
     body["n"] = n
     return body
 
@@ -193,6 +224,7 @@ def parse_choice(
         ids = list(choice.get("token_ids") or [])
         logprobs = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
         text = choice["message"].get("content") or ""
+        tool_calls = [parse_tool_call(call) for call in choice["message"].get("tool_calls") or []]
     except (KeyError, TypeError, AttributeError) as error:
         raise BadResponseError(f"not a chat completion ({type(error).__name__}: {error})") from None
     if len(ids) != len(logprobs):
@@ -205,6 +237,20 @@ def parse_choice(
         finish_reason=choice.get("finish_reason"),
         policy_version=version,
         replica_id=replica_id,
+        tool_calls=tool_calls,
+    )
+
+
+def parse_tool_call(call: dict[str, Any]) -> ToolCall:
+    """A tool call of a chat completion choice (`KeyError`/`TypeError` when it is not one)."""
+    function = call["function"]
+    arguments = function.get("arguments")
+    return ToolCall(
+        id=str(call.get("id") or ""),
+        function=ToolFunction(
+            name=str(function["name"]),
+            arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
+        ),
     )
 
 
@@ -239,8 +285,17 @@ class InferenceClient:
     ) -> None:
         self.pool, self.http, self.model, self.max_attempts = pool, http, model, max_attempts
 
-    async def chat(self, messages: list[dict[str, Any]], sampling: SamplingArgs) -> ChatTurn:
-        return (await self.chat_n(messages, sampling, 1))[0]
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling: SamplingArgs,
+        turn: TurnRequest | None = None,
+        prefer: str | None = None,
+    ) -> ChatTurn:
+        """One sample; `turn` for a multi-turn episode's tools and exact prompt ids, `prefer` the
+        replica of its earlier turns."""
+        (one,) = await self.request(messages, sampling, 1, turn, prefer)
+        return one
 
     async def chat_n(
         self, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int
@@ -253,30 +308,69 @@ class InferenceClient:
         return await self.request(messages, sampling, n)
 
     async def request(
-        self, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int
+        self,
+        messages: list[dict[str, Any]],
+        sampling: SamplingArgs,
+        n: int,
+        turn: TurnRequest | None = None,
+        prefer: str | None = None,
     ) -> list[ChatTurn]:
         """One chat completion with `n` choices, retried on another replica on failure (module
         docstring); a 4xx is raised as is."""
+        body = request_body(self.model, messages, sampling, n, turn)
+        return await self.on_a_replica(lambda replica: self._send(replica, body, n), prefer=prefer)
+
+    async def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        prefer: str | None = None,
+    ) -> list[int]:
+        """The token ids of `messages` rendered by the served model's chat template, with the
+        generation prompt (vLLM's `/tokenize`): how a multi-turn episode learns the tokens of
+        the messages it adds between two model turns (`envs.turns`)."""
+        body: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
+        if tools:
+            body["tools"] = tools
+        return await self.on_a_replica(lambda replica: self._tokenize(replica, body), prefer=prefer)
+
+    async def on_a_replica(
+        self, call: Callable[[Replica], Awaitable[T]], prefer: str | None = None
+    ) -> T:
+        """`call` on a replica, retried on another on failure (module docstring); a 4xx is
+        raised as is, `NoReplicaError` when none answered."""
         tried: set[str] = set()
         for _ in range(self.max_attempts):
-            replica = self.pool.pick(tried)
+            replica = self.pool.pick(tried, prefer)
             if replica is None:
                 break
             tried.add(replica.info.replica_id)
             try:
-                turns = await self._send(replica, messages, sampling, n)
+                result = await call(replica)
             except (httpx.TransportError, httpx.HTTPStatusError, BadResponseError) as error:
                 if isinstance(error, httpx.HTTPStatusError) and error.response.status_code < 500:
                     raise
                 self.pool.mark_down(replica, describe(error))
                 continue
             self.pool.mark_up(replica)
-            return turns
+            return result
         raise NoReplicaError(f"no inference replica answered (tried {sorted(tried) or 'none'})")
 
-    async def _send(
-        self, replica: Replica, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int
-    ) -> list[ChatTurn]:
+    async def _tokenize(self, replica: Replica, body: dict[str, Any]) -> list[int]:
+        url = replica.info.base_url.removesuffix("/v1") + "/tokenize"
+        response = await self.http.post(
+            url, json={"model": replica.info.model or self.model, **body}
+        )
+        response.raise_for_status()
+        try:
+            tokens = response.json()["tokens"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise BadResponseError(f"not a /tokenize answer ({type(error).__name__})") from None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise BadResponseError("not a /tokenize answer (tokens is not a list of ids)")
+        return tokens
+
+    async def _send(self, replica: Replica, body: dict[str, Any], n: int) -> list[ChatTurn]:
         model = replica.info.model or self.model
         replica.outstanding += 1
         replica.num_requests += 1
@@ -296,7 +390,7 @@ class InferenceClient:
             ) as span:
                 response = await self.http.post(
                     url,
-                    json=request_body(model, messages, sampling, n),
+                    json={**body, "model": model},
                     headers=tracing.inject_headers({}),  # W3C traceparent: vLLM's spans join
                 )
                 span.set_attribute("http.response.status_code", response.status_code)

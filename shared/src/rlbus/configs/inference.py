@@ -1,5 +1,7 @@
 """Inference service config (`inference` command): vLLM engine behind the public gate."""
 
+import json
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -9,6 +11,33 @@ from rlbus.configs.base import BaseConfig, field_errors
 from rlbus.configs.common import ServiceConfig, WeightBroadcastConfig
 from rlbus.configs.slurm import SlurmConfig
 from rlbus.netutil import check_http_url
+
+TOOL_CALL_PARSERS = {
+    "qwen2": "hermes",
+    "qwen2_moe": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "llama": "llama3_json",
+    "mistral": "mistral",
+    "granite": "granite",
+}
+"""vLLM's tool-call parser for a model family (`model_type` of config.json): the format the
+family's chat template teaches the model to call tools in."""
+
+
+def tool_call_parser_of(model: str, setting: str | None) -> str | None:
+    """The `--tool-call-parser` for `model` under the `tool_call_parser` setting (see there)."""
+    if setting is None or setting == "none":
+        return None
+    if setting != "auto":
+        return setting
+    try:
+        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # a hub id, or a directory without a readable config: no guess
+    return (
+        TOOL_CALL_PARSERS.get(str(config.get("model_type"))) if isinstance(config, dict) else None
+    )
 
 
 class VLLMConfig(BaseConfig):
@@ -53,6 +82,12 @@ class VLLMConfig(BaseConfig):
     """Serve vLLM's token-in/token-out `/inference/v1/generate`, which verifiers 0.4's train
     client calls (`vf:` environments, docs/environments.md). The public port passes only that
     path of vLLM's scale-out API."""
+
+    tool_call_parser: str | None = "auto"
+    """vLLM's tool-call parser (`--tool-call-parser`, started with `--enable-auto-tool-choice`),
+    so tool calls of environments that offer tools come back parsed. "auto": the parser of the
+    model's family (`model_type` in its config.json, `TOOL_CALL_PARSERS`), none for a family not
+    listed there or a model not on disk; "none": no parser (tool calls stay text)."""
 
 
 class ServerConfig(BaseConfig):
@@ -242,7 +277,12 @@ class InferenceConfig(ServiceConfig):
         """The vLLM server flags for the `vllm.*` options (known and pass-through). On CPU the KV
         cache is sized in bytes (`cpu_kv_cache_bytes`), on GPU by `gpu_memory_utilization`."""
         args: list[str] = []
-        values: dict[str, Any] = self.vllm.model_dump(exclude={"cpu_kv_cache_bytes"})
+        values: dict[str, Any] = self.vllm.model_dump(
+            exclude={"cpu_kv_cache_bytes", "tool_call_parser"}
+        )
+        parser = tool_call_parser_of(self.vllm.model, self.vllm.tool_call_parser)
+        if parser is not None:
+            values.update(enable_auto_tool_choice=True, tool_call_parser=parser)
         if on_cpu:
             del values["gpu_memory_utilization"]
             values["kv_cache_memory_bytes"] = int(self.vllm.cpu_kv_cache_bytes)

@@ -27,7 +27,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from rlbus.obs import tracing
 from rlbus.wire.rollouts import RolloutSample
-from rlbus.wire.tasks import Problem, SamplingArgs
+from rlbus.wire.tasks import Problem, SamplingArgs, ToolCall
 
 Split = Literal["train", "eval"]
 
@@ -44,6 +44,8 @@ class ChatTurn:
     policy_version: int
     replica_id: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """Tool calls the engine parsed from the completion (its tool-call parser), in order."""
 
 
 class ChatClient(Protocol):
