@@ -11,8 +11,10 @@ from rlbus_orchestrator.envs.base import (
     merge_turns,
     sample_from_turns,
 )
+from rlbus_orchestrator.envs.multiturn import MultiTurnEnv, Reply
 from rlbus_orchestrator.envs.registry import EnvironmentNotFoundError, load_environment
 from rlbus_orchestrator.envs.reverse_text import ReverseTextEnv, reverse_reward
+from rlbus_orchestrator.envs.tools import Tool, tool
 
 __all__ = [
     "ChatClient",
@@ -20,12 +22,16 @@ __all__ = [
     "Environment",
     "EnvironmentNotFoundError",
     "GroupEnvironment",
+    "MultiTurnEnv",
+    "Reply",
     "ReverseTextEnv",
     "Score",
     "SingleTurnEnv",
     "Split",
+    "Tool",
     "load_environment",
     "merge_turns",
     "reverse_reward",
     "sample_from_turns",
+    "tool",
 ]
