@@ -275,3 +275,20 @@ def test_a_reply_may_be_a_bare_list_of_messages():
     assert json.loads(json.dumps([m.role for m in sample.messages])) == [
         "assistant", "user", "assistant", "user",
     ]  # fmt: skip
+
+
+def test_play_episode_gives_the_tasks_limits_to_multi_turn_environments_only():
+    from rlbus_orchestrator.envs.base import play_episode
+    from rlbus_orchestrator.envs.reverse_text import ReverseTextEnv
+
+    limits = EpisodeLimits(max_turns=1)
+    env = GuessEnv()
+    engine = FakeEngine([Scripted("3"), Scripted("7")])
+    sample = asyncio.run(play_episode(env, engine, env.example("train", 0), SamplingArgs(), limits))
+    assert (sample.num_turns, sample.stop_reason) == (1, "max_turns")
+    single = ReverseTextEnv()
+    engine = FakeEngine([Scripted("cba")])
+    sample = asyncio.run(
+        play_episode(single, engine, single.example("train", 0), SamplingArgs(), limits)
+    )
+    assert sample.num_turns == 1 and sample.stop_reason is None

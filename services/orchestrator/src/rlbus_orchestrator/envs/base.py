@@ -27,7 +27,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from rlbus.obs import tracing
 from rlbus.wire.rollouts import RolloutSample
-from rlbus.wire.tasks import Problem, SamplingArgs, ToolCall
+from rlbus.wire.tasks import EpisodeLimits, Problem, SamplingArgs, ToolCall
 
 Split = Literal["train", "eval"]
 
@@ -90,6 +90,20 @@ class GroupEnvironment(Environment, Protocol):
     ) -> list[RolloutSample]:
         """Play `n` episodes of `problem` and score each."""
         ...
+
+
+async def play_episode(
+    env: Environment,
+    client: ChatClient,
+    problem: Problem,
+    sampling: SamplingArgs,
+    limits: EpisodeLimits,
+) -> RolloutSample:
+    """One episode of `env`; the task's episode limits go to environments that take them
+    (`takes_limits`, e.g. `MultiTurnEnv`), single-turn ones are played as they always were."""
+    if getattr(env, "takes_limits", False):
+        return await env.run_episode(client, problem, sampling, limits)  # type: ignore[call-arg]
+    return await env.run_episode(client, problem, sampling)
 
 
 @dataclass
