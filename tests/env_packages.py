@@ -1,0 +1,33 @@
+"""Environment packages under `environments/` installed into the test venv, the way users
+install them (`uv pip install -e environments/<name>`, docs/environments.md): the one place the
+test suite does it (tests/conftest.py puts this folder on sys.path)."""
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_installed: set[str] = set()
+
+
+def install_env_package(name: str) -> None:
+    """`uv pip install -e environments/<name>` into this interpreter's venv, once per process
+    (a file lock keeps parallel test workers from installing at the same time)."""
+    if name in _installed:
+        return
+    path = REPO / "environments" / name
+    assert (path / "pyproject.toml").exists(), f"no environment package at {path}"
+    uv = os.environ.get("UV") or shutil.which("uv") or str(REPO / ".uv" / "bin" / "uv")
+    lock_path = (
+        Path(os.environ.get("RLBUS_TEST_CACHE", "/tmp/rlbus-test-cache")) / "env-install.lock"
+    )
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(
+            [uv, "pip", "install", "-q", "--python", sys.executable, "-e", str(path)], check=True
+        )
+    _installed.add(name)
