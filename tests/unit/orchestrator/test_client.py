@@ -278,7 +278,7 @@ def test_greedy_chat_n_asks_for_one_completion_and_copies_it():
 def test_a_later_turn_sends_its_exact_prompt_ids_and_tools_and_reads_tool_calls():
     """A multi-turn episode's later turn: vLLM generates from the ids it is given
     (`kv_transfer_params.prompt_token_ids`) and parses tool calls from the output."""
-    from rlbus_orchestrator.client import TurnRequest
+    from rlbus_orchestrator.envs.base import TurnRequest
 
     seen = []
 

@@ -40,7 +40,7 @@ from rlbus.obs.metrics import timed_transport
 from rlbus.wire.replicas import ReplicaInfo
 from rlbus.wire.tasks import SamplingArgs, ToolCall, ToolFunction
 from rlbus.wire.weights import WEIGHTS_VERSION_HEADER
-from rlbus_orchestrator.envs.base import ChatTurn
+from rlbus_orchestrator.envs.base import ChatTurn, TurnRequest
 
 log = structlog.get_logger()
 
@@ -152,17 +152,6 @@ def static_replicas(urls: list[str], model: str) -> list[ReplicaInfo]:
         ReplicaInfo(replica_id=f"static-{i}", base_url=u.rstrip("/"), model=model)
         for i, u in enumerate(urls)
     ]
-
-
-@dataclass
-class TurnRequest:
-    """What a multi-turn episode adds to a chat request: the tools it offers (OpenAI tool
-    schemas), and the exact prompt token ids of a later turn (the previous turn's prompt and
-    completion plus the new messages' tokens: `envs.turns`). vLLM then generates from those ids
-    instead of rendering `messages` again, and still parses tool calls from the output."""
-
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    prompt_token_ids: list[int] | None = None
 
 
 def request_body(

@@ -48,6 +48,17 @@ class ChatTurn:
     """Tool calls the engine parsed from the completion (its tool-call parser), in order."""
 
 
+@dataclass
+class TurnRequest:
+    """What a multi-turn episode adds to a chat request: the tools it offers (OpenAI tool
+    schemas), and the exact prompt token ids of a later turn (the previous turn's prompt and
+    completion plus the new messages' tokens: `envs.turns`). vLLM then generates from those ids
+    instead of rendering `messages` again, and still parses tool calls from the output."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
+
+
 class ChatClient(Protocol):
     """What an episode talks to: an OpenAI-style chat endpoint that also returns token ids."""
 

@@ -40,8 +40,7 @@ import msgspec
 from rlbus.obs import tracing
 from rlbus.wire.rollouts import RolloutSample
 from rlbus.wire.tasks import ChatMessage, EpisodeLimits, Problem, SamplingArgs, ToolCall
-from rlbus_orchestrator.client import TurnRequest
-from rlbus_orchestrator.envs.base import ChatTurn, Score, Split, problem_messages
+from rlbus_orchestrator.envs.base import ChatTurn, Score, Split, TurnRequest, problem_messages
 from rlbus_orchestrator.envs.tools import Tool, ToolOutcome, call_tool, tool_message
 from rlbus_orchestrator.envs.turns import TurnTokens, bridge_tokens
 

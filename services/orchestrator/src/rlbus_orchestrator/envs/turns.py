@@ -7,7 +7,7 @@ sampled from. Instead each later turn's prompt is built from token ids:
 
     prompt(k+1) = prompt(k) + completion(k) + bridge(new messages)
 
-and the engine generates from exactly those ids (`client.TurnRequest.prompt_token_ids`; it
+and the engine generates from exactly those ids (`envs.base.TurnRequest.prompt_token_ids`; it
 echoes them back, which `TurnTokens.check_echo` verifies). The trained sample is prompt(1), then
 every completion (loss mask 1) and every bridge (loss mask 0: environment and tool tokens are
 never trained on).
