@@ -62,12 +62,30 @@ class TurnRequest:
 class ChatClient(Protocol):
     """What an episode talks to: an OpenAI-style chat endpoint that also returns token ids."""
 
-    async def chat(self, messages: list[dict[str, Any]], sampling: SamplingArgs) -> ChatTurn: ...
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        sampling: SamplingArgs,
+        turn: TurnRequest | None = None,
+        prefer: str | None = None,
+    ) -> ChatTurn:
+        """One sample; `turn` carries a multi-turn episode's tools and exact prompt ids, `prefer`
+        the replica of its earlier turns."""
+        ...
 
     async def chat_n(
         self, messages: list[dict[str, Any]], sampling: SamplingArgs, n: int
     ) -> list[ChatTurn]:
         """`n` independent samples of one prompt, from one request."""
+        ...
+
+    async def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        prefer: str | None = None,
+    ) -> list[int]:
+        """`messages` rendered by the served model's chat template, with the generation prompt."""
         ...
 
 

@@ -33,14 +33,21 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import msgspec
 
 from rlbus.obs import tracing
 from rlbus.wire.rollouts import RolloutSample
 from rlbus.wire.tasks import ChatMessage, EpisodeLimits, Problem, SamplingArgs, ToolCall
-from rlbus_orchestrator.envs.base import ChatTurn, Score, Split, TurnRequest, problem_messages
+from rlbus_orchestrator.envs.base import (
+    ChatClient,
+    ChatTurn,
+    Score,
+    Split,
+    TurnRequest,
+    problem_messages,
+)
 from rlbus_orchestrator.envs.tools import Tool, ToolOutcome, call_tool, tool_message
 from rlbus_orchestrator.envs.turns import TurnTokens, bridge_tokens
 
@@ -67,25 +74,6 @@ class Reply:
     """The episode ends here (the messages are kept in the conversation, not trained on)."""
 
 
-class TurnClient(Protocol):
-    """What a multi-turn episode talks to (`rlbus_orchestrator.client.InferenceClient`)."""
-
-    async def chat(
-        self,
-        messages: list[dict[str, Any]],
-        sampling: SamplingArgs,
-        turn: TurnRequest | None = None,
-        prefer: str | None = None,
-    ) -> ChatTurn: ...
-
-    async def tokenize_chat(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        prefer: str | None = None,
-    ) -> list[int]: ...
-
-
 class MultiTurnEnv(ABC):
     """Base of multi-turn and tool environments (see module docstring)."""
 
@@ -99,6 +87,10 @@ class MultiTurnEnv(ABC):
     so; None: such text is an ordinary answer."""
     takes_limits: ClassVar[bool] = True
     """The worker passes the task's `EpisodeLimits` to `run_episode`."""
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The OpenAI tool schemas sent with every request of an episode (default: `tools`')."""
+        return [t.schema() for t in self.tools]
 
     @abstractmethod
     def num_examples(self, split: Split) -> int | None: ...
@@ -124,7 +116,7 @@ class MultiTurnEnv(ABC):
 
     async def run_episode(
         self,
-        client: TurnClient,
+        client: ChatClient,
         problem: Problem,
         sampling: SamplingArgs,
         limits: EpisodeLimits | None = None,
@@ -179,7 +171,7 @@ class Episode:
     def __init__(
         self,
         env: MultiTurnEnv,
-        client: TurnClient,
+        client: ChatClient,
         problem: Problem,
         sampling: SamplingArgs,
         limits: EpisodeLimits,
@@ -197,7 +189,7 @@ class Episode:
         """The environment's tokens for the next turn: added to the sequence when it starts (an
         episode that ends here does not end on tokens nobody answers)."""
         self.tools = {t.name: t for t in env.tools}
-        self.schemas = [t.schema() for t in env.tools]
+        self.schemas = env.tool_schemas()
         self.turns: list[ChatTurn] = []
         self.num_tool_calls = self.num_tool_errors = 0
         self.timings: dict[str, float] = {}
@@ -274,26 +266,34 @@ class Episode:
 
     async def answer(self, turn: ChatTurn) -> str | None:
         """Answer the model's turn (tools, or the environment); "done" when the episode ends."""
+        new: list[dict[str, Any]] | None
         if turn.tool_calls and self.tools:
             new = await self.run_tools(turn.tool_calls)
         elif self.tools and self.env.tool_call_tag and self.env.tool_call_tag in turn.text:
             new = [self.unparsed_call()]
         else:
-            started = time.perf_counter()
-            reply = as_reply(
-                self.env.env_id,
-                await self.env.respond(self.problem, self.conversation, self.state),
-            )
-            self.timed("env", started)
-            if reply.done:
-                self.conversation += reply.messages
+            # tool calls of tools the environment runs itself (`tool_schemas` only) go to it too
+            self.num_tool_calls += len(turn.tool_calls)
+            new = await self.respond_to(turn)
+            if new is None:
                 return "done"
-            new = reply.messages
         started = time.perf_counter()
         self.bridge = await bridge_tokens(self.client, new, self.schemas or None, turn.replica_id)
         self.timed("tokenize", started)
         self.conversation += new
         return None
+
+    async def respond_to(self, turn: ChatTurn) -> list[dict[str, Any]] | None:
+        """The environment's reply to `turn` (None: it ended the episode)."""
+        started = time.perf_counter()
+        reply = as_reply(
+            self.env.env_id, await self.env.respond(self.problem, self.conversation, self.state)
+        )
+        self.timed("env", started)
+        if reply.done:
+            self.conversation += reply.messages
+            return None
+        return reply.messages
 
     async def run_tools(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
         started = time.perf_counter()
