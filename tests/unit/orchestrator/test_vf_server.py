@@ -82,6 +82,20 @@ def test_multi_turn_trace_masks_environment_tokens_between_model_turns():
     assert sample.completion_token_ids == [6, 7, 8, 9, 10, 11]
     assert sample.completion_mask == [1, 1, 0, 0, 0, 1]
     assert sample.completion_logprobs == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0]
+    assert sample.num_turns == 2
+
+
+def test_a_trace_that_branches_is_refused_instead_of_cut_to_its_last_branch():
+    """A harness that rewrote the conversation between two model calls leaves a sampled node off
+    the last branch: training only the last branch would drop a turn without a word."""
+    trace = make_trace()
+    trace["nodes"] += [
+        make_node(
+            1, "assistant", [12, 13], [False, True], [-1.0], True, "d"
+        ),  # a second answer to the user
+    ]
+    with pytest.raises(VfServerError, match="trace branches \\(1 sampled node"):
+        trace_sample(trace, SamplingArgs(), policy_version=0)
 
 
 def test_trace_without_token_ids_asks_for_the_train_client():

@@ -359,10 +359,18 @@ def trace_sample(
         raise VfServerError(
             f"episode failed: {errors[-1].get('type')}: {errors[-1].get('message')}"
         )
+    branch = last_branch(trace["nodes"])
+    off_branch = [n for n in trace["nodes"] if n.get("sampled") and not any(n is b for b in branch)]
+    if off_branch:
+        raise VfServerError(
+            f"the episode's trace branches ({len(off_branch)} sampled node(s) off its last "
+            "branch: the harness rewrote the conversation between model calls); rlbus trains one "
+            "token-exact sequence per episode, so such a harness is not played"
+        )
     ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
-    for node in last_branch(trace["nodes"]):
+    for node in branch:
         node_mask = [int(m) for m in node.get("mask") or []]
         node_logprobs = iter(node.get("logprobs") or [])
         ids += node.get("token_ids") or []
@@ -391,6 +399,7 @@ def trace_sample(
         timings={"episode": episode_seconds(trace)},
         temperature=sampling.temperature,
         completion_text=(replies[-1]["message"].get("content") or "") if replies else "",
+        num_turns=max(1, sum(1 for n in branch if n.get("sampled"))),
     )
 
 
@@ -576,7 +585,12 @@ class VfServerEnv:
         if not traces:
             errors = (episode["head"] or {}).get("errors")
             raise VfServerError(f"episode produced no trainable trace (errors: {errors})")
-        return trace_sample(traces[-1], sampling, version)
+        if len(traces) > 1:
+            raise VfServerError(
+                f"episode produced {len(traces)} trainable traces (several trainable agents); "
+                "rlbus trains one sequence per episode: mark all agents but one untrainable"
+            )
+        return trace_sample(traces[0], sampling, version)
 
     async def forget_dead_server(self) -> None:
         """After a failed episode: when the server we started has exited, drop it, so the next
