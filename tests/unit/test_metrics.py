@@ -110,12 +110,14 @@ def test_record_batch_observes_each_sample_s_off_policy_lag():
     assert value("rlbus_off_policy_lag_steps_bucket", le="0.0") == at_most_0 + 3
 
 
-def test_count_rollout_counts_samples_groups_and_tokens_by_kind():
-    samples = value("rlbus_rollouts_total")
-    ok = value("rlbus_rollout_groups_total", outcome="ok")
-    failed = value("rlbus_rollout_groups_total", outcome="error")
-    prompt = value("rlbus_rollout_tokens_total", kind="prompt")
-    completion = value("rlbus_rollout_tokens_total", kind="completion")
+def test_count_rollout_counts_samples_groups_tokens_and_left_out_episodes_by_env():
+    samples = value("rlbus_rollouts_total", env="e")
+    ok = value("rlbus_rollout_groups_total", outcome="ok", env="e")
+    partial = value("rlbus_rollout_groups_total", outcome="partial", env="e")
+    failed = value("rlbus_rollout_groups_total", outcome="error", env="e")
+    prompt = value("rlbus_rollout_tokens_total", kind="prompt", env="e")
+    completion = value("rlbus_rollout_tokens_total", kind="completion", env="e")
+    timeouts = value("rlbus_episodes_dropped_total", reason="timeout", env="e")
 
     group = [make_sample(10, 4), make_sample(10, 6)]
     orchestrator_metrics.count_rollout(
@@ -124,22 +126,27 @@ def test_count_rollout_counts_samples_groups_and_tokens_by_kind():
     orchestrator_metrics.count_rollout(
         Rollout(task_id="train-2", step=1, env_id="e", samples=[], error="x")
     )
+    orchestrator_metrics.count_rollout(
+        Rollout(task_id="train-3", step=1, env_id="e", samples=group[:1], dropped={"timeout": 1})
+    )
 
-    assert value("rlbus_rollouts_total") == samples + 2
-    assert value("rlbus_rollout_groups_total", outcome="ok") == ok + 1
-    assert value("rlbus_rollout_groups_total", outcome="error") == failed + 1
-    assert value("rlbus_rollout_tokens_total", kind="prompt") == prompt + 20
-    assert value("rlbus_rollout_tokens_total", kind="completion") == completion + 10
+    assert value("rlbus_rollouts_total", env="e") == samples + 3
+    assert value("rlbus_rollout_groups_total", outcome="ok", env="e") == ok + 1
+    assert value("rlbus_rollout_groups_total", outcome="partial", env="e") == partial + 1
+    assert value("rlbus_rollout_groups_total", outcome="error", env="e") == failed + 1
+    assert value("rlbus_rollout_tokens_total", kind="prompt", env="e") == prompt + 30
+    assert value("rlbus_rollout_tokens_total", kind="completion", env="e") == completion + 14
+    assert value("rlbus_episodes_dropped_total", reason="timeout", env="e") == timeouts + 1
 
 
 def test_weights_version_dropped_tasks_and_restarts_are_labelled_by_replica_reason_process():
     inference_metrics.record_weights_version("replica-a", 3)
-    orchestrator_metrics.count_dropped_task("stale")
+    orchestrator_metrics.count_dropped_task("stale", "reverse-text")
     before = value("rlbus_service_restarts_total", process="trainer")
     launch_metrics.count_restart("trainer", 0)
     launch_metrics.count_restart("trainer")
     assert value("rlbus_weights_version", replica="replica-a") == 3
-    assert value("rlbus_tasks_dropped_total", reason="stale") >= 1
+    assert value("rlbus_tasks_dropped_total", reason="stale", env="reverse-text") >= 1
     assert value("rlbus_service_restarts_total", process="trainer") == before + 1
 
 

@@ -7,7 +7,9 @@ for a step); `step_line` renders one step as the parseable console line
 
     Step 3 | Reward 0.4213 | Loss 0.0123 | Tok/s 512 | Weights v2 (vm-8000: v2) | Lag 0.50
 
-(`-` for a value not known yet), followed by `| Quarantined N` once the run has quarantined
+(`-` for a value not known yet; a run of several environments shows each one's mean reward after
+the overall one, `Reward 0.4213 (math 0.51, reverse-text 0.33)`, from `env/<id>/reward/mean`),
+followed by `| Quarantined N` once the run has quarantined
 messages (`dead_letters/total`, docs/bus.md "Dead letters"). On a terminal the launcher shows the
 lines above a rich Live status panel; otherwise it prints the plain lines only, once per step, when the step's row has
 both the trainer's and the orchestrator's metrics (or, when the run ends, any step a service
@@ -105,6 +107,28 @@ def has_step_metrics(row: dict[str, Any]) -> bool:
     return "loss" in row or "reward/mean" in row
 
 
+ENV_REWARD_PREFIX, ENV_REWARD_SUFFIX = "env/", "/reward/mean"
+"""The orchestrator's per-environment mean reward: `env/<id>/reward/mean`."""
+
+
+def env_rewards(row: dict[str, Any]) -> dict[str, float]:
+    """Mean reward of each environment that had samples in the step (key order kept)."""
+    return {
+        key[len(ENV_REWARD_PREFIX) : -len(ENV_REWARD_SUFFIX)]: value
+        for key, value in row.items()
+        if key.startswith(ENV_REWARD_PREFIX) and key.endswith(ENV_REWARD_SUFFIX)
+    }
+
+
+def reward_text(row: dict[str, Any]) -> str:
+    """`0.4213`, with each environment's `(id 0.51, ...)` when the step had several."""
+    text = _fmt(row.get("reward/mean"), ".4f")
+    per_env = env_rewards(row)
+    if len(per_env) < 2:
+        return text
+    return f"{text} ({', '.join(f'{env} {value:.2f}' for env, value in per_env.items())})"
+
+
 DEAD_LETTERS_KEY = "dead_letters/total"
 """How many messages the run had quarantined when the monitor wrote the row."""
 
@@ -122,7 +146,7 @@ def step_line(step: int, row: dict[str, Any], replicas: dict[str, int]) -> str:
     quarantined = int(row.get(DEAD_LETTERS_KEY, 0))
     return " | ".join([
         f"Step {step}",
-        f"Reward {_fmt(row.get('reward/mean'), '.4f')}",
+        f"Reward {reward_text(row)}",
         f"Loss {_fmt(row.get('loss'), '.4f')}",
         f"Tok/s {_fmt(trainer_tokens_per_s(row), '.0f')}",
         f"Weights {weights}",

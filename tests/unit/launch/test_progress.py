@@ -82,3 +82,24 @@ def test_a_final_row_with_only_weights_acks_is_not_printed_as_a_step(tmp_path, c
     assert capsys.readouterr().out.splitlines() == [
         "Step 5 | Reward - | Loss 0.1000 | Tok/s - | Weights v5 (r0: v5) | Lag -"
     ]
+
+
+def test_a_run_of_several_environments_shows_each_ones_reward_on_the_same_line():
+    row = make_row(
+        2,
+        **{
+            "reward/mean": 0.42125,
+            "env/math/reward/mean": 0.514,
+            "env/math/samples": 8.0,
+            "env/reverse-text/reward/mean": 0.3291,
+            "loss": 0.1,
+        },
+    )
+    line = step_line(2, row, {})
+    assert line.startswith("Step 2 | Reward 0.4213 (math 0.51, reverse-text 0.33) | Loss 0.1000")
+    assert "\n" not in line
+
+
+def test_one_environment_shows_the_reward_alone():
+    row = make_row(1, **{"reward/mean": 0.5, "env/reverse-text/reward/mean": 0.5})
+    assert step_line(1, row, {}).startswith("Step 1 | Reward 0.5000 | Loss -")

@@ -2,6 +2,8 @@
 
 import asyncio
 
+import msgspec
+import pytest
 from coordinator_fakes import FakeDelivery, make_parts, make_pooled, make_rollout
 
 from rlbus.wire.rollouts import Rollout
@@ -39,7 +41,8 @@ def test_a_flat_group_is_dropped_saved_and_acked_and_its_samples_still_count_as_
     d = FakeDelivery(make_rollout("train-0", [0.5, 0.5]))
     asyncio.run(intake.accept(d))
     assert d.acked and not intake.pool and intake.store.state.dropped == {"zero_advantage": 1}
-    assert intake.stats.dropped["zero_advantage"] == 1 and len(intake.stats.no_signal_samples) == 2
+    assert intake.stats.dropped["zero_advantage"] == 1
+    assert [len(r.samples) for r in intake.stats.no_signal] == [2]
     [(saved, _)] = intake.store.saved
     assert saved.dropped == {"zero_advantage": 1}
 
@@ -65,3 +68,52 @@ def test_an_invalid_rollout_goes_to_the_dead_letters_and_its_task_is_dropped_as_
     assert intake.store.state.dropped == {"invalid": 1} and "group_size=2" in intake.bus.dead[0][2]
     good = FakeDelivery(make_rollout("train-0", [0.0, 1.0]))
     assert not asyncio.run(intake.quarantine_if_invalid(good)) and not good.termed
+
+
+def partial_rollout(task_id, rewards, dropped, env_id="reverse-text"):
+    rollout = make_rollout(task_id, rewards)
+    return msgspec.structs.replace(rollout, env_id=env_id, dropped=dropped)
+
+
+def test_a_partial_group_is_pooled_with_the_advantages_of_its_survivors():
+    intake = make_intake(group_size=4, batch_size=8)
+    intake.store.record_issued({"train-0": 0})
+    d = FakeDelivery(partial_rollout("train-0", [0.0, 0.0, 3.0], {"timeout": 1}))
+    assert not asyncio.run(intake.quarantine_if_invalid(d))
+    asyncio.run(intake.accept(d))
+    assert not d.acked and intake.pool.groups["train-0"].advantages == [-1.0, -1.0, 2.0]
+    assert intake.stats.episodes_dropped == {("reverse-text", "timeout"): 1}
+    assert intake.stats.dropped == {}
+
+
+@pytest.mark.parametrize(
+    ("dropped", "reason"),
+    [({"error": 3}, "error"), ({"error": 1, "timeout": 2}, "timeout"), ({}, "error")],
+)
+def test_a_group_left_with_fewer_than_min_group_size_is_dropped_as_its_main_failure(
+    dropped, reason
+):
+    intake = make_intake(group_size=4, batch_size=8)
+    intake.store.record_issued({"train-0": 0})
+    rollout = partial_rollout("train-0", [1.0], dropped)
+    assert intake.drop_reason(rollout) == reason
+    asyncio.run(intake.accept(FakeDelivery(rollout)))
+    assert intake.store.state.dropped == {reason: 1}
+    assert intake.stats.env_dropped == {("reverse-text", reason): 1}
+
+
+def test_min_group_size_decides_how_few_survivors_still_train():
+    intake = make_intake(group_size=4, batch_size=8, min_group_size=3)
+    assert intake.drop_reason(partial_rollout("train-0", [0.0, 1.0], {"error": 2})) == "error"
+    keep = partial_rollout("train-0", [0.0, 1.0, 1.0], {"error": 1})
+    assert intake.drop_reason(keep) is None
+
+
+def test_drops_are_counted_per_environment_of_the_task():
+    envs = [{"id": "reverse-text", "group_size": 2}, {"id": "reverse-text", "group_size": 4}]
+    intake = make_intake(env=envs, batch_size=8)
+    intake.store.record_issued({"train-0": 0, "train-1": 1})
+    intake.drop("train-1", "timeout")
+    intake.drop("train-1", "timeout")  # already ended: not counted twice
+    assert intake.stats.env_dropped == {("reverse-text", "timeout"): 1}
+    assert intake.store.state.dropped == {"timeout": 1}

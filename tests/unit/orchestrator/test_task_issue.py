@@ -97,3 +97,39 @@ def test_without_a_task_timeout_nothing_expires():
     issuer.issued_at = {"train-0": 0.0}
     assert issuer.expiry_poll_s() is None and issuer.overdue_tasks(now=1e9) == []
     assert make_issuer(task_timeout_s=8.0).expiry_poll_s() == 2.0
+
+
+TWO_ENVS = [
+    {
+        "id": "reverse-text",
+        "group_size": 2,
+        "sampling": {"temperature": 0.5},
+        "max_turns": 3,
+        "episode_timeout_s": 20,
+    },
+    {"id": "reverse-text", "group_size": 6, "args": {"min_len": 1, "max_len": 2}},
+]
+
+
+def test_a_task_carries_its_environments_sampling_group_size_and_limits():
+    issuer = make_issuer(env=TWO_ENVS, batch_size=12, sampling={"max_tokens": 16})
+    tasks = [issuer.make_task(c) for c in range(40)]
+    small = next(t for t in tasks if t.group_size == 2)
+    large = next(t for t in tasks if t.group_size == 6)
+    assert (small.sampling.temperature, small.sampling.max_tokens) == (0.5, 16)
+    assert (small.limits.max_turns, small.limits.deadline_s) == (3, 20.0)
+    assert (large.sampling.temperature, large.sampling.max_tokens) == (1.0, 16)
+    assert large.limits.max_turns is None and large.env_args == {"min_len": 1, "max_len": 2}
+    assert {t.env_id for t in tasks} == {"reverse-text"}
+
+
+def test_issuing_counts_each_task_by_its_environments_group_size():
+    issuer = make_issuer(env=TWO_ENVS, batch_size=12, async_level=0)
+    sizes = [issuer.mix.of_cursor(c).group_size for c in range(20)]
+    num = issuer.num_tasks_to_issue()
+    assert sum(sizes[:num]) >= 12 > sum(sizes[: num - 1])  # just enough groups for one step
+    asyncio.run(issuer.issue_due_tasks())
+    assert [t.group_size for t in published_tasks(issuer)] == sizes[:num]
+    assert issuer.samples_on_the_way() == sum(sizes[:num])
+    assert issuer.num_tasks_to_issue() == 0
+    assert issuer.expected_steps(list(range(num))) == [1 + sum(sizes[:k]) // 12 for k in range(num)]

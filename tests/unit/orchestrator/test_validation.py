@@ -60,3 +60,19 @@ def test_task_and_group_faults_are_named():
     assert "unknown task id" in check("my-task")
     assert "never issued" in check("train-5")
     assert "group of 3 samples, expected group_size=2" in check(samples=[sample()] * 3)
+
+
+def test_a_partial_group_counts_its_left_out_episodes_toward_the_group_size():
+    assert check(samples=[sample()], dropped={"timeout": 1}) is None
+    nothing_left = Rollout(task_id="train-3", step=3, env_id="e", dropped={"error": 2})
+    assert problem(nothing_left, issued_cursor=5, group_size=2, next_step=4) is None
+    fault = check(samples=[sample()], dropped={"error": 2})
+    assert fault == "group of 1 samples and 2 dropped episodes, expected group_size=2"
+    assert "unknown reason 'oom'" in check(samples=[sample()], dropped={"oom": 1})
+
+
+def test_a_training_rollout_of_another_environment_than_its_task_is_named():
+    rollout = Rollout(task_id="train-3", step=3, env_id="e", samples=[sample(), sample()])
+    fault = problem(rollout, issued_cursor=5, group_size=2, next_step=4, env_id="reverse-text")
+    assert fault == "env_id 'e', but task train-3 is of 'reverse-text'"
+    assert problem(rollout, issued_cursor=5, group_size=2, next_step=4, env_id="e") is None

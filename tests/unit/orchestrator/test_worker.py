@@ -7,7 +7,7 @@ import pytest
 
 from rlbus.wire.replicas import ReplicaInfo
 from rlbus.wire.subjects import RunSubjects
-from rlbus.wire.tasks import SamplingArgs, Task
+from rlbus.wire.tasks import EpisodeLimits, SamplingArgs, Task
 from rlbus_orchestrator.client import NoReplicaError, ReplicaPool
 from rlbus_orchestrator.envs import ChatTurn, ReverseTextEnv, SingleTurnEnv, registry
 from rlbus_orchestrator.worker import RolloutWorker, SampleSlots
@@ -336,3 +336,98 @@ def test_run_group_returning_the_wrong_number_of_samples_is_an_error_rollout(mon
     ((_, rollout, _),) = worker.bus.published
     assert rollout.samples == [] and "returned 2 samples for n=3" in rollout.error
     assert delivery.settled == "ack"
+
+
+class FlakyClient(EchoClient):
+    """Per episode (one `chat` each): the calls whose number is in `fail` raise, those in `hang`
+    never answer (until cancelled); the others answer like EchoClient."""
+
+    def __init__(self, fail=(), hang=()):
+        super().__init__()
+        self.fail, self.hang, self.calls, self.cancelled = set(fail), set(hang), 0, 0
+
+    async def chat(self, messages, sampling):
+        self.calls += 1
+        call = self.calls
+        if call in self.fail:
+            raise RuntimeError(f"tool broke in episode {call}")
+        if call in self.hang:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        return await super().chat(messages, sampling)
+
+
+def limited_task(env_id, group_size=4, deadline_s=None):
+    task = make_task(env_id=env_id, group_size=group_size)
+    return msgspec.structs.replace(task, limits=EpisodeLimits(deadline_s=deadline_s))
+
+
+def roll_out(client, task, *, grouped=True, grace_s=0.05):
+    worker = RolloutWorker(
+        FakeBus(),
+        client,
+        max_concurrency=8,
+        group_size=2,
+        worker_id="w",
+        group_requests=grouped,
+        deadline_grace_s=grace_s,
+    )
+    delivery = FakeDelivery(task)
+    asyncio.run(asyncio.wait_for(worker.handle(delivery), 10))
+    ((_, rollout, _),) = worker.bus.published
+    assert delivery.settled == "ack"
+    return rollout
+
+
+def test_a_failed_episode_is_left_out_and_the_group_is_published_with_the_survivors(
+    per_episode_env,
+):
+    rollout = roll_out(FlakyClient(fail={2}), limited_task(per_episode_env, group_size=4))
+    assert len(rollout.samples) == 3 and rollout.dropped == {"error": 1}
+    assert rollout.error is None  # the coordinator decides against min_group_size
+    assert rollout.metadata["episode_error"] == "RuntimeError: tool broke in episode 2"
+
+
+def test_an_episode_past_its_deadline_is_cancelled_and_counted_as_a_timeout(per_episode_env):
+    client = FlakyClient(fail={1}, hang={3})
+    rollout = roll_out(client, limited_task(per_episode_env, group_size=4, deadline_s=0.1))
+    assert len(rollout.samples) == 2 and rollout.dropped == {"error": 1, "timeout": 1}
+    assert client.cancelled == 1
+
+
+def test_an_episode_raising_timeout_error_itself_is_an_error_not_a_timeout(per_episode_env):
+    class TimesOutClient(EchoClient):
+        async def chat(self, messages, sampling):
+            raise TimeoutError("the tool's own timeout")
+
+    rollout = roll_out(TimesOutClient(), limited_task(per_episode_env, 2, deadline_s=30.0))
+    assert rollout.samples == [] and rollout.dropped == {"error": 2}
+
+
+def test_a_group_with_no_surviving_episode_is_an_error_rollout_with_its_drops(per_episode_env):
+    rollout = roll_out(FlakyClient(fail={1, 2}), limited_task(per_episode_env, group_size=2))
+    assert rollout.samples == [] and rollout.dropped == {"error": 2}
+    assert rollout.error.startswith("RuntimeError: tool broke in episode")
+
+
+def test_a_group_request_still_fails_whole():
+    class FailingGroupClient(EchoClient):
+        async def chat_n(self, messages, sampling, n):
+            raise RuntimeError("bad group")
+
+    rollout = roll_out(FailingGroupClient(), limited_task("reverse-text", group_size=3))
+    assert rollout.samples == [] and rollout.dropped == {"error": 3}
+    assert rollout.error == "RuntimeError: bad group"
+
+
+def test_a_group_request_past_its_deadline_fails_whole_as_a_timeout():
+    class HangingGroupClient(EchoClient):
+        async def chat_n(self, messages, sampling, n):
+            await asyncio.sleep(60)
+
+    rollout = roll_out(HangingGroupClient(), limited_task("reverse-text", 3, deadline_s=0.1))
+    assert rollout.samples == [] and rollout.dropped == {"timeout": 3}
+    assert "past its deadline" in rollout.error

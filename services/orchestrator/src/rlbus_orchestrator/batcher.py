@@ -20,6 +20,7 @@ from rlbus.bus.client import Bus
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
 from rlbus.wire.batches import TrainBatch
+from rlbus_orchestrator.env_mix import EnvMix
 from rlbus_orchestrator.group_pool import GroupPool, PooledGroup
 from rlbus_orchestrator.metrics import record_batch
 from rlbus_orchestrator.packing import group_sequences, make_train_sample, pack
@@ -85,6 +86,7 @@ class Batcher:
         self.done = done
         """Set when the coordinator ends: no batch is started after it."""
         self.on_published = on_published
+        self.mix = EnvMix(config)
 
     async def build_batches(self) -> None:
         """Publish every batch the pool holds and the weights allow."""
@@ -101,8 +103,8 @@ class Batcher:
         """Groups that waited in the pool until they became too old for the step being built."""
         step = self.store.state.next_step
         for group in self.pool.take_stale(step, self.config.max_off_policy_steps):
-            if self.store.record_dropped(group.task_id, "stale"):
-                self.stats.dropped["stale"] += 1
+            if self.store.record_dropped(group.task_id, "stale", group.rollout.env_id):
+                self.stats.count_drop("stale", group.rollout.env_id)
             await self.store.save()
             await group.delivery.ack()
 
@@ -146,14 +148,14 @@ class Batcher:
         return batch
 
     def make_batch(self, step: int, groups: list[PooledGroup]) -> TrainBatch:
-        samples = [s for g in groups for s in g.rollout.samples]
         metrics = step_metrics(
             step,
-            samples,
+            [g.rollout for g in groups],
             stats=self.stats,
             state=self.store.state,
             num_pooled=len(self.pool),
             applied_version=self.weights.applied_version,
             num_groups=len(groups),
+            env_ids=self.mix.env_ids(),
         )
         return pack_groups(step, groups, self.config, metrics)

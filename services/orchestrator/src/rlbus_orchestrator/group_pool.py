@@ -5,6 +5,8 @@ heartbeats it): it is acked only once the batch that holds it is stored, and a c
 dies before that gets it redelivered. The pool answers two questions for the batcher: which groups
 make the next batch (`next_batch_groups`: the oldest groups reaching `batch_size` samples, or
 `token_budget` tokens), and which became too old to train the step being built (`take_stale`).
+Groups are never split: with partial groups (some episodes left out) or environments of different
+group sizes a step may hold a few samples more than `batch_size` (less than its last group).
 """
 
 from dataclasses import dataclass

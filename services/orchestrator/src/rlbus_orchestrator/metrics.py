@@ -1,14 +1,19 @@
 """The orchestrator's Prometheus series, declared here and served by `rlbus.obs.metrics`.
 
-    record_batch(step, metrics)   the coordinator published a step's batch
-    count_dropped_task(reason)    the coordinator dropped a training task
-    count_rollout(rollout)        a rollout worker published a group
+    record_batch(step, metrics)        the coordinator published a step's batch
+    count_dropped_task(reason, env)    the coordinator dropped a training task
+    count_rollout(rollout)             a rollout worker published a group (and left out episodes)
     poll_stream_stats(bus)        the coordinator role: JetStream stream and consumer state every
                                   STREAM_STATS_INTERVAL_S into gauges (Bus.stream_stats), so a
                                   scrape never waits on NATS
 
 Components: `coordinator`, `workers`, `streams` (rlbus.obs.metrics.SERVICE_COMPONENTS says which
 process serves which).
+
+The `env` label is the environment id (`[[orchestrator.env]].id`): the run's config names them,
+so the label has a few values; `env_label` still caps it at MAX_ENV_LABELS per process (any
+further id counts as `other`). The outcome and token series of an environment start at 0 when it
+is first seen; drops appear with the first one.
 """
 
 import asyncio
@@ -30,6 +35,8 @@ STREAM_STATS_INTERVAL_S = 5.0
 MAX_CONSUMERS_PER_STREAM = 16
 """Durable consumers reported per stream: their names are fixed in code, this only guards the
 label's cardinality against a tool that creates many."""
+MAX_ENV_LABELS = 32
+"""Distinct `env` label values per process (module docstring)."""
 
 # ---- coordinator -------------------------------------------------------------------------------
 
@@ -52,42 +59,48 @@ OFF_POLICY_LAG = Histogram(
 TASKS_DROPPED = Counter(
     "rlbus_tasks_dropped",
     "Training tasks ended without being trained, by reason (stale, error, zero_advantage, "
-    "invalid, timeout).",
-    ["reason"],
+    "invalid, timeout) and environment.",
+    ["reason", "env"],
     registry=None,
 )
-declare("coordinator", BATCHES, ORCHESTRATOR_STEP, OFF_POLICY_LAG, TASKS_DROPPED)
+REWARD_MEAN = Gauge(
+    "rlbus_orchestrator_reward_mean",
+    "Mean sampled reward of the last published step, per environment (env/<id>/reward/mean).",
+    ["env"],
+    registry=None,
+)
+declare("coordinator", BATCHES, ORCHESTRATOR_STEP, OFF_POLICY_LAG, TASKS_DROPPED, REWARD_MEAN)
 
 # ---- rollout workers ---------------------------------------------------------------------------
 
 ROLLOUTS = Counter(
     "rlbus_rollouts",
-    "Samples (completions) of the groups rollout workers published.",
+    "Samples (completions) of the groups rollout workers published, per environment.",
+    ["env"],
     registry=None,
 )
 ROLLOUT_GROUPS = Counter(
     "rlbus_rollout_groups",
-    "Groups (one task each) rollout workers published; outcome: ok, or error (the environment "
-    "raised).",
-    ["outcome"],
+    "Groups (one task each) rollout workers published, per environment; outcome: ok, partial "
+    "(some episodes left out), or error (no sample: the environment raised).",
+    ["outcome", "env"],
     registry=None,
 )
 ROLLOUT_TOKENS = Counter(
     "rlbus_rollout_tokens",
-    "Tokens of the published samples; kind: prompt (per sample) or completion (generated).",
-    ["kind"],
+    "Tokens of the published samples, per environment; kind: prompt (per sample) or completion "
+    "(generated).",
+    ["kind", "env"],
     registry=None,
 )
-
-
-def _zero_worker_labels() -> None:
-    for outcome in ("ok", "error"):
-        ROLLOUT_GROUPS.labels(outcome=outcome)
-    for kind in ("prompt", "completion"):
-        ROLLOUT_TOKENS.labels(kind=kind)
-
-
-declare("workers", ROLLOUTS, ROLLOUT_GROUPS, ROLLOUT_TOKENS, zero=_zero_worker_labels)
+EPISODES_DROPPED = Counter(
+    "rlbus_episodes_dropped",
+    "Episodes left out of their group, by reason (error: raised; timeout: past the environment's "
+    "episode_timeout_s) and environment.",
+    ["reason", "env"],
+    registry=None,
+)
+declare("workers", ROLLOUTS, ROLLOUT_GROUPS, ROLLOUT_TOKENS, EPISODES_DROPPED)
 
 # ---- JetStream state (coordinator role) --------------------------------------------------------
 
@@ -119,6 +132,26 @@ declare("streams", STREAM_MESSAGES, CONSUMER_PENDING, CONSUMER_ACK_PENDING, STRE
 # ---- recording ---------------------------------------------------------------------------------
 
 OFF_POLICY_LAG_KEY = re.compile(r"^off_policy_lag/(-?\d+)$")
+ENV_REWARD_KEY = re.compile(r"^env/(.+)/reward/mean$")
+ROLLOUT_OUTCOMES = ("ok", "partial", "error")
+TOKEN_KINDS = ("prompt", "completion")
+_env_labels: set[str] = set()
+
+
+def env_label(env_id: str) -> str:
+    """The `env` label of an environment id: itself, or `other` past MAX_ENV_LABELS ids; a
+    new one gets its series at 0 (module docstring)."""
+    if env_id in _env_labels:
+        return env_id
+    if len(_env_labels) >= MAX_ENV_LABELS:
+        return "other"
+    _env_labels.add(env_id)
+    for outcome in ROLLOUT_OUTCOMES:
+        ROLLOUT_GROUPS.labels(outcome=outcome, env=env_id)
+    for kind in TOKEN_KINDS:
+        ROLLOUT_TOKENS.labels(kind=kind, env=env_id)
+    ROLLOUTS.labels(env=env_id)
+    return env_id
 
 
 def record_batch(step: int, metrics: Mapping[str, float]) -> None:
@@ -132,23 +165,34 @@ def record_batch(step: int, metrics: Mapping[str, float]) -> None:
             lag = int(match.group(1))
             for _ in range(int(count)):
                 OFF_POLICY_LAG.observe(lag)
+        elif match := ENV_REWARD_KEY.match(key):
+            REWARD_MEAN.labels(env=env_label(match.group(1))).set(count)
 
 
-def count_dropped_task(reason: str) -> None:
-    """A training task the coordinator dropped (one of its DROP_REASONS)."""
+def count_dropped_task(reason: str, env_id: str = "") -> None:
+    """A training task of `env_id` the coordinator dropped (one of its DROP_REASONS)."""
     enable("coordinator")
-    TASKS_DROPPED.labels(reason=reason).inc()
+    TASKS_DROPPED.labels(reason=reason, env=env_label(env_id)).inc()
+
+
+def rollout_outcome(rollout: Rollout) -> str:
+    if rollout.error or not rollout.samples:
+        return "error"
+    return "partial" if any(rollout.dropped.values()) else "ok"
 
 
 def count_rollout(rollout: Rollout) -> None:
-    """A group a rollout worker published."""
+    """A group a rollout worker published, and the episodes it left out."""
     enable("workers")
-    ROLLOUT_GROUPS.labels(outcome="error" if rollout.error else "ok").inc()
-    ROLLOUTS.inc(len(rollout.samples))
-    ROLLOUT_TOKENS.labels(kind="prompt").inc(sum(len(s.prompt_token_ids) for s in rollout.samples))
-    ROLLOUT_TOKENS.labels(kind="completion").inc(
-        sum(len(s.completion_token_ids) for s in rollout.samples)
-    )
+    env = env_label(rollout.env_id)
+    ROLLOUT_GROUPS.labels(outcome=rollout_outcome(rollout), env=env).inc()
+    ROLLOUTS.labels(env=env).inc(len(rollout.samples))
+    prompt = sum(len(s.prompt_token_ids) for s in rollout.samples)
+    ROLLOUT_TOKENS.labels(kind="prompt", env=env).inc(prompt)
+    completion = sum(len(s.completion_token_ids) for s in rollout.samples)
+    ROLLOUT_TOKENS.labels(kind="completion", env=env).inc(completion)
+    for reason, num in rollout.dropped.items():  # the worker's own reasons: error, timeout
+        EPISODES_DROPPED.labels(reason=reason, env=env).inc(num)
 
 
 _stream_labels: set[tuple[str, ...]] = set()

@@ -8,8 +8,11 @@ In order (callers hold the coordinator's lock):
 2. evaluation rollouts go to the eval runner (the coordinator routes them).
 3. `accept`: a rollout of a task no longer outstanding (already batched or dropped: a duplicate,
    or a late one) is acked and ignored; one redelivered while pooled refreshes the pooled handle;
-   a failed, stale or flat group (no signal, with `filter_zero_advantage`) is dropped with that
-   reason and acked; anything else is pooled with its advantages, unacked until its batch is
+   the episodes its worker left out are counted (`Rollout.dropped`); a failed group, or one left
+   with fewer samples than its environment's min_group_size (dropped as `error` or `timeout`,
+   whichever left out more episodes), a stale or a flat group (no signal, with
+   `filter_zero_advantage`) is dropped with that reason and acked; anything else is pooled with
+   the advantages of its samples (the survivors of a partial group), unacked until its batch is
    stored.
 """
 
@@ -24,9 +27,10 @@ from rlbus.wire import rollouts as rollouts_wire
 from rlbus.wire.rollouts import Rollout
 from rlbus_orchestrator import validation
 from rlbus_orchestrator.advantages import group_advantages, has_signal
+from rlbus_orchestrator.env_mix import EnvMix
 from rlbus_orchestrator.group_pool import GroupPool, PooledGroup
 from rlbus_orchestrator.staleness import has_stale_sample
-from rlbus_orchestrator.state_store import StateStore
+from rlbus_orchestrator.state_store import EPISODE_DROP_REASONS, StateStore
 from rlbus_orchestrator.step_metrics import StepStats
 
 log = structlog.get_logger()
@@ -52,6 +56,7 @@ class RolloutIntake:
         self.store = store
         self.pool = pool
         self.stats = stats
+        self.mix = EnvMix(config)
 
     def consumer(
         self, handler: Callable[[Delivery[Rollout]], Awaitable[None]]
@@ -69,11 +74,13 @@ class RolloutIntake:
 
     async def quarantine_if_invalid(self, delivery: Delivery[Rollout]) -> bool:
         """Whether the rollout was unusable and is quarantined now (module docstring, 1)."""
+        env = self.mix.of_task(delivery.data.task_id)
         fault = validation.problem(
             delivery.data,
             issued_cursor=self.store.state.cursor,
-            group_size=self.config.group_size,
+            group_size=self.config.group_size if env is None else env.group_size,
             next_step=self.store.state.next_step,
+            env_id=None if env is None else env.env_id,
         )
         if fault is not None:
             await self.quarantine(delivery, fault)
@@ -95,8 +102,9 @@ class RolloutIntake:
         await delivery.term(fault)
 
     def drop(self, task_id: str, reason: str) -> None:
-        if self.store.record_dropped(task_id, reason):
-            self.stats.dropped[reason] += 1
+        env_id = self.mix.env_id_of(task_id)
+        if self.store.record_dropped(task_id, reason, env_id):
+            self.stats.count_drop(reason, env_id)
 
     async def accept(self, delivery: Delivery[Rollout]) -> None:
         """Pool a valid training rollout, or ack it as a duplicate or a drop (module docstring, 3)."""
@@ -107,14 +115,16 @@ class RolloutIntake:
         if rollout.task_id in self.pool:
             self.pool.refresh_delivery(delivery)
             return
+        self.stats.count_dropped_episodes(rollout)
         reason = self.drop_reason(rollout)
         if reason == "zero_advantage":
-            self.stats.no_signal_samples += rollout.samples
+            self.stats.no_signal.append(rollout)
         if reason is not None:
             self.drop(rollout.task_id, reason)
             await self.store.save()
             await delivery.ack()
-            log.debug("rollout_dropped", task_id=rollout.task_id, reason=reason)
+            error = rollout.error or rollout.metadata.get("episode_error")
+            log.debug("rollout_dropped", task_id=rollout.task_id, reason=reason, error=error)
             return
         rewards = [s.reward for s in rollout.samples]
         advantages = group_advantages(rewards, normalize=self.config.normalize_advantages)
@@ -122,9 +132,12 @@ class RolloutIntake:
         self.stats.completion_tokens += sum(len(s.completion_token_ids) for s in rollout.samples)
 
     def drop_reason(self, rollout: Rollout) -> str | None:
-        """Why a training group is dropped on arrival (`error`, `stale`, `zero_advantage`), or None."""
-        if rollout.error is not None or not rollout.samples:
-            return "error"
+        """Why a training group is dropped on arrival (`error` or `timeout`: failed, or too few
+        samples left; `stale`, `zero_advantage`), or None."""
+        env = self.mix.of_task(rollout.task_id)
+        min_samples = 1 if env is None else env.min_group_size
+        if rollout.error is not None or len(rollout.samples) < max(1, min_samples):
+            return failure_reason(rollout.dropped)
         step = self.store.state.next_step
         if has_stale_sample(step, rollout.samples, self.config.max_off_policy_steps):
             return "stale"
@@ -133,3 +146,9 @@ class RolloutIntake:
         ):
             return "zero_advantage"
         return None
+
+
+def failure_reason(dropped: dict[str, int]) -> str:
+    """The drop reason of a group that failed: the reason of most of its left-out episodes
+    (`error` on a tie, or when none were reported)."""
+    return max(EPISODE_DROP_REASONS, key=lambda reason: dropped.get(reason, 0))

@@ -115,7 +115,7 @@ async def start_workers(
         bus,
         num_workers=config.num_workers,
         max_concurrency=config.max_concurrency,
-        group_size=config.group_size,
+        group_size=min(config.env_group_size(env) for env in config.env),
         model=config.model.name,
         static_urls=config.inference_urls,
         stop=stop,

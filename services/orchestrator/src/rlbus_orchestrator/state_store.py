@@ -33,7 +33,11 @@ T = TypeVar("T")
 
 STATE_KEY = "orchestrator"
 DROP_REASONS = ("invalid", "stale", "zero_advantage", "error", "timeout")
-"""Why an issued training task ended without being trained (counted in the state and metrics)."""
+"""Why an issued training task ended without being trained (counted in the state and metrics).
+`error` and `timeout` also end a group whose failed episodes left fewer than min_group_size."""
+EPISODE_DROP_REASONS = ("error", "timeout")
+"""Why an episode was left out of its group (`Rollout.dropped`): it raised, or it ran past its
+deadline (docs/orchestrator.md, "Partial groups")."""
 BUS_RETRY_MAX_DELAY_S = 1.0
 
 
@@ -146,13 +150,13 @@ class StateStore:
             if self.state.outstanding.pop(task_id, None) is not None:
                 self.state.trained += 1
 
-    def record_dropped(self, task_id: str, reason: str) -> bool:
-        """End an outstanding training task without training it, counted under `reason`; False
-        when it already ended (batched or dropped: counted then)."""
+    def record_dropped(self, task_id: str, reason: str, env_id: str = "") -> bool:
+        """End an outstanding training task (of environment `env_id`) without training it,
+        counted under `reason`; False when it already ended (batched or dropped: counted then)."""
         if self.state.outstanding.pop(task_id, None) is None:
             return False
         self.state.dropped[reason] = self.state.dropped.get(reason, 0) + 1
-        count_dropped_task(reason)  # Prometheus (rlbus.obs.metrics)
+        count_dropped_task(reason, env_id)  # Prometheus (rlbus.obs.metrics)
         return True
 
     def is_outstanding(self, task_id: str) -> bool:

@@ -4,12 +4,15 @@
 task expiry; weights waits by the weights watcher; the coordinator's own time by the wiring) and
 reset once the step's batch is published. `step_metrics` turns it, the batch's samples and the
 task ledger into the metrics dict of `TrainBatch.metrics` and the `StepMetrics` event
-(docs/orchestrator.md, "Metrics"); the key order is the order of the dict below.
+(docs/orchestrator.md, "Metrics"); the key order is the order of the dict below. The keys under
+`env/<id>/` are the same step seen per environment, for every environment of the run's config
+(one or several) and any other a rollout of the step named.
 """
 
 import statistics
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -18,9 +21,9 @@ from rlbus.bus.client import Bus
 from rlbus.bus.errors import PoisonBatch
 from rlbus.wire import events
 from rlbus.wire.events import StepMetrics
-from rlbus.wire.rollouts import RolloutSample
+from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus_orchestrator.staleness import off_policy_lag
-from rlbus_orchestrator.state_store import DROP_REASONS, CoordinatorState
+from rlbus_orchestrator.state_store import DROP_REASONS, EPISODE_DROP_REASONS, CoordinatorState
 
 log = structlog.get_logger()
 
@@ -33,35 +36,53 @@ class StepStats:
     """Counters between two batches (`reset` after each step's metrics)."""
 
     dropped: Counter[str] = field(default_factory=Counter)
+    """Groups (tasks) dropped, by reason."""
+    env_dropped: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """The same per (environment id, reason)."""
+    episodes_dropped: Counter[tuple[str, str]] = field(default_factory=Counter)
+    """Episodes left out of their groups (`Rollout.dropped`), per (environment id, reason)."""
     started: float = field(default_factory=time.monotonic)
     wait_weights_s: float = 0.0
     own_s: float = 0.0
     completion_tokens: int = 0
-    no_signal_samples: list[RolloutSample] = field(default_factory=list)
-    """Samples of the groups dropped for zero advantage: sampled but never trained, they still
+    no_signal: list[Rollout] = field(default_factory=list)
+    """The groups dropped for zero advantage: sampled but never trained, their samples still
     count in the step's sampled reward (`reward/mean`)."""
 
     def reset(self) -> None:
         """Start counting the next step (the object is shared by the parts, so it stays)."""
         self.__dict__.update(StepStats().__dict__)
 
+    def count_drop(self, reason: str, env_id: str) -> None:
+        """A group of `env_id` dropped for `reason` (the caller recorded it in the ledger)."""
+        self.dropped[reason] += 1
+        self.env_dropped[env_id, reason] += 1
+
+    def count_dropped_episodes(self, rollout: Rollout) -> None:
+        """The episodes a worker left out of `rollout`'s group."""
+        for reason, num in rollout.dropped.items():
+            self.episodes_dropped[rollout.env_id, reason] += num
+
 
 def step_metrics(
     step: int,
-    samples: list[RolloutSample],
+    rollouts: list[Rollout],
     *,
     stats: StepStats,
     state: CoordinatorState,
     num_pooled: int,
     applied_version: int,
     num_groups: int = 0,
+    env_ids: Sequence[str] = (),
 ) -> dict[str, float]:
-    """The step's metrics; the task counts include the `num_groups` groups of this batch.
+    """The step's metrics from the groups of its batch; the task counts include the
+    `num_groups` groups of this batch; `env/<id>/*` for each of `env_ids` (the run's) at least.
 
     `reward/*` describe every sample of the step: the batch's plus those of the groups dropped
     for zero advantage since the last batch (what other tools call the mean reward);
     `reward/trained_mean` is the batch's alone (docs/orchestrator.md, "Metrics")."""
-    sampled = [*samples, *stats.no_signal_samples]
+    samples = [s for r in rollouts for s in r.samples]
+    sampled = [*samples, *(s for r in stats.no_signal for s in r.samples)]
     m = reward_metrics(samples, sampled)
     m |= completion_metrics(samples)
     m["tasks/in_flight"] = float(len(state.outstanding) - num_pooled)
@@ -71,7 +92,46 @@ def step_metrics(
     for lag, count in Counter(off_policy_lag(step, s.policy_version) for s in samples).items():
         m[f"off_policy_lag/{lag}"] = float(count)
     m |= task_metrics(state, stats, num_groups)
+    for reason in EPISODE_DROP_REASONS:
+        m[f"episodes_dropped/{reason}"] = float(
+            sum(n for (_, r), n in stats.episodes_dropped.items() if r == reason)
+        )
+    m |= env_metrics(env_ids, rollouts, stats)
     return m
+
+
+def env_metrics(
+    env_ids: Sequence[str], rollouts: list[Rollout], stats: StepStats
+) -> dict[str, float]:
+    """`env/<id>/*`: the step's samples (batch and flat groups), drops and episode drops of each
+    environment of `env_ids` and of the rollouts."""
+    named = [*env_ids, *(r.env_id for r in rollouts), *(r.env_id for r in stats.no_signal)]
+    m: dict[str, float] = {}
+    for env_id in dict.fromkeys(named):
+        prefix = f"env/{env_id}/"
+        trained = [s for r in rollouts if r.env_id == env_id for s in r.samples]
+        flat = [s for r in stats.no_signal if r.env_id == env_id for s in r.samples]
+        m[prefix + "samples"] = float(len(trained) + len(flat))
+        m[prefix + "trained_samples"] = float(len(trained))
+        m |= {prefix + key: value for key, value in sample_means([*trained, *flat]).items()}
+        for reason in DROP_REASONS:
+            m[f"{prefix}dropped/{reason}"] = float(stats.env_dropped[env_id, reason])
+        for reason in EPISODE_DROP_REASONS:
+            m[f"{prefix}episodes_dropped/{reason}"] = float(stats.episodes_dropped[env_id, reason])
+    return m
+
+
+def sample_means(samples: list[RolloutSample]) -> dict[str, float]:
+    """Reward, completion length, turns and tool use of some samples (means; none when empty)."""
+    if not samples:
+        return {"tool_errors": 0.0}
+    return {
+        "reward/mean": statistics.fmean(s.reward for s in samples),
+        "completion_len/mean": statistics.fmean(len(s.completion_token_ids) for s in samples),
+        "num_turns/mean": statistics.fmean(s.num_turns for s in samples),
+        "tool_calls/mean": statistics.fmean(s.num_tool_calls for s in samples),
+        "tool_errors": float(sum(s.num_tool_errors for s in samples)),
+    }
 
 
 def reward_metrics(samples: list[RolloutSample], sampled: list[RolloutSample]) -> dict[str, float]:

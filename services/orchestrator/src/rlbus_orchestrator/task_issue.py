@@ -1,13 +1,15 @@
 """Task issue: which training tasks to publish, what each holds, and when one is overdue.
 
-Issuing rule: keep `pooled + in_flight * group_size >= batch_size * (max_step - next_step + 1)`
-samples on the way, where `max_step` is the weights watcher's (never more than `async_level`
-steps ahead of the newest applied weights, never past `max_steps`).
+Issuing rule: keep `pooled + in_flight >= batch_size * (max_step - next_step + 1)` samples on
+the way, where a task in flight counts its environment's group size and `max_step` is the weights
+watcher's (never more than `async_level` steps ahead of the newest applied weights, never past
+`max_steps`). New cursors are issued one by one until their groups cover what is missing.
 
-A task is `train-<cursor>`: the data cursor picks the environment (seeded by the cursor, by the
-environments' weights) and its example (`dataset_index`), so a task republished after a crash is
-the same message with the same id, and the bus deduplicates it. Each task asks for weights no
-older than `min_policy_version` of the step it is issued for. The cursors of a publish are saved
+A task is `train-<cursor>`: the data cursor picks the environment (env_mix.py: seeded by the
+cursor, by the environments' weights) and its example (`dataset_index`), so a task republished
+after a crash is the same message with the same id, and the bus deduplicates it. It carries its
+environment's sampling, group size and episode limits, and asks for weights no older than
+`min_policy_version` of the step it is issued for. The cursors of a publish are saved
 before it (the state store's write-ahead cursors) and republished by `resume` after a restart.
 
 A task whose rollout has not come back `task_timeout_s` after its issue is overdue: the coordinator
@@ -15,7 +17,6 @@ drops it as `timeout` and a replacement is issued (its clock restarts with the c
 """
 
 import asyncio
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -24,9 +25,11 @@ from typing import Any
 import structlog
 
 from rlbus.bus.client import Bus
-from rlbus.configs.orchestrator import OrchestratorConfig, SamplingConfig
+from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
-from rlbus.wire.tasks import SamplingArgs, Task
+from rlbus.wire.tasks import Task
+from rlbus_orchestrator.env_mix import EnvMix, EnvSettings, env_settings
+from rlbus_orchestrator.env_mix import sampling_args as sampling_args  # eval_runner's import
 from rlbus_orchestrator.envs import Environment, load_environment
 from rlbus_orchestrator.group_pool import GroupPool
 from rlbus_orchestrator.staleness import min_policy_version
@@ -46,10 +49,15 @@ class RunEnv:
     args: dict[str, Any]
     weight: float
     """Relative share of the training tasks."""
+    settings: EnvSettings
+    """Its id (the config's), sampling, group size and episode limits (env_mix.py)."""
 
 
 def load_run_envs(config: OrchestratorConfig) -> list[RunEnv]:
-    return [RunEnv(load_environment(e.id, e.args), e.args, e.weight) for e in config.env]
+    return [
+        RunEnv(load_environment(e.id, e.args), e.args, e.weight, settings)
+        for e, settings in zip(config.env, env_settings(config), strict=True)
+    ]
 
 
 def dataset_index(cursor: int, num_examples: int | None, seed: int) -> int:
@@ -64,15 +72,6 @@ def dataset_index(cursor: int, num_examples: int | None, seed: int) -> int:
 
 def task_id_of(cursor: int) -> str:
     return f"train-{cursor}"
-
-
-def sampling_args(config: SamplingConfig, *, greedy: bool = False) -> SamplingArgs:
-    return SamplingArgs(
-        temperature=0.0 if greedy else config.temperature,
-        top_p=1.0 if greedy else config.top_p,
-        max_tokens=config.max_tokens,
-        extra=dict(config.extra_body),
-    )
 
 
 class TaskIssuer:
@@ -99,56 +98,60 @@ class TaskIssuer:
         self.weights = weights
         self.traces = traces
         self.stats = stats
+        self.mix = EnvMix(config)
         self.issued_at: dict[str, float] = {}
         """task_id -> monotonic time it was issued (or the coordinator started, after a restart);
         entries of tasks no longer outstanding are ignored, and pruned as tasks are issued."""
 
     def make_task(self, cursor: int) -> Task:
-        rng = random.Random(f"{self.config.seed}/env/{cursor}")
-        env_index = (
-            rng.choices(range(len(self.envs)), weights=[e.weight for e in self.envs])[0]
-            if len(self.envs) > 1
-            else 0
-        )
-        run_env = self.envs[env_index]
+        run_env = self.envs[self.mix.index(cursor)]
+        settings = run_env.settings
         index = dataset_index(cursor, run_env.env.num_examples("train"), self.config.seed)
         step = self.store.state.next_step
         return Task(
             task_id=task_id_of(cursor),
             step=step,
-            env_id=run_env.env.env_id,
+            env_id=settings.env_id,
             env_args=run_env.args,
             example_id=index,
             problem=run_env.env.example("train", index),
-            sampling=sampling_args(self.config.sampling),
-            group_size=self.config.group_size,
+            sampling=settings.sampling,
+            group_size=settings.group_size,
+            limits=settings.limits,
             min_policy_version=min_policy_version(step, self.config.max_off_policy_steps),
         )
+
+    def samples_on_the_way(self) -> int:
+        """Samples pooled, plus the full groups of the tasks in flight (issued, not pooled)."""
+        state = self.store.state
+        in_flight = [c for t, c in state.outstanding.items() if t not in self.pool]
+        return self.pool.num_samples() + sum(self.mix.of_cursor(c).group_size for c in in_flight)
 
     def num_tasks_to_issue(self) -> int:
         state = self.store.state
         steps_ahead = self.weights.max_step() - state.next_step + 1
         if steps_ahead <= 0:
             return 0
-        in_flight = len(state.outstanding) - len(self.pool)
-        missing = (
-            self.config.batch_size * steps_ahead
-            - self.pool.num_samples()
-            - in_flight * self.config.group_size
-        )
-        return max(0, math.ceil(missing / self.config.group_size))
+        missing = self.config.batch_size * steps_ahead - self.samples_on_the_way()
+        num = 0
+        while missing > 0:  # each next cursor's group, whatever its environment's size
+            missing -= self.mix.of_cursor(state.cursor + num).group_size
+            num += 1
+        return num
 
-    def expected_steps(self, num_tasks: int) -> list[int]:
-        """The step each of `num_tasks` new groups should land in: batches take groups first in,
-        first out, after those pooled and in flight (a guess for tracing: a dropped group moves
-        the later ones one step on)."""
+    def expected_steps(self, cursors: list[int]) -> list[int]:
+        """The step the groups of `cursors` (just recorded as issued) should land in: batches
+        take groups first in, first out, after those pooled and in flight (a guess for tracing:
+        a dropped or partial group moves the later ones on)."""
         state = self.store.state
-        in_flight = max(0, len(state.outstanding) - num_tasks - len(self.pool))
-        ahead = self.pool.num_samples() + in_flight * self.config.group_size
-        size = self.config.batch_size
-        return [
-            state.next_step + (ahead + k * self.config.group_size) // size for k in range(num_tasks)
-        ]
+        new = set(map(task_id_of, cursors))
+        in_flight = [c for t, c in state.outstanding.items() if t not in self.pool and t not in new]
+        ahead = self.pool.num_samples() + sum(self.mix.of_cursor(c).group_size for c in in_flight)
+        steps = []
+        for cursor in cursors:
+            steps.append(state.next_step + ahead // self.config.batch_size)
+            ahead += self.mix.of_cursor(cursor).group_size
+        return steps
 
     async def issue_due_tasks(self) -> int:
         """Publish the tasks due now (write-ahead cursors saved first); returns how many."""
@@ -176,10 +179,7 @@ class TaskIssuer:
                 await self.bus.publish(self.bus.subjects.tasks, task, msg_id=task.task_id)
 
         await asyncio.gather(
-            *(
-                publish(t, step)
-                for t, step in zip(tasks, self.expected_steps(len(tasks)), strict=True)
-            )
+            *(publish(t, step) for t, step in zip(tasks, self.expected_steps(cursors), strict=True))
         )
 
     async def resume(self) -> None:
@@ -209,8 +209,9 @@ class TaskIssuer:
         """Drop overdue tasks as `timeout` (replacements follow); returns how many."""
         overdue = self.overdue_tasks(time.monotonic())
         for task_id in overdue:
-            if self.store.record_dropped(task_id, "timeout"):
-                self.stats.dropped["timeout"] += 1
+            env_id = self.mix.env_id_of(task_id)
+            if self.store.record_dropped(task_id, "timeout", env_id):
+                self.stats.count_drop("timeout", env_id)
         self.forget_ended_tasks()
         if overdue:
             log.warning("tasks_timed_out", num_tasks=len(overdue), first=overdue[0])

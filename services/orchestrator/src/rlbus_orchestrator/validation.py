@@ -6,7 +6,9 @@ logprob, token ids < 0), or wait for a task that was never issued. `problem(roll
 the first such fault in one short sentence (the dead-letter reason), or returns None.
 
 Checked, in order: the task id (`train-<cursor>` issued by this run, or `eval-<step>-<i>`), the
-group (`group_size` samples for a training task), then each sample: completion token ids,
+environment (a training task's is the one its cursor drew), the episodes left out (`dropped`:
+reasons `error` and `timeout` only), the group (samples plus left-out episodes = the
+environment's group size), then each sample: completion token ids,
 logprobs and mask of equal length, token ids >= 0, mask values 0/1, finite reward, reward
 components, logprobs (<= 0) and temperature, and a policy version in `0 .. next_step - 1` (the
 trainer cannot have made weights for a step that was never batched).
@@ -16,6 +18,7 @@ import math
 import re
 
 from rlbus.wire.rollouts import Rollout, RolloutSample
+from rlbus_orchestrator.state_store import EPISODE_DROP_REASONS
 
 TRAIN_TASK_ID = re.compile(r"train-(\d+)")
 EVAL_TASK_ID = re.compile(r"eval-(\d+)-(\d+)")
@@ -35,18 +38,35 @@ def eval_step(task_id: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def problem(rollout: Rollout, *, issued_cursor: int, group_size: int, next_step: int) -> str | None:
-    """Why `rollout` cannot be used (module docstring), or None when it can."""
+def problem(
+    rollout: Rollout,
+    *,
+    issued_cursor: int,
+    group_size: int,
+    next_step: int,
+    env_id: str | None = None,
+) -> str | None:
+    """Why `rollout` cannot be used (module docstring), or None when it can. `group_size` and
+    `env_id` (None: not checked) are those of the training task's environment."""
     cursor = train_cursor(rollout.task_id)
     is_eval = eval_step(rollout.task_id) is not None
     if cursor is None and not is_eval:
         return f"unknown task id {rollout.task_id!r} (expected train-<n> or eval-<step>-<i>)"
     if cursor is not None and cursor >= issued_cursor:
         return f"task {rollout.task_id} was never issued (the next cursor is {issued_cursor})"
+    if cursor is not None and env_id is not None and rollout.env_id != env_id:
+        return f"env_id {rollout.env_id!r}, but task {rollout.task_id} is of {env_id!r}"
+    unknown = sorted(set(rollout.dropped) - set(EPISODE_DROP_REASONS))
+    if unknown:
+        return f"dropped episodes of unknown reason {unknown[0]!r} (expected error or timeout)"
     if rollout.error is not None and not rollout.samples:
         return None  # a reported failure: dropped as `error`, not poison
-    if cursor is not None and rollout.samples and len(rollout.samples) != group_size:
-        return f"group of {len(rollout.samples)} samples, expected group_size={group_size}"
+    num_dropped = sum(rollout.dropped.values())
+    if cursor is not None and rollout.samples and len(rollout.samples) + num_dropped != group_size:
+        left_out = f" and {num_dropped} dropped episodes" if num_dropped else ""
+        return (
+            f"group of {len(rollout.samples)} samples{left_out}, expected group_size={group_size}"
+        )
     for i, sample in enumerate(rollout.samples):
         fault = sample_problem(sample, next_step=next_step)
         if fault is not None:

@@ -17,8 +17,15 @@ Failure handling:
   up to `http.no_replica_wait_s` for a replica to come back and is rolled out again; past that it
   is nak'ed with a delay and comes back later (a wait does not spend a delivery);
 - the worker process dies: the task is never acked and JetStream redelivers it after AckWait;
-- the environment raises: the group is published with `error` set (the coordinator drops it,
-  counts it, and issues a replacement task) and the task is acked.
+- an episode played on its own (`run_episode`) raises, or is still running DEADLINE_GRACE_S past
+  its deadline (`Task.limits.deadline_s`, the environment's `episode_timeout_s`; it is then
+  cancelled): it is left out, the others play on, and the group is published with the survivors
+  and `Rollout.dropped` (`error` / `timeout` -> count) and the first failure's text in
+  `metadata["episode_error"]`; the coordinator trains on the survivors when at least
+  `min_group_size` are left, else drops the group (docs/orchestrator.md, "Partial groups");
+- a group request (`run_group`) fails, or no episode survives: the group is published with
+  `error` set and no samples (the coordinator drops it, counts it, and issues a replacement task).
+  Either way the task is acked.
 
 A background loop refreshes the replica registry (bus KV `replicas`, or `inference_urls`) every
 second, and at once when a replica is backed off.
@@ -34,6 +41,7 @@ import json
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import TypeGuard, TypeVar
@@ -48,7 +56,7 @@ from rlbus.lifecycle import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
 from rlbus.obs import tracing
 from rlbus.wire import tasks as tasks_wire
 from rlbus.wire.rollouts import Rollout, RolloutSample
-from rlbus.wire.tasks import SamplingArgs, Task
+from rlbus.wire.tasks import EpisodeLimits, SamplingArgs, Task
 from rlbus_orchestrator.client import (
     InferenceClient,
     NoReplicaError,
@@ -57,6 +65,7 @@ from rlbus_orchestrator.client import (
     static_replicas,
 )
 from rlbus_orchestrator.envs import Environment, GroupEnvironment, load_environment
+from rlbus_orchestrator.envs.base import play_episode
 from rlbus_orchestrator.metrics import count_rollout
 
 log = structlog.get_logger()
@@ -64,6 +73,10 @@ log = structlog.get_logger()
 T = TypeVar("T")
 
 NO_REPLICA_NAK_DELAY_S = 2.0
+DEADLINE_GRACE_S = 5.0
+"""An episode is cancelled this long after its deadline: the environment ends an episode at its
+deadline itself (stop_reason `deadline`, between turns); this is the backstop for one stuck
+inside a turn or a tool."""
 REGISTRY_REFRESH_S = 1.0
 NO_REPLICA_POLL_S = 0.1
 """While a task waits for a replica, the registry is read again this often: a replica that
@@ -152,6 +165,49 @@ class SampleSlots:
                 self._free.release()
 
 
+class EpisodeTimeoutError(Exception):
+    """An episode ran past its deadline plus DEADLINE_GRACE_S and was cancelled."""
+
+
+@asynccontextmanager
+async def episode_deadline(limits: EpisodeLimits, grace_s: float) -> AsyncIterator[None]:
+    """Cancel the body `grace_s` after `limits.deadline_s` (EpisodeTimeoutError); no limit when
+    the task has no deadline. A TimeoutError of the body itself passes through unchanged."""
+    if limits.deadline_s is None:
+        yield
+        return
+    timeout = asyncio.timeout(limits.deadline_s + grace_s)
+    try:
+        async with timeout:
+            yield
+    except TimeoutError as error:
+        if not timeout.expired():
+            raise
+        raise EpisodeTimeoutError(
+            f"episode still running {grace_s:g} s past its deadline ({limits.deadline_s:g} s)"
+        ) from error
+
+
+def failure_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def failure_reason(error: BaseException) -> str:
+    """How a failed episode is counted in `Rollout.dropped`."""
+    return "timeout" if isinstance(error, EpisodeTimeoutError) else "error"
+
+
+async def settled(episode: Awaitable[T]) -> T | Exception:
+    """The episode's result, or the exception it failed with; NoReplicaError (the task waits for
+    a replica, the group is played again) and cancellation propagate."""
+    try:
+        return await episode
+    except NoReplicaError:
+        raise
+    except Exception as error:
+        return error
+
+
 async def gather_or_cancel(*coros: Awaitable[T]) -> list[T]:
     """`asyncio.gather`, but the first error cancels the others (no episode outlives its task)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -177,10 +233,13 @@ class RolloutWorker:
         worker_id: str | None = None,
         no_replica_wait_s: float = 60.0,
         group_requests: bool = True,
+        deadline_grace_s: float = DEADLINE_GRACE_S,
     ) -> None:
         """`group_requests=False`: one request per sample even for a `GroupEnvironment` (the
-        baseline of benchmarks/orchestrator.py --group-compare)."""
+        baseline of benchmarks/orchestrator.py --group-compare). `group_size`: the smallest
+        group size of the run's environments (it sets how many tasks are fetched at once)."""
         self.bus = bus
+        self.deadline_grace_s = deadline_grace_s
         self.group_requests = group_requests
         self.client = client
         self.no_replica_wait_s = no_replica_wait_s
@@ -271,23 +330,55 @@ class RolloutWorker:
             await asyncio.sleep(min(NO_REPLICA_POLL_S, max(0.0, deadline - time.monotonic())))
 
     async def roll_out(self, task: Task) -> Rollout:
-        """Run the task's group; an environment error becomes `Rollout.error`."""
+        """Run the task's group (module docstring, failure handling): episodes played one by one
+        are left out when they fail; a group request fails whole (`Rollout.error`)."""
         started = time.time()
         try:
             env = self.envs.get(task.env_id, task.env_args)
             sizes = self.request_sizes(env, task.group_size)
             firsts = itertools.accumulate(sizes, initial=0)  # each request's first sample (+ total)
-            parts = await gather_or_cancel(
-                *(self.play(env, task, n, first) for n, first in zip(sizes, firsts, strict=False))
-            )
+            plays = [
+                self.play(env, task, n, first) for n, first in zip(sizes, firsts, strict=False)
+            ]
+            if not self.plays_groups(env):
+                outcomes = await gather_or_cancel(*map(settled, plays))
+                return self.partial_rollout(task, outcomes, started=started)
+            parts = await gather_or_cancel(*plays)
         except NoReplicaError:
             raise
         except Exception as error:
             log.exception("episode_failed", task_id=task.task_id, env_id=task.env_id)
+            dropped = {failure_reason(error): task.group_size}
             return self.make_rollout(
-                task, [], error=f"{type(error).__name__}: {error}", started=started
+                task, [], error=failure_text(error), dropped=dropped, started=started
             )
         return self.make_rollout(task, [s for part in parts for s in part], started=started)
+
+    def partial_rollout(
+        self, task: Task, outcomes: list[list[RolloutSample] | Exception], *, started: float
+    ) -> Rollout:
+        """The group of the episodes that succeeded; the failed ones counted in `dropped` (the
+        first one's text in `metadata["episode_error"]`, and in `error` when none succeeded)."""
+        samples = [s for outcome in outcomes if not isinstance(outcome, Exception) for s in outcome]
+        failures = [outcome for outcome in outcomes if isinstance(outcome, Exception)]
+        if not failures:
+            return self.make_rollout(task, samples, started=started)
+        dropped = dict(Counter(map(failure_reason, failures)))
+        first = failure_text(failures[0])
+        log.warning(
+            "episodes_dropped",
+            task_id=task.task_id,
+            env_id=task.env_id,
+            num_samples=len(samples),
+            **dropped,
+            first_error=first,
+            exc_info=failures[0],
+        )
+        rollout = self.make_rollout(
+            task, samples, error=None if samples else first, dropped=dropped, started=started
+        )
+        rollout.metadata["episode_error"] = first
+        return rollout
 
     def plays_groups(self, env: Environment) -> TypeGuard[GroupEnvironment]:
         """Whether a group of `env` goes out as `run_group` requests (else one per episode)."""
@@ -305,16 +396,22 @@ class RolloutWorker:
         episode. A seeded task's sample i is seeded `seed + i` however the group is split (vLLM
         seeds choice j of a request with the request's seed + j), so no two samples repeat."""
         sampling = sample_seeded(task.sampling, first)
-        async with self.slots.hold(n):
+        async with self.slots.hold(n), episode_deadline(task.limits, self.deadline_grace_s):
             if not self.plays_groups(env):
-                return [await env.run_episode(self.client, task.problem, sampling)]
+                return [await play_episode(env, self.client, task.problem, sampling, task.limits)]
             samples = await env.run_group(self.client, task.problem, sampling, n)
         if len(samples) != n:
             raise ValueError(f"{env.env_id}: run_group returned {len(samples)} samples for n={n}")
         return samples
 
     def make_rollout(
-        self, task: Task, samples: list[RolloutSample], *, started: float, error: str | None = None
+        self,
+        task: Task,
+        samples: list[RolloutSample],
+        *,
+        started: float,
+        error: str | None = None,
+        dropped: dict[str, int] | None = None,
     ) -> Rollout:
         return Rollout(
             task_id=task.task_id,
@@ -324,6 +421,7 @@ class RolloutWorker:
             samples=samples,
             worker_id=self.worker_id,
             error=error,
+            dropped=dropped or {},
             metadata={"started_at": started},
         )
 

@@ -24,8 +24,44 @@ class SamplingConfig(BaseConfig):
     max_tokens: int = Field(128, ge=1)
     """Maximum completion tokens per turn."""
 
+    stop: list[str] = []
+    """Stop strings (the completion ends before the first one it produces)."""
+
+    seed: int | None = None
+    """Sampling seed (sample i of a group is seeded seed + i); None: unseeded."""
+
     extra_body: dict[str, Any] = {}
     """Extra fields for the OpenAI request body (deep-merged with file values)."""
+
+
+class EnvSamplingConfig(BaseConfig):
+    """Sampling of one environment: a field set here replaces `orchestrator.sampling`'s for this
+    environment's tasks; a field left unset (None) falls back to it."""
+
+    temperature: float | None = Field(None, ge=0)
+    """Sampling temperature (None: orchestrator.sampling.temperature)."""
+
+    top_p: float | None = Field(None, gt=0, le=1)
+    """Nucleus sampling (None: orchestrator.sampling.top_p)."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    """Maximum completion tokens per turn (None: orchestrator.sampling.max_tokens)."""
+
+    stop: list[str] | None = None
+    """Stop strings (None: orchestrator.sampling.stop)."""
+
+    seed: int | None = None
+    """Sampling seed (None: orchestrator.sampling.seed)."""
+
+    extra_body: dict[str, Any] | None = None
+    """Extra request body fields, merged over orchestrator.sampling.extra_body (these win)."""
+
+    def over(self, base: SamplingConfig) -> SamplingConfig:
+        """`base` with the fields set here replacing its own (`extra_body` merged key by key)."""
+        update = {name: value for name, value in self if value is not None}
+        if self.extra_body is not None:
+            update["extra_body"] = {**base.extra_body, **self.extra_body}
+        return base.model_copy(update=update)
 
 
 class EnvConfig(BaseConfig):
@@ -39,6 +75,23 @@ class EnvConfig(BaseConfig):
 
     weight: float = Field(1.0, gt=0)
     """Share of tasks drawn from this environment."""
+
+    sampling: EnvSamplingConfig = EnvSamplingConfig()
+    """Sampling of this environment's tasks; unset fields fall back to orchestrator.sampling."""
+
+    group_size: int | None = Field(None, ge=1)
+    """Samples per problem of this environment (None: orchestrator.group_size)."""
+
+    max_turns: int | None = Field(None, ge=1)
+    """Model turns per episode (None: no limit; single-turn environments ignore it)."""
+
+    max_total_tokens: int | None = Field(None, ge=1)
+    """Tokens of a whole episode: prompt, completions and environment messages (None: no limit)."""
+
+    episode_timeout_s: float | None = Field(None, gt=0)
+    """Wall-clock seconds per episode, from its first request (None: no limit). An episode still
+    running a few seconds past it is cancelled and left out of its group (a partial group,
+    docs/orchestrator.md)."""
 
 
 ENV_ENTRY_POINT_GROUP = "rlbus.environments"
@@ -147,7 +200,12 @@ class OrchestratorConfig(RunnableConfig):
     """Rollouts (samples) per training step."""
 
     group_size: int = Field(8, ge=1)
-    """Samples per problem (GRPO group)."""
+    """Samples per problem (GRPO group); an environment may set its own (env[].group_size)."""
+
+    min_group_size: int = Field(2, ge=1)
+    """A group whose failed or timed-out episodes leave fewer samples than this is dropped
+    whole; with at least this many it trains on the survivors. At most every group size (a
+    group smaller than the default 2 uses its own size as the minimum)."""
 
     token_budget: int | None = Field(None, ge=1)
     """Assemble a step by token count instead of batch_size."""
@@ -203,19 +261,58 @@ class OrchestratorConfig(RunnableConfig):
     eval: EvalConfig | None = None
     """Evaluation (off unless set)."""
 
-    def cross_field_errors(self) -> list[tuple[str, str]]:
-        """(field, message) for each rule between fields that this config breaks."""
+    def env_group_size(self, env: EnvConfig) -> int:
+        """Samples per problem of `env` (its own group_size, else the orchestrator's)."""
+        return env.group_size or self.group_size
+
+    def env_min_group_size(self, env: EnvConfig) -> int:
+        """Fewest samples a group of `env` trains with; the default 2 gives way to a smaller
+        group (a group of 1 is trained whole or dropped), a value set explicitly does not."""
+        group_size = self.env_group_size(env)
+        if "min_group_size" in self.model_fields_set:
+            return self.min_group_size
+        return min(self.min_group_size, group_size)
+
+    def group_size_errors(self) -> list[tuple[str, str]]:
+        """The batch size against the group sizes, and the group sizes against min_group_size
+        (docs/orchestrator.md, "Several environments")."""
         errors = []
-        if self.token_budget is None and self.batch_size % self.group_size:
+        sizes = sorted({self.env_group_size(env) for env in self.env})
+        if self.token_budget is None and len(sizes) == 1 and self.batch_size % sizes[0]:
+            size, num = sizes[0], self.batch_size // sizes[0]
             errors.append(
                 (
                     "batch_size",
-                    f"must be a multiple of group_size ({self.group_size}): a step takes whole "
-                    f"groups, so {self.batch_size} samples cannot be filled exactly; use "
-                    f"{self.batch_size // self.group_size * self.group_size or self.group_size} or "
-                    f"{(self.batch_size // self.group_size + 1) * self.group_size}",
+                    f"must be a multiple of group_size ({size}): a step takes whole groups, so "
+                    f"{self.batch_size} samples cannot be filled exactly; use "
+                    f"{num * size or size} or {(num + 1) * size}",
                 )
             )
+        elif self.token_budget is None and self.batch_size < sizes[-1]:
+            errors.append(
+                (
+                    "batch_size",
+                    f"must be at least the largest group size ({sizes[-1]}, of the group sizes "
+                    f"{', '.join(map(str, sizes))} of the environments): a step takes whole groups",
+                )
+            )
+        for i, env in enumerate(self.env):
+            size = self.env_group_size(env)
+            where = f"env.{i}.group_size" if env.group_size else "min_group_size"
+            if size < self.env_min_group_size(env) and where not in dict(errors):
+                errors.append(
+                    (
+                        where,
+                        f"group size {size} of env[{i}] ({env.id!r}) is below min_group_size "
+                        f"({self.min_group_size}): its groups could never train; lower "
+                        "min_group_size or raise the group size",
+                    )
+                )
+        return errors
+
+    def cross_field_errors(self) -> list[tuple[str, str]]:
+        """(field, message) for each rule between fields that this config breaks."""
+        errors = self.group_size_errors()
         # Without the orchestrator installed (a launcher-only or trainer image) the group is
         # empty and nothing can be said about ids; the orchestrator checks them when it starts.
         known = known_env_ids()
