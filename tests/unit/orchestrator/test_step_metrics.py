@@ -94,3 +94,23 @@ def test_each_environment_of_the_run_gets_its_own_keys_even_without_samples():
     assert m["env/math/episodes_dropped/timeout"] == 2.0 and m["episodes_dropped/timeout"] == 2.0
     assert m["env/idle/samples"] == 0.0 and "env/idle/reward/mean" not in m
     assert {k.split("/")[1] for k in m if k.startswith("env/")} == {"reverse-text", "math", "idle"}
+
+
+def test_multi_turn_episodes_are_counted_by_why_they_ended():
+    batch = [
+        env_rollout("train-0", "game", [0.0, 1.0], stop_reason="max_turns"),
+        env_rollout("train-1", "game", [1.0, 1.0], stop_reason="done"),
+        env_rollout("train-2", "reverse-text", [0.5, 0.7]),
+    ]
+    m = step_metrics(
+        1,
+        batch,
+        stats=StepStats(),
+        state=CoordinatorState(),
+        num_pooled=0,
+        applied_version=0,
+        env_ids=["game", "reverse-text"],
+    )
+    assert (m["env/game/stop/max_turns"], m["env/game/stop/done"]) == (2.0, 2.0)
+    assert m["env/game/stop/deadline"] == 0.0
+    assert not any(key.startswith("env/reverse-text/stop/") for key in m)  # single-turn: none

@@ -22,6 +22,7 @@ from rlbus.bus.errors import PoisonBatch
 from rlbus.wire import events
 from rlbus.wire.events import StepMetrics
 from rlbus.wire.rollouts import Rollout, RolloutSample
+from rlbus_orchestrator.envs.multiturn import STOP_REASONS
 from rlbus_orchestrator.staleness import off_policy_lag
 from rlbus_orchestrator.state_store import DROP_REASONS, EPISODE_DROP_REASONS, CoordinatorState
 
@@ -125,13 +126,17 @@ def sample_means(samples: list[RolloutSample]) -> dict[str, float]:
     """Reward, completion length, turns and tool use of some samples (means; none when empty)."""
     if not samples:
         return {"tool_errors": 0.0}
-    return {
+    m = {
         "reward/mean": statistics.fmean(s.reward for s in samples),
         "completion_len/mean": statistics.fmean(len(s.completion_token_ids) for s in samples),
         "num_turns/mean": statistics.fmean(s.num_turns for s in samples),
         "tool_calls/mean": statistics.fmean(s.num_tool_calls for s in samples),
         "tool_errors": float(sum(s.num_tool_errors for s in samples)),
     }
+    stops = [s.stop_reason for s in samples if s.stop_reason is not None]
+    if stops:  # multi-turn episodes: why each ended (`max_turns` and `deadline` among them)
+        m |= {f"stop/{reason}": float(stops.count(reason)) for reason in STOP_REASONS}
+    return m
 
 
 def reward_metrics(samples: list[RolloutSample], sampled: list[RolloutSample]) -> dict[str, float]:
