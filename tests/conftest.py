@@ -1,5 +1,6 @@
 """Shared pytest fixtures: a real `nats-server -js` per test (or per module/session) and bus clients.
 
+- `environment_dir` (autouse, session): `$RLBUS_ENV_DIR` is a temp folder, never ~/.cache.
 - `nats_server`: a fresh server on free ports with a temp store dir, stopped by PID at teardown.
   Crash it with `nats_server.kill()` and bring it back on the same ports and store with
   `nats_server.restart(kill=True)` (or `.start()` after a kill).
@@ -12,15 +13,23 @@
   (several workers of one run); all are closed at teardown.
 """
 
+import os
 import uuid
 from pathlib import Path
 
 import pytest
 
-from rlbus import netutil
+from rlbus import envindex, netutil
 from rlbus.bus import Bus
 from rlbus.configs.bus import BusConfig
 from rlbus_launch.natsserver import NatsServer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def environment_dir(tmp_path_factory):
+    """No test reads or writes the user's environment index (`rl env install`,
+    ~/.cache/rlbus/envs): RLBUS_ENV_DIR names an empty temp folder, inherited by subprocesses."""
+    os.environ[envindex.ENV_DIR_VAR] = str(tmp_path_factory.mktemp("rlbus-envs"))
 
 
 @pytest.fixture

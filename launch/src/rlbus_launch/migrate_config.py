@@ -1,7 +1,10 @@
 """`rl migrate-config FILE`: convert a prime-rl config into an rlbus one and say what changed.
 
 The key rules themselves live in the core (`rlbus.configs.migrate`), because `RLConfig` and
-`SFTConfig` apply them when they load a file; this module is only the command around them.
+`SFTConfig` apply them when they load a file; this module is only the command around them. The
+environments keep prime-rl's ids (a hub id `owner/name` becomes `name`); for each one that is not
+installed here it prints the `rl env install ...` line that installs it (docs/environments.md),
+instead of counting the unknown id as a key that needs a human.
 """
 
 import argparse
@@ -9,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from rlbus.configs.migrate import _deep_copy, migrate
+from rlbus import envindex
+from rlbus.configs.migrate import _deep_copy, get_path, migrate, prime_env_sources
 
 PROG = "rl migrate-config"
 EXIT_OK = 0
@@ -38,6 +42,26 @@ def validation_problems(data: dict, kind: Literal["rl", "sft"]) -> list[str]:
     except ValidationError as error:
         return format_validation_error(cls, error).splitlines()[1:]
     return []
+
+
+def missing_envs(migrated: dict, data: dict) -> dict[int, tuple[str, str]]:
+    """Index in `orchestrator.env` -> (id, what `rl env install` installs it from) of each
+    environment that is not installed here; empty where the orchestrator is not installed (its
+    ids cannot be checked)."""
+    from rlbus.configs import orchestrator as orchestrator_config
+
+    known = orchestrator_config.known_env_ids()
+    envs = get_path(migrated, "orchestrator.env")
+    if not known or not isinstance(envs, list):
+        return {}
+    sources = prime_env_sources(data)
+    missing = {}
+    for i, env in enumerate(envs):
+        env_id = env.get("id") if isinstance(env, dict) else None
+        if isinstance(env_id, str) and orchestrator_config.unknown_env_error(env_id, known):
+            local = envindex.local_package(env_id)
+            missing[i] = (env_id, str(local) if local else sources.get(env_id, env_id))
+    return missing
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,9 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     migrated, changes = migrate(data, kind)
     for change in changes:
         print(f"{change.status:8} {change.line()}", file=sys.stderr)
-    problems = validation_problems(migrated, kind)
+    missing = missing_envs(migrated, data) if kind == "rl" else {}
+    unknown_ids = tuple(f"--orchestrator.env[{i}].id:" for i in missing)
+    problems = [p for p in validation_problems(migrated, kind) if not p.startswith(unknown_ids)]
     for invalid in problems:
         print(f"invalid  {invalid}", file=sys.stderr)
+    for env_id, source in missing.values():
+        print(f"install  rl env install {source}   (environment {env_id!r})", file=sys.stderr)
     text = tomli_w.dumps(_none_as_string(migrated))
     if args.output is None:
         sys.stdout.write(text)
@@ -87,5 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_NEEDS_HUMAN
-    print(f"converted {len(changes)} key(s): `{kind} @ OUT.toml` loads it", file=sys.stderr)
+    installs = " once the environments above are installed" if missing else ""
+    print(
+        f"converted {len(changes)} key(s): `{kind} @ OUT.toml` loads it{installs}", file=sys.stderr
+    )
     return EXIT_OK

@@ -458,6 +458,7 @@ def point_latest(run_dir: Path) -> None:
 
 SUBCOMMANDS = {
     "dead-letters": "rlbus_launch.deadletters",
+    "env": "rlbus_launch.envinstall",
     "migrate-config": "rlbus_launch.migrate_config",
 }
 """`rl <subcommand> ...`: tools about a run, each a module with `main(argv) -> exit code`."""

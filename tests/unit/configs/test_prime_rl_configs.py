@@ -21,6 +21,7 @@ def any_env_id(monkeypatch):
     """The fixtures name prime-rl's envs (wordle, math-env, ...), which are not installed here:
     the id check is skipped as on an image without the orchestrator (it is not what is tested)."""
     monkeypatch.setattr(orchestrator_config, "known_env_ids", lambda: [])
+    monkeypatch.setattr(orchestrator_config, "resolves_in_rlbus_venv", lambda env_id, known: False)
 
 
 def load(cls, name: str):
@@ -80,7 +81,8 @@ def test_lora_rl_loads_with_the_adapter_under_trainer_lora():
     assert config.trainer.model.activation_checkpointing is True
     assert (config.trainer.loss.mask_low, config.trainer.loss.mask_high) == (0.1, 0.3)
     env = config.orchestrator.env[0]
-    assert (env.id, env.weight, env.args) == ("alphabet-sort", 2.0, {"min_turns": 2, "max_turns": 4})  # fmt: skip
+    # not installed here: a verifiers 0.4 environment, its taskset keys under args.env.taskset
+    assert (env.id, env.weight, env.args) == ("alphabet-sort", 2.0, {"env": {"taskset": {"min_turns": 2, "max_turns": 4}}})  # fmt: skip
     assert config.orchestrator.max_concurrency == 64
     assert config.ckpt.keep_last == 3
 
@@ -162,8 +164,7 @@ def test_migrated_values_are_right_for_math_and_sft(capsys, tmp_path):
     assert math["deployment"] == {"num_train_gpus": 2, "num_infer_replicas": 2}
     assert math["orchestrator"]["eval"] == {"interval": 40}
     assert math["orchestrator"]["env"][0]["args"] == {
-        "dataset_name": "openai/gsm8k",
-        "dataset_subset": "main",
+        "env": {"taskset": {"dataset_name": "openai/gsm8k", "dataset_subset": "main"}}
     }
 
     _, sft, _ = migrate_fixture("reverse-text-sft.toml", capsys, tmp_path)
@@ -201,8 +202,14 @@ def test_every_rule_names_its_rlbus_key_or_why_not():
 def test_rules_leave_rlbus_keys_alone():
     """A rule on a key rlbus also has would change rlbus configs: only `trainer.model.impl`
     (whose prime-rl values hf/custom are converted, rlbus values kept) and vLLM's pass-through
-    data_parallel_size (rlbus scales inference by replicas) may be both."""
-    both = {"trainer.model.impl", "inference.vllm.data_parallel_size", "model.impl"}
+    data_parallel_size (rlbus scales inference by replicas) may be both, and `orchestrator.env`
+    (prime-rl's entries lose `name` and the id's `owner/`; rlbus entries are kept)."""
+    both = {
+        "trainer.model.impl",
+        "inference.vllm.data_parallel_size",
+        "model.impl",
+        "orchestrator.env",
+    }
     for cls, rules in ((RLConfig, RL_RULES), (SFTConfig, SFT_RULES)):
         known = {path.replace("-", "_") for path in known_flag_paths(cls)}
         for rule in rules:

@@ -162,7 +162,7 @@ def test_entry_point_environment_is_found_by_id(monkeypatch):
 
 
 def test_unknown_environment_fails_with_install_command():
-    with pytest.raises(EnvironmentNotFoundError, match=r"uv pip install no-such-env"):
+    with pytest.raises(EnvironmentNotFoundError, match=r"rl env install <name or path>"):
         load_environment("no-such-env")
 
 
@@ -220,7 +220,7 @@ def test_service_with_unknown_environment_exits_before_connecting():
     # model_copy skips the config's own id check, which the service must not rely on.
     config = OrchestratorConfig(run={"name": "x"}, bus={"url": "nats://127.0.0.1:1"})
     config.env[0] = config.env[0].model_copy(update={"id": "no-such-env"})
-    with pytest.raises(SystemExit, match="uv pip install"):
+    with pytest.raises(SystemExit, match="rl env install"):
         run(config)
 
 

@@ -181,6 +181,47 @@ def _slurm_inference_nodes(value: Any, data: dict) -> int:
 SOURCE_DROPPED = ("name", "serve")
 """Keys of a prime-rl train source with no meaning here (the env id names it)."""
 
+VF_DEFAULT_ROLE = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
+"""A verifiers agent/player that rlbus's verifiers 0.4 envs use anyway (vf_server's defaults)."""
+
+
+def prime_env_id(raw: str) -> str:
+    """The id a prime-rl environment has here: hub ids `owner/name[@version]` install (`prime env
+    install`, `rl env install`) as the package `name`, found by that id."""
+    if raw.startswith("vf:"):
+        return raw
+    return raw.rsplit("/", 1)[-1].split("@", 1)[0]
+
+
+def _source_env(key: str, value: dict) -> dict:
+    """`env.taskset.id` -> id; the rest is a verifiers 0.4 `EnvConfig` (taskset fields, agent).
+
+    Where the id resolves in rlbus's venv (a built-in, an entry point, a module) the other
+    taskset keys become its flat `args` and the agent is dropped. Otherwise it is a verifiers 0.4
+    environment (installed or to be installed in its own venv by `rl env install`): the config
+    goes to `args.env`, which its env server deep-merges onto the default null harness and
+    subprocess runtime (docs/environments.md); roles with just those defaults are left out."""
+    from rlbus.configs import orchestrator as orchestrator_config
+
+    config = _deep_copy(value)
+    taskset = config.get("taskset", {})
+    if "id" not in taskset:
+        raise Unmappable(f"{key}.env.taskset.id", "orchestrator.env[].id (set it)")
+    env_id = prime_env_id(taskset.pop("id"))
+    if orchestrator_config.resolves_in_rlbus_venv(env_id, orchestrator_config.known_env_ids()):
+        return {"id": env_id, **({"args": taskset} if taskset else {})}
+    for role in ("agent", "player"):
+        settings = config.get(role)
+        if isinstance(settings, dict):
+            for name, default in VF_DEFAULT_ROLE.items():
+                if settings.get(name) == default:
+                    settings.pop(name)
+            if not settings:
+                config.pop(role)
+    if not taskset:
+        config.pop("taskset")
+    return {"id": env_id, **({"args": {"env": config}} if config else {})}
+
 
 def _source_to_env(i: int, source: dict) -> dict:
     key = f"orchestrator.train.source[{i}]"
@@ -191,13 +232,10 @@ def _source_to_env(i: int, source: dict) -> dict:
         elif name in ("id", "args", "weight"):  # already the rlbus layout
             env[name] = value
         elif name == "env":
-            taskset = dict(value.get("taskset", {}))
-            if "id" not in taskset:
-                raise Unmappable(f"{key}.env.taskset.id", "orchestrator.env[].id (set it)")
-            env["id"] = taskset.pop("id")
-            if taskset:
-                env["args"] = {**taskset, **env.get("args", {})}
-            # env.agent / env.player (harness, runtime): the env runs inside rlbus's workers.
+            converted = _source_env(key, value)
+            env["id"] = converted["id"]
+            if "args" in converted:
+                env["args"] = {**converted["args"], **env.get("args", {})}
         elif name not in SOURCE_DROPPED:
             raise Unmappable(
                 f"{key}.{name}",
@@ -209,6 +247,42 @@ def _source_to_env(i: int, source: dict) -> dict:
 
 def _sources_to_envs(value: Any, data: dict) -> list[dict]:
     return [_source_to_env(i, source) for i, source in enumerate(value)]
+
+
+def _prime_env(entry: Any) -> Any:
+    """An entry of prime-rl's older layouts (`id`, `name`, `args`): the hub owner and the display
+    `name` dropped, the rest (id, args: the environment's keyword arguments) kept as it is."""
+    if not isinstance(entry, dict):
+        return entry
+    entry = {k: v for k, v in entry.items() if k != "name"}
+    if isinstance(entry.get("id"), str):
+        entry["id"] = prime_env_id(entry["id"])
+    return entry
+
+
+def _prime_envs(value: Any, data: dict) -> Any:
+    return [_prime_env(entry) for entry in value] if isinstance(value, list) else value
+
+
+def _environment_to_envs(value: Any, data: dict) -> list:
+    return [_prime_env(value)]
+
+
+def prime_env_sources(data: dict) -> dict[str, str]:
+    """Environment id -> what installs it (`rl env install <it>`), for every environment a prime-rl
+    config names, in any of its layouts: the hub id `owner/name[@version]` where it gives one."""
+    raw: list[Any] = []
+    environment = get_path(data, "orchestrator.environment")
+    if isinstance(environment, dict):
+        raw.append(environment.get("id"))
+    for path in ("orchestrator.env", "orchestrator.train.env"):
+        entries = get_path(data, path)
+        if isinstance(entries, list):
+            raw += [e.get("id") for e in entries if isinstance(e, dict)]
+    sources = get_path(data, "orchestrator.train.source")
+    if isinstance(sources, list):
+        raw += [get_path(s, "env.taskset.id") for s in sources if isinstance(s, dict)]
+    return {prime_env_id(r): r for r in raw if isinstance(r, str) and not r.startswith("vf:")}
 
 
 # --- the table --------------------------------------------------------------------------------
@@ -337,8 +411,15 @@ RL_RULES: list[Rule] = [
     Rule("orchestrator.train.sampling.extra_body", "move", "orchestrator.sampling.extra_body"),
     Rule("orchestrator.train.filter_zero_advantages", "move", "orchestrator.filter_zero_advantage"),
     Rule("orchestrator.train.source", "convert", "orchestrator.env",
-         "taskset.id -> id, other taskset keys -> args, ratio -> weight; name, harness, runtime dropped",
+         "taskset.id -> id (owner/ dropped), ratio -> weight, name dropped; the other taskset keys "
+         "-> args (an env of rlbus's venv) or the verifiers config -> args.env (a verifiers 0.4 env)",
          _sources_to_envs),
+    Rule("orchestrator.train.env", "convert", "orchestrator.env", "owner/ of the id and name dropped",
+         _prime_envs),
+    Rule("orchestrator.environment", "convert", "orchestrator.env",
+         "one environment; owner/ of the id dropped", _environment_to_envs),
+    Rule("orchestrator.env", "convert", "orchestrator.env", "owner/ of the id and name dropped",
+         _prime_envs),
     Rule("orchestrator.token_batch_size", "move", "orchestrator.token_budget"),
     Rule("orchestrator.concurrency.max_inflight", "move", "orchestrator.max_concurrency", "per worker"),
     Rule("orchestrator.concurrency", "drop", note="rlbus keeps orchestrator.max_concurrency samples in flight from the start"),

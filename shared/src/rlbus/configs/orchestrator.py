@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from rlbus import envindex
 from rlbus.configs.base import BaseConfig, field_errors
 from rlbus.configs.common import ModelConfig, RunnableConfig
 from rlbus.netutil import check_http_url
@@ -107,22 +108,40 @@ def known_env_ids() -> list[str]:
     return sorted({ep.name for ep in entry_points(group=ENV_ENTRY_POINT_GROUP)})
 
 
+def resolves_in_rlbus_venv(env_id: str, known: list[str]) -> bool:
+    """Whether `env_id` is found in rlbus's own venv: an entry point (`known`, built-ins
+    included) or an importable verifiers-style module `my_env` (`find_spec`, nothing imported)."""
+    if env_id in known:
+        return True
+    try:
+        return importlib.util.find_spec(env_id.replace("-", "_")) is not None
+    except (ImportError, ValueError):  # a dotted id whose parent is no package, an empty id
+        return False
+
+
 def unknown_env_error(env_id: str, known: list[str]) -> str | None:
     """Why `env_id` names no environment, or None when it resolves the way the orchestrator's
-    registry resolves it (entry point, or an importable verifiers-style module `my_env`).
+    registry resolves it (entry point, an importable verifiers-style module `my_env`, or an
+    environment `rl env install` recorded in the index, rlbus.envindex).
 
-    Only metadata and `find_spec` are consulted, so `rl --dry-run` stays fast: a module that is
-    found but fails on import still fails later, in the orchestrator, with its traceback."""
-    if env_id.startswith(VF_PREFIX):
+    Only metadata, `find_spec` and the index file are consulted, so `rl --dry-run` stays fast: a
+    module that is found but fails on import still fails later, in the orchestrator, with its
+    traceback."""
+    if env_id.startswith(VF_PREFIX) or resolves_in_rlbus_venv(env_id, known):
         return None
-    if env_id in known or importlib.util.find_spec(env_id.replace("-", "_")) is not None:
+    try:
+        installed = sorted(envindex.read_index())
+    except ValueError as error:
+        return f"unknown environment {env_id!r}: {error}"
+    if env_id in installed:
         return None
-    close = difflib.get_close_matches(env_id, known, n=1)
+    close = difflib.get_close_matches(env_id, known + installed, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
+    in_venvs = f"; in their own venvs: {', '.join(installed)}" if installed else ""
     return (
-        f"unknown environment {env_id!r}; {hint}known ids: {', '.join(known)}, or "
-        f"'{VF_PREFIX}<taskset-id>' for a verifiers 0.4 environment server. An environment package "
-        "in this repo installs with `uv pip install -e environments/<name>` (docs/environments.md)"
+        f"unknown environment {env_id!r}; {hint}known ids: {', '.join(known)}{in_venvs}; or "
+        f"'{VF_PREFIX}<taskset-id>' for a verifiers 0.4 environment server; install it with "
+        f"{envindex.install_command(env_id)} (docs/environments.md)"
     )
 
 
