@@ -13,12 +13,13 @@ REPO = Path(__file__).resolve().parents[1]
 _installed: set[str] = set()
 
 
-def install_env_package(name: str) -> None:
-    """`uv pip install -e environments/<name>` into this interpreter's venv, once per process
-    (a file lock keeps parallel test workers from installing at the same time)."""
-    if name in _installed:
+def install_env_package(name: str | Path) -> None:
+    """`uv pip install -e environments/<name>` (or the package folder `name`) into this
+    interpreter's venv, once per process (a file lock keeps parallel test workers from
+    installing at the same time)."""
+    if str(name) in _installed:
         return
-    path = REPO / "environments" / name
+    path = name if isinstance(name, Path) else REPO / "environments" / name
     assert (path / "pyproject.toml").exists(), f"no environment package at {path}"
     uv = os.environ.get("UV") or shutil.which("uv") or str(REPO / ".uv" / "bin" / "uv")
     lock_path = (
@@ -30,4 +31,4 @@ def install_env_package(name: str) -> None:
         subprocess.run(
             [uv, "pip", "install", "-q", "--python", sys.executable, "-e", str(path)], check=True
         )
-    _installed.add(name)
+    _installed.add(str(name))
