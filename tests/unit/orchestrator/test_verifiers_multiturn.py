@@ -110,3 +110,40 @@ def test_shapes_that_cannot_be_played_turn_by_turn_are_refused_with_one_line(sha
         UnsupportedEnvironmentError, match=f"environment 'x' cannot be played: .*{why}"
     ):
         adapt("x", shape)
+
+
+def test_a_module_environment_is_used_as_is_or_adapted_turn_by_turn(tmp_path, monkeypatch):
+    """`load_environment` of a module may return an rlbus environment (used as it is) or a
+    classic verifiers one (a multi-turn one is played turn by turn)."""
+    import textwrap
+
+    from rlbus_orchestrator.envs.registry import load_environment
+
+    (tmp_path / "native_mt_env.py").write_text(
+        textwrap.dedent("""
+        from rlbus_orchestrator.envs import MultiTurnEnv
+        class Native(MultiTurnEnv):
+            env_id = "native-mt-env"
+            def num_examples(self, split): return 1
+            def example(self, split, index): return None
+            async def score(self, problem, conversation, state): return None
+        def load_environment(**kwargs):
+            return Native()
+        """)
+    )
+    (tmp_path / "classic_mt_env.py").write_text(
+        textwrap.dedent("""
+        class Rubric:
+            funcs = [lambda completion, answer: 1.0]
+        class Env:
+            dataset = [{"question": "hi", "answer": "hi"}]
+            rubric = Rubric()
+            def is_completed(self, messages, state): return True
+            def env_response(self, messages, state): return []
+        def load_environment(**kwargs):
+            return Env()
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert type(load_environment("native-mt-env")).__name__ == "Native"
+    assert isinstance(load_environment("classic-mt-env"), VerifiersMultiTurnAdapter)

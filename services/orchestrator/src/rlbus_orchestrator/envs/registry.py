@@ -6,7 +6,8 @@ Lookup order for `load_environment("my-env", args)`:
 2. an installed package that registers `my-env` in the entry point group `rlbus.environments`;
    the entry point is a callable `(**args) -> Environment`;
 3. an importable module `my_env` exposing `load_environment(**args)` (the verifiers convention
-   for environment packages), wrapped by `VerifiersAdapter`;
+   for environment packages): used as it is when it returns an rlbus `Environment`, else
+   adapted (`verifiers_adapter.adapt`: classic multi-turn environments turn by turn);
 4. an environment that `rl env install` put in a venv of its own (the index, rlbus.envindex):
    a verifiers 0.4 environment, served like `vf:<taskset-id>` (`VfServerEnv`) with the venv's
    python from the index; `args.python` or `args.address`, when given, win.
@@ -75,9 +76,12 @@ def load_environment(env_id: str, args: dict[str, Any] | None = None) -> Environ
     name = module_name(env_id)
     module = importlib.import_module(name) if importlib.util.find_spec(name) else None
     if module is not None and hasattr(module, "load_environment"):
-        from rlbus_orchestrator.envs.verifiers_adapter import VerifiersAdapter
+        from rlbus_orchestrator.envs.verifiers_adapter import adapt
 
-        return VerifiersAdapter(env_id, module.load_environment(**args))
+        loaded = module.load_environment(**args)
+        if isinstance(loaded, Environment):  # an rlbus environment (e.g. a MultiTurnEnv)
+            return loaded
+        return adapt(env_id, loaded)
     installed = envindex.find_installed(env_id)
     if installed is not None:
         return installed_environment(installed, args)
