@@ -292,3 +292,25 @@ def test_play_episode_gives_the_tasks_limits_to_multi_turn_environments_only():
         play_episode(single, engine, single.example("train", 0), SamplingArgs(), limits)
     )
     assert sample.num_turns == 1 and sample.stop_reason is None
+
+
+def test_the_example_environment_of_the_docs_plays_and_scores():
+    """docs/environments.md's example, as printed, against the scripted engine."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "environments.md").read_text()
+    code = docs.split("## Multi-turn and tool environments", 1)[1].split("```python\n", 1)[1]
+    namespace: dict = {}
+    exec(code.split("```", 1)[0], namespace)
+    env = namespace["GuessNumber"]()
+    problem = env.example("train", 3)
+    engine = FakeEngine(
+        [
+            Scripted("", tool_calls=[("lookup", '{"key": "pi"}')]),
+            Scripted("99"),
+            Scripted(problem.answer),
+        ]
+    )
+    sample = asyncio.run(env.run_episode(engine, problem, SamplingArgs()))
+    assert [m.content for m in sample.messages] == ["", "3", "99", "lower", problem.answer, "right"]
+    assert (sample.stop_reason, sample.num_tool_calls, sample.reward) == ("done", 1, 0.5)
