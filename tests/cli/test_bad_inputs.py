@@ -153,7 +153,7 @@ CONFIG_CASES = [
             "--orchestrator.env[0].id",
             "unknown environment 'revers-text'",
             "did you mean 'reverse-text'",
-            "known ids: reverse-text",
+            "known ids: ",  # the environment packages installed in the venv are listed too
         ],
         {"c.toml": '[[orchestrator.env]]\nid = "revers-text"\n'},
     ),
@@ -161,7 +161,7 @@ CONFIG_CASES = [
         "file-env-id-unknown-far",
         ORCH,
         ["@", "c.toml"],
-        ["--env[1].id", "unknown environment 'gsm8k'", "known ids: reverse-text"],
+        ["--env[1].id", "unknown environment 'gsm8k'", "known ids: ", "reverse-text"],
         {"c.toml": '[[env]]\nid = "reverse-text"\n\n[[env]]\nid = "gsm8k"\n'},
     ),
     Case(
