@@ -9,6 +9,7 @@ reuses it and updates the record.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -59,7 +60,12 @@ def test_rl_env_list_and_the_config_load_know_the_id(installed, tmp_path):
 
     listed = rl("env", "list", cwd=tmp_path, env=env)
     assert listed.returncode == 0, listed.stderr
-    assert f"{VF_ENV_ID}  verifiers 0.4, own venv {python}" in listed.stdout
+    # the id column is as wide as the longest installed id (the suite installs other packages)
+    assert re.search(
+        rf"^{re.escape(VF_ENV_ID)} +verifiers 0\.4, own venv {re.escape(str(python))}",
+        listed.stdout,
+        re.M,
+    ), listed.stdout
 
     config = tmp_path / "rl.toml"
     config.write_text(f'[[orchestrator.env]]\nid = "{VF_ENV_ID}"\n')
