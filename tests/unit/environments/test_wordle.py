@@ -118,23 +118,31 @@ def test_the_word_list_is_three_letter_lowercase_words_without_repeats():
 
 
 @pytest.mark.parametrize(
-    ("guesses", "reward", "solved", "speed", "valid"),
+    ("guesses", "reward", "solved", "speed", "greens", "valid"),
     [
-        (["cat"], 1.0, 1.0, 1.0, 1.0),
-        (["dog", "pen", "cat"], 0.84, 1.0, 0.6, 1.0),
-        (["dog", "pen", "fox", "sun", "hat", "cat"], 0.6, 1.0, 0.0, 1.0),
-        (["dog", "pen", "fox", "sun", "hat", "car"], 0.1, 0.0, 0.0, 1.0),
-        (["xyz", "cat"], 0.5 + 0.4 * 0.8 + 0.05, 1.0, 0.8, 0.5),
-        (["zzz", "cats", "", "qqq", "abc", "xyz"], 0.0, 0.0, 0.0, 0.0),
+        (["cat"], 1.0, 1.0, 1.0, 1.0, 1.0),
+        (["dog", "pen", "cat"], 0.92, 1.0, 0.6, 1.0, 1.0),
+        (["dog", "pen", "fox", "sun", "hat", "cat"], 0.8, 1.0, 0.0, 1.0, 1.0),
+        (["dog", "pen", "fox", "sun", "hat", "car"], 0.1 + 0.2 * 2 / 3, 0.0, 0.0, 2 / 3, 1.0),
+        (["cab", "dog"], 0.1, 0.0, 0.0, 0.0, 1.0),  # partial credit is the last guess's
+        (["xyz", "cat"], 0.5 + 0.2 * 0.8 + 0.2 + 0.05, 1.0, 0.8, 1.0, 0.5),
+        (["cab", "cax"], 0.05, 0.0, 0.0, 0.0, 0.5),  # a word off the list gets no marks
+        (["zzz", "cats", "", "qqq", "abc", "xyz"], 0.0, 0.0, 0.0, 0.0, 0.0),
     ],
 )
-def test_reward_is_for_solving_more_for_fewer_guesses_and_a_little_for_valid_words(
-    guesses, reward, solved, speed, valid
+def test_reward_is_for_solving_more_for_fewer_guesses_some_for_ending_close_and_for_valid_words(
+    guesses, reward, solved, speed, greens, valid
 ):
     score = game_score(guesses, "cat", word_list(), max_turns=6)
     assert score.reward == pytest.approx(reward)
     assert score.components == pytest.approx(
-        {"solved": solved, "speed": speed, "valid": valid, "guesses": len(guesses)}
+        {
+            "solved": solved,
+            "speed": speed,
+            "greens": greens,
+            "valid": valid,
+            "guesses": len(guesses),
+        }
     )
     assert score.completion_text == " ".join(guesses)
 
@@ -189,7 +197,7 @@ def test_a_game_gets_feedback_each_turn_and_ends_when_solved_trained_on_the_gues
         "cat", "c- aG t- | .a.", " Pan\n", "pG aG nG | pan",
     ]  # fmt: skip
     assert (sample.stop_reason, sample.num_turns) == ("done", 2)
-    assert sample.reward == pytest.approx(0.5 + 0.4 * 0.8 + 0.1)
+    assert sample.reward == pytest.approx(0.5 + 0.2 * 0.8 + 0.2 + 0.1)
     assert sample.reward_components["guesses"] == 2.0
     bridge = [*map(ord, "\n"), *render([{"role": "user", "content": "c- aG t- | .a."}], generation_prompt=True)]  # fmt: skip
     turn_1, turn_2 = [*b"cat", IM_END], [*b" Pan\n", IM_END]
@@ -208,7 +216,7 @@ def test_an_unsolved_game_ends_after_max_turns_and_words_off_the_list_waste_a_tu
         f"{NOT_IN_LIST} | ...", "d- o- g- | ...", "f- o- x- | ...",
     ]  # fmt: skip
     assert (sample.stop_reason, sample.num_turns) == ("max_turns", 3)
-    assert sample.reward == pytest.approx(0.1 * 2 / 3)
+    assert sample.reward == pytest.approx(0.1 * 2 / 3)  # fox shares no letter with pan
 
 
 def test_a_task_limit_on_turns_wins_over_the_environment_s():
@@ -230,7 +238,7 @@ def test_a_guess_cut_at_max_tokens_ends_the_game_unsolved():
 
 def test_the_solver_only_guesses_words_consistent_with_the_feedback_so_far():
     env = make_env()
-    games = demo_games(300, weak_fraction=0.0)
+    games = demo_games(300, weak_fraction=0.0, sloppy_fraction=0.0)
     for game in games:
         assert game[0]["content"] == env.prompt
         guesses = [m["content"] for m in game[1::2]]
@@ -253,14 +261,27 @@ def test_demo_games_are_the_environment_s_games_on_train_secrets():
         for turn, reply in enumerate(game[2::2]):
             assert reply["content"] == reply_to(guesses[: turn + 1], secret, env.words)
         assert guesses[-1] == secret or len(guesses) == env.max_turns
-        assert all(g in env.words for g in guesses) and len(set(guesses)) == len(guesses)
+        words = [g for g in guesses if not g.endswith("?")]
+        assert all(g in env.words for g in words) and len(set(words)) == len(words)
+        assert all(g.removesuffix("?") in env.words for g in guesses)
+
+
+def test_sloppy_guesses_carry_a_question_mark_and_are_refused_as_not_in_list():
+    games = demo_games(200, weak_fraction=0.0, sloppy_fraction=0.25)
+    turns = [(g["content"], r["content"]) for game in games for g, r in zip(game[1::2], game[2::2], strict=False)]  # fmt: skip
+    sloppy = [reply for guess, reply in turns if guess.endswith("?")]
+    assert 0.15 < len(sloppy) / len(turns) < 0.35
+    assert all(reply.startswith(NOT_IN_LIST) for reply in sloppy)
 
 
 def test_weak_play_loses_more_games_than_the_solver():
     def num_lost(games):
         return sum(g[-1]["content"] != make_env().secret("train", i) for i, g in enumerate(games))
 
-    assert num_lost(demo_games(300, weak_fraction=0.6)) > num_lost(demo_games(300, weak_fraction=0.0)) + 20  # fmt: skip
+    weak = demo_games(300, weak_fraction=0.6, sloppy_fraction=0.0)
+    sloppy = demo_games(300, weak_fraction=0.0, sloppy_fraction=0.4)
+    solver = demo_games(300, weak_fraction=0.0, sloppy_fraction=0.0)
+    assert min(num_lost(weak), num_lost(sloppy)) > num_lost(solver) + 20
 
 
 def test_demos_cli_writes_the_same_messages_jsonl_each_time(tmp_path, capsys):
