@@ -2,32 +2,15 @@
 against the scripted engine of the multi-turn tests, and its SFT demonstrations."""
 
 import asyncio
-import importlib.util
 import json
-import site
-import sysconfig
-from pathlib import Path
 
 import pytest
-from env_packages import REPO, install_env_package
+from env_packages import ensure_env_package
 
 from rlbus.wire.tasks import EpisodeLimits, SamplingArgs
 from rlbus_orchestrator.envs.registry import load_environment
 
-
-def ensure_installed() -> None:
-    """The package as users install it (`uv pip install -e`), unless this checkout's copy is
-    already what imports (then the install would only cost seconds per test worker). An editable
-    install is a `.pth` file, which a running interpreter reads only when site-packages is added
-    again."""
-    spec = importlib.util.find_spec("alphabet_sort")
-    here = REPO / "environments" / "alphabet_sort"
-    if spec is None or spec.origin is None or not Path(spec.origin).is_relative_to(here):
-        install_env_package("alphabet_sort")
-        site.addsitedir(sysconfig.get_paths()["purelib"])
-
-
-ensure_installed()
+ensure_env_package("alphabet_sort", "alphabet_sort")
 
 from alphabet_sort import AlphabetSortEnv  # noqa: E402
 from alphabet_sort.demos import demonstration, lazy_answer, main  # noqa: E402

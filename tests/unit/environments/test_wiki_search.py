@@ -3,34 +3,17 @@ episodes with tool calls against the scripted engine of the multi-turn tests (go
 calls), and its SFT demonstrations."""
 
 import asyncio
-import importlib.util
 import json
 import random
 import re
-import site
-import sysconfig
-from pathlib import Path
 
 import pytest
-from env_packages import REPO, install_env_package
+from env_packages import ensure_env_package
 
 from rlbus.wire.tasks import SamplingArgs
 from rlbus_orchestrator.envs.registry import load_environment
 
-
-def ensure_installed() -> None:
-    """The package as users install it (`uv pip install -e`), unless this checkout's copy is
-    already what imports (then the install would only cost seconds per test worker)."""
-    spec = importlib.util.find_spec("wiki_search")
-    here = REPO / "environments" / "wiki_search"
-    if spec is None or spec.origin is None or not Path(spec.origin).is_relative_to(here):
-        install_env_package("wiki_search")
-        # The editable install is a .pth file, which Python reads at start-up only: read it now,
-        # as the next interpreter will (the entry point's metadata is found without it).
-        site.addsitedir(sysconfig.get_paths()["purelib"])
-
-
-ensure_installed()
+ensure_env_package("wiki_search", "wiki_search")
 
 from unit.orchestrator.multiturn_fakes import IM_END, FakeEngine, Scripted, text_ids  # noqa: E402
 from wiki_search import WikiSearchEnv  # noqa: E402

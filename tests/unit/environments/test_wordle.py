@@ -2,27 +2,15 @@
 games against the scripted engine of the multi-turn tests, and the SFT demonstrations."""
 
 import asyncio
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-from env_packages import REPO, install_env_package
+from env_packages import ensure_env_package
 
 from rlbus.wire.tasks import EpisodeLimits, SamplingArgs
 from rlbus_orchestrator.envs.registry import load_environment
 
-
-def ensure_installed() -> None:
-    """The package as users install it (`uv pip install -e`), unless this checkout's copy is
-    already what imports (then the install would only cost seconds per test worker)."""
-    spec = importlib.util.find_spec("rlbus_wordle")
-    here = REPO / "environments" / "wordle"
-    if spec is None or spec.origin is None or not Path(spec.origin).is_relative_to(here):
-        install_env_package("wordle")
-
-
-ensure_installed()
+ensure_env_package("rlbus_wordle", "wordle")
 
 import rlbus_wordle  # noqa: E402
 from rlbus_wordle.demos import demo_games, main  # noqa: E402
