@@ -1,6 +1,6 @@
 """SFT demonstrations of wiki-search: whole episodes as `{"messages": [...]}` JSONL lines.
 
-    python -m wiki_search.demos OUT.jsonl [--num 12000] [--seed 0] [--guess 0.1] ...
+    python -m wiki_search.demos OUT.jsonl [--num 3200] [--seed 0] [--guess 0.1] ...
 
 Each line is one episode as the environment plays it (its system prompt and questions, the tool
 calls as the literal hermes text the model must learn to write, the tools' real answers as `tool`
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m wiki_search.demos", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("out", type=Path, help="JSONL file to write")
-    parser.add_argument("--num", type=int, default=12000, help="episodes (default 12000)")
+    parser.add_argument("--num", type=int, default=3200, help="episodes (default 3200)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     defaults = Noise()
     for name in ("guess", "typo", "second_hit", "wrong_fact"):
