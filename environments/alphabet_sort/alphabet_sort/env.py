@@ -12,8 +12,13 @@ An episode with the defaults (3 turns of 2 one-letter words):
     assistant: b d h k p z
 
 and with `word_len = 3`: `kel bam` -> `bam kel`, `dor zif` -> `bam dor kel zif`, ... The episode
-ends after the model's answer to turn `num_turns` (`Reply(done=True)`), so it has exactly
-`num_turns` model turns unless a limit cuts it short.
+ends after the model's answer to its last turn (`Reply(done=True)`), so it has exactly as many
+model turns as the environment has turns unless a limit cuts it short.
+
+prime-rl's alphabet-sort arguments work too: `min_turns`/`max_turns` (turns per episode, drawn
+per episode) and `min_names_per_turn`/`max_names_per_turn` (words per turn, drawn per turn) in
+place of the fixed `num_turns` and `words_per_turn`; `similarity_power` and `power_per_turn`
+shape the reward (below).
 
 Data is generated: episode `i` of a split is drawn from `random.Random` seeded with
 `(seed, split, i)`, so any data cursor resumes without state and the splits never share a seed.
@@ -28,14 +33,18 @@ steps (each answer's letters still at chance), with one-letter words it sorted (
 Reward: each turn's answer is compared with the sorted words so far, both as words joined by
 single spaces: `difflib.SequenceMatcher(None, answer, expected).ratio()` (1 = exact, partial
 credit for a partly right order or a misspelt word). The episode's reward is the mean over the
-`num_turns` turns, a turn never answered counting 0. The mean rather than the last turn alone:
+episode's turns, a turn never answered counting 0. The mean rather than the last turn alone:
 every answer is sampled and trained on, so every answer should count, and an episode cut short
-(a turn cut at `max_tokens`, an episode limit) scores below a finished one. Components:
-`similarity` (the reward), `final` (the last turn's ratio, 0 when it was never answered) and
+(a turn cut at `max_tokens`, an episode limit) scores below a finished one. With
+`similarity_power = p` (default 1) each turn's ratio is raised to `p` before the mean
+(`power_per_turn = false`: the mean is), which, as in prime-rl, leaves little credit for an
+almost-right order: at p = 4 a ratio of 0.8 earns 0.41. Components: `similarity` (the mean
+ratio, before the power), `final` (the last turn's ratio, 0 when it was never answered) and
 `exact` (the share of turns answered exactly).
 """
 
 import difflib
+import itertools
 import random
 import string
 from typing import Any
@@ -54,13 +63,12 @@ NUM_TURNS, WORDS_PER_TURN, WORD_LEN = 3, 2, 1
 def make_turns(
     rng: random.Random,
     *,
-    num_turns: int,
-    words_per_turn: int,
+    turn_sizes: list[int],
     word_len: int,
     distinct_initials: bool,
 ) -> list[list[str]]:
-    """The words each turn adds: `num_turns` lists of `words_per_turn` distinct words."""
-    num_words = num_turns * words_per_turn
+    """The words each turn adds: one list of `turn_sizes[i]` distinct words per turn."""
+    num_words = sum(turn_sizes)
     words: list[str] = []
     if distinct_initials:
         for initial in rng.sample(ALPHABET, num_words):
@@ -70,7 +78,8 @@ def make_turns(
             word = "".join(rng.choices(ALPHABET, k=word_len))
             if word not in words:
                 words.append(word)
-    return [words[i : i + words_per_turn] for i in range(0, num_words, words_per_turn)]
+    bounds = list(itertools.accumulate(turn_sizes, initial=0))
+    return [words[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def expected_answers(turns: list[list[str]]) -> list[str]:
@@ -93,17 +102,27 @@ def turn_similarity(answer: str, expected: str) -> float:
     return difflib.SequenceMatcher(None, normalized(answer), expected).ratio()
 
 
-def episode_score(answers: list[str], turns: list[list[str]]) -> Score:
+def episode_score(
+    answers: list[str], turns: list[list[str]], *, power: float = 1.0, per_turn: bool = True
+) -> Score:
     """The reward of an episode's answers, in turn order (see module docstring)."""
     expected = expected_answers(turns)
     ratios = [turn_similarity(a, e) for a, e in zip(answers, expected, strict=False)]
     ratios += [0.0] * (len(expected) - len(ratios))
     num_exact = sum(normalized(a) == e for a, e in zip(answers, expected, strict=False))
-    reward = sum(ratios) / len(ratios)
+    similarity = sum(ratios) / len(ratios)
+    if per_turn:
+        reward = sum(r**power for r in ratios) / len(ratios)
+    else:
+        reward = similarity**power
     final = normalized(answers[-1]) if answers else ""
     return Score(
         reward=reward,
-        components={"similarity": reward, "final": ratios[-1], "exact": num_exact / len(ratios)},
+        components={
+            "similarity": similarity,
+            "final": ratios[-1],
+            "exact": num_exact / len(ratios),
+        },
         completion_text=final,
     )
 
@@ -127,25 +146,57 @@ class AlphabetSortEnv(MultiTurnEnv):
         words_per_turn: int = WORDS_PER_TURN,
         word_len: int = WORD_LEN,
         distinct_initials: bool = True,
+        min_turns: int | None = None,
+        max_turns: int | None = None,
+        min_names_per_turn: int | None = None,
+        max_names_per_turn: int | None = None,
+        similarity_power: float = 1.0,
+        power_per_turn: bool = True,
         num_eval: int = 256,
         num_train: int | None = None,
         seed: int = 0,
     ) -> None:
-        if num_turns < 1 or words_per_turn < 1 or word_len < 1:
+        # prime-rl's ranges; a bound not given is num_turns / words_per_turn, kept inside the
+        # other bound
+        self.max_episode_turns = max(num_turns, min_turns or 1) if max_turns is None else max_turns
+        self.min_turns = min(num_turns, self.max_episode_turns) if min_turns is None else min_turns
+        self.max_words = (
+            max(words_per_turn, min_names_per_turn or 1)
+            if max_names_per_turn is None
+            else max_names_per_turn
+        )
+        self.min_words = (
+            min(words_per_turn, self.max_words)
+            if min_names_per_turn is None
+            else min_names_per_turn
+        )
+        if min(self.min_turns, self.min_words, word_len) < 1:
             raise ValueError(
-                f"{ENV_ID}: num_turns, words_per_turn and word_len must be >= 1, got "
-                f"num_turns={num_turns} words_per_turn={words_per_turn} word_len={word_len}"
+                f"{ENV_ID}: turns, words per turn and word_len must be >= 1, got "
+                f"min_turns={self.min_turns} min_names_per_turn={self.min_words} "
+                f"word_len={word_len}"
             )
-        if distinct_initials and num_turns * words_per_turn > len(ALPHABET):
+        if self.min_turns > self.max_episode_turns or self.min_words > self.max_words:
             raise ValueError(
-                f"{ENV_ID}: distinct_initials needs num_turns * words_per_turn <= "
-                f"{len(ALPHABET)}, got {num_turns * words_per_turn}; set distinct_initials = false "
+                f"{ENV_ID}: min_turns <= max_turns and min_names_per_turn <= max_names_per_turn "
+                f"are needed, got turns {self.min_turns}..{self.max_episode_turns}, words per "
+                f"turn {self.min_words}..{self.max_words}"
+            )
+        most_words = self.max_episode_turns * self.max_words
+        if distinct_initials and most_words > len(ALPHABET):
+            raise ValueError(
+                f"{ENV_ID}: distinct_initials needs turns * words per turn <= "
+                f"{len(ALPHABET)}, got up to {most_words}; set distinct_initials = false "
                 "or use fewer words"
             )
+        if similarity_power <= 0:
+            raise ValueError(f"{ENV_ID}: similarity_power must be > 0, got {similarity_power}")
         self.num_turns, self.words_per_turn, self.word_len = num_turns, words_per_turn, word_len
         self.distinct_initials = distinct_initials
+        self.similarity_power, self.power_per_turn = similarity_power, power_per_turn
         self.num_eval, self.num_train, self.seed = num_eval, num_train, seed
-        self.max_turns = num_turns  # the limit when a task carries none: the episode's length
+        # the limit when a task carries none: the longest episode
+        self.max_turns = self.max_episode_turns
 
     def num_examples(self, split: Split) -> int | None:
         return self.num_eval if split == "eval" else self.num_train
@@ -157,12 +208,16 @@ class AlphabetSortEnv(MultiTurnEnv):
         return self.generate(random.Random(f"{ENV_ID}/{self.seed}/{split}/{index}"))
 
     def generate(self, rng: random.Random) -> list[list[str]]:
+        """An episode's turns; the number of turns and of words per turn are drawn only where
+        they vary (so fixed ones draw the same words as before those ranges existed)."""
+        num_turns = self.min_turns
+        if self.max_episode_turns > self.min_turns:
+            num_turns = rng.randint(self.min_turns, self.max_episode_turns)
+        sizes = [self.min_words] * num_turns
+        if self.max_words > self.min_words:
+            sizes = [rng.randint(self.min_words, self.max_words) for _ in range(num_turns)]
         return make_turns(
-            rng,
-            num_turns=self.num_turns,
-            words_per_turn=self.words_per_turn,
-            word_len=self.word_len,
-            distinct_initials=self.distinct_initials,
+            rng, turn_sizes=sizes, word_len=self.word_len, distinct_initials=self.distinct_initials
         )
 
     def example(self, split: Split, index: int) -> Problem:
@@ -186,4 +241,9 @@ class AlphabetSortEnv(MultiTurnEnv):
         self, problem: Problem, conversation: list[dict[str, Any]], state: dict[str, Any]
     ) -> Score:
         answers = [m["content"] for m in conversation if m["role"] == "assistant"]
-        return episode_score(answers, problem.info["turns"])
+        return episode_score(
+            answers,
+            problem.info["turns"],
+            power=self.similarity_power,
+            per_turn=self.power_per_turn,
+        )

@@ -74,6 +74,57 @@ def test_a_source_of_an_env_in_rlbus_venv_gets_flat_args():
     ]
 
 
+def test_a_taskset_written_in_the_entry_is_read_like_one_under_env():
+    """prime-rl's newest `[[orchestrator.train.env]]` layout: `taskset` and `harness` in the
+    entry; an env of rlbus's venv gets the taskset keys and its `task` table as flat args."""
+    entry = {
+        "name": "r",
+        "taskset": {"id": "reverse-text", "min_len": 3, "task": {"power": 2}},
+        "harness": {"id": "null", "runtime": {"type": "subprocess"}},
+    }
+    data = {"orchestrator": {"train": {"env": [entry]}}}
+    assert envs_of(data) == [{"id": "reverse-text", "args": {"min_len": 3, "power": 2}}]
+    assert prime_env_sources(data) == {"reverse-text": "reverse-text"}
+
+    vf_entry = {**entry, "taskset": {"id": "owner/alphabet-sort", "min_turns": 3}}
+    vf_data = {"orchestrator": {"train": {"env": [vf_entry]}}}
+    assert envs_of(vf_data) == [
+        {"id": "alphabet-sort", "args": {"env": {"taskset": {"min_turns": 3}}}}
+    ]
+    assert prime_env_sources(vf_data) == {"alphabet-sort": "owner/alphabet-sort"}
+
+
+def test_an_entry_with_env_taskset_and_a_player():
+    entry = {"name": "wordle", "env": {"taskset": {"id": "wordle-v1"}, "player": DEFAULT_AGENT}}
+    assert envs_of({"orchestrator": {"train": {"env": [entry]}}}) == [{"id": "wordle-v1"}]
+
+
+def test_a_source_keeps_its_sampling_group_size_and_limits_and_drops_its_curriculum():
+    entry = {
+        "name": "wiki",
+        "ratio": 2.0,
+        "curriculum": {"gates": {"zero_advantage": {"type": "advantage_range"}}},
+        "sampling": {"max_completion_tokens": 64, "temperature": 0.7},
+        "group_size": 4,
+        "max_turns": 3,
+        "env": {"taskset": {"id": "reverse-text"}, "agent": DEFAULT_AGENT},
+    }
+    assert envs_of({"orchestrator": {"train": {"source": [entry]}}}) == [
+        {
+            "id": "reverse-text",
+            "weight": 2.0,
+            "sampling": {"max_tokens": 64, "temperature": 0.7},
+            "group_size": 4,
+            "max_turns": 3,
+        }
+    ]
+
+
+def test_rlbus_entries_pass_through_unchanged():
+    entry = {"id": "reverse-text", "weight": 1.5, "sampling": {"max_tokens": 8}, "group_size": 2}
+    assert envs_of({"orchestrator": {"env": [dict(entry)]}}) == [entry]
+
+
 @pytest.mark.parametrize(
     "data",
     [

@@ -218,3 +218,41 @@ def test_the_demos_file_is_deterministic_and_about_lazy_fraction_of_its_answers_
     # a lazy answer is right by chance when the new words sort after the old ones, in order
     assert 0.2 < wrong / total < 0.4
     assert "400 episodes" in capsys.readouterr().out
+
+
+# ---- prime-rl's arguments --------------------------------------------------------------------
+
+
+def test_prime_rl_ranges_draw_turns_and_words_per_episode_within_the_bounds():
+    env = AlphabetSortEnv(min_turns=2, max_turns=4, min_names_per_turn=1, max_names_per_turn=3)
+    shapes = [[len(words) for words in env.turns("train", i)] for i in range(200)]
+    assert {len(shape) for shape in shapes} == {2, 3, 4}
+    assert {n for shape in shapes for n in shape} == {1, 2, 3}
+    assert env.max_turns == 4  # the episode limit when the task sets none
+    assert shapes == [[len(words) for words in env.turns("train", i)] for i in range(200)]
+
+
+def test_fixed_turns_draw_the_same_words_as_without_ranges():
+    fixed = AlphabetSortEnv(min_turns=3, max_turns=3, min_names_per_turn=2, max_names_per_turn=2)
+    assert [fixed.turns("train", i) for i in range(20)] == [
+        AlphabetSortEnv().turns("train", i) for i in range(20)
+    ]
+
+
+def test_similarity_power_per_turn_or_on_the_mean():
+    lazy = ["kel bam", "kel bam dor zif", "kel bam dor zif pux hon"]
+    plain = episode_score(lazy, TURNS)
+    per_turn = episode_score(lazy, TURNS, power=4)
+    on_mean = episode_score(lazy, TURNS, power=4, per_turn=False)
+    assert per_turn.reward < plain.reward and on_mean.reward == pytest.approx(plain.reward**4)
+    assert per_turn.components["similarity"] == plain.reward  # the ratio, before the power
+    assert episode_score(RIGHT, TURNS, power=8).reward == 1.0
+
+
+def test_bad_ranges_and_powers_are_refused_with_the_argument_named():
+    with pytest.raises(ValueError, match="min_turns <= max_turns"):
+        AlphabetSortEnv(min_turns=4, max_turns=2)
+    with pytest.raises(ValueError, match="distinct_initials"):
+        AlphabetSortEnv(max_turns=6, max_names_per_turn=5)
+    with pytest.raises(ValueError, match="similarity_power"):
+        AlphabetSortEnv(similarity_power=0)

@@ -178,11 +178,24 @@ def _slurm_inference_nodes(value: Any, data: dict) -> int:
     return _num_infer_nodes(data)
 
 
-SOURCE_DROPPED = ("name", "serve")
-"""Keys of a prime-rl train source with no meaning here (the env id names it)."""
+SOURCE_DROPPED = ("name", "serve", "curriculum")
+"""Keys of a prime-rl train env or source with no meaning here: the env id names it, and rlbus
+has no curriculum gates (`orchestrator.filter_zero_advantage` drops groups without signal)."""
+
+SOURCE_KEPT = ("id", "args")
+"""Keys of an entry that are already rlbus's and may meet a converted taskset (its id, its args)."""
+
+VF_ROLES = ("agent", "player")
+VF_CONFIG_KEYS = ("taskset", "harness", "runtime", *VF_ROLES)
+"""Keys of a verifiers 0.4 environment config, which prime-rl's newest layouts write directly
+in the entry (`taskset = {...}`, `harness = {...}`) or under its `env`."""
 
 VF_DEFAULT_ROLE = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
 """A verifiers agent/player that rlbus's verifiers 0.4 envs use anyway (vf_server's defaults)."""
+
+SAMPLING_KEYS = {"max_completion_tokens": "max_tokens", "max_tokens": "max_tokens"}
+"""prime-rl sampling keys whose rlbus name differs; the others (temperature, top_p, stop, seed,
+extra_body) are the same."""
 
 
 def prime_env_id(raw: str) -> str:
@@ -193,28 +206,45 @@ def prime_env_id(raw: str) -> str:
     return raw.rsplit("/", 1)[-1].split("@", 1)[0]
 
 
+def _is_default_role(name: str, settings: Any) -> bool:
+    """Whether one role setting is what vf_server uses anyway: the null harness (with or without
+    the subprocess runtime inside it) or the subprocess runtime."""
+    if name == "harness" and isinstance(settings, dict):
+        runtime = settings.get("runtime", VF_DEFAULT_ROLE["runtime"])
+        rest = {k: v for k, v in settings.items() if k != "runtime"}
+        return rest == VF_DEFAULT_ROLE["harness"] and runtime == VF_DEFAULT_ROLE["runtime"]
+    return VF_DEFAULT_ROLE.get(name) == settings
+
+
 def _source_env(key: str, value: dict) -> dict:
-    """`env.taskset.id` -> id; the rest is a verifiers 0.4 `EnvConfig` (taskset fields, agent).
+    """`taskset.id` -> id; the rest is a verifiers 0.4 `EnvConfig` (taskset fields, harness,
+    agent or player).
 
     Where the id resolves in rlbus's venv (a built-in, an entry point, a module) the other
-    taskset keys become its flat `args` and the agent is dropped. Otherwise it is a verifiers 0.4
-    environment (installed or to be installed in its own venv by `rl env install`): the config
-    goes to `args.env`, which its env server deep-merges onto the default null harness and
-    subprocess runtime (docs/environments.md); roles with just those defaults are left out."""
+    taskset keys become its flat `args` (the keys of a nested `task` table too) and the harness
+    and roles are dropped. Otherwise it is a verifiers 0.4 environment (installed or to be
+    installed in its own venv by `rl env install`): the config goes to `args.env`, which its env
+    server deep-merges onto the default null harness and subprocess runtime
+    (docs/environments.md); settings equal to those defaults are left out."""
     from rlbus.configs import orchestrator as orchestrator_config
 
     config = _deep_copy(value)
     taskset = config.get("taskset", {})
     if "id" not in taskset:
-        raise Unmappable(f"{key}.env.taskset.id", "orchestrator.env[].id (set it)")
+        raise Unmappable(f"{key}.taskset.id", "orchestrator.env[].id (set it)")
     env_id = prime_env_id(taskset.pop("id"))
     if orchestrator_config.resolves_in_rlbus_venv(env_id, orchestrator_config.known_env_ids()):
-        return {"id": env_id, **({"args": taskset} if taskset else {})}
-    for role in ("agent", "player"):
+        task = taskset.pop("task", None)
+        args = {**taskset, **(task if isinstance(task, dict) else {})}
+        return {"id": env_id, **({"args": args} if args else {})}
+    for name in ("harness", "runtime"):
+        if name in config and _is_default_role(name, config[name]):
+            config.pop(name)
+    for role in VF_ROLES:
         settings = config.get(role)
         if isinstance(settings, dict):
-            for name, default in VF_DEFAULT_ROLE.items():
-                if settings.get(name) == default:
+            for name in list(settings):
+                if _is_default_role(name, settings[name]):
                     settings.pop(name)
             if not settings:
                 config.pop(role)
@@ -223,65 +253,73 @@ def _source_env(key: str, value: dict) -> dict:
     return {"id": env_id, **({"args": {"env": config}} if config else {})}
 
 
-def _source_to_env(i: int, source: dict) -> dict:
-    key = f"orchestrator.train.source[{i}]"
+def _sampling(key: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise Unmappable(key, "orchestrator.env[].sampling (a table)")
+    return {SAMPLING_KEYS.get(name, name): setting for name, setting in value.items()}
+
+
+def _train_env(key: str, entry: Any) -> Any:
+    """One entry of prime-rl's `orchestrator.train.env` / `.source` / `orchestrator.env`, in any
+    of its layouts, as an `orchestrator.env[]` entry: `{id, name, args}` (older: the owner and the
+    display name dropped), `env = {taskset, agent | player}`, or `taskset` and `harness` written
+    in the entry itself; `ratio` -> weight, per-source `sampling` and `group_size` kept."""
+    if not isinstance(entry, dict):
+        return entry
     env: dict[str, Any] = {}
-    for name, value in source.items():
+    vf_config = {name: entry[name] for name in VF_CONFIG_KEYS if name in entry}
+    if isinstance(entry.get("env"), dict):
+        vf_config = {**vf_config, **entry["env"]}
+    if vf_config:
+        env.update(_source_env(key, vf_config))
+    for name, value in entry.items():
         if name == "ratio":
             env["weight"] = value
-        elif name in ("id", "args", "weight"):  # already the rlbus layout
+        elif name in SOURCE_KEPT:
+            if name == "id" and isinstance(value, str):
+                value = prime_env_id(value)
+            if name == "args" and isinstance(env.get("args"), dict) and isinstance(value, dict):
+                value = {**env["args"], **value}
             env[name] = value
-        elif name == "env":
-            converted = _source_env(key, value)
-            env["id"] = converted["id"]
-            if "args" in converted:
-                env["args"] = {**converted["args"], **env.get("args", {})}
-        elif name not in SOURCE_DROPPED:
-            raise Unmappable(
-                f"{key}.{name}",
-                "no equivalent: rlbus has one sampling, group size and algorithm for all "
-                "envs (orchestrator.sampling, orchestrator.group_size)",
-            )
+        elif name == "sampling":
+            env["sampling"] = _sampling(f"{key}.sampling", value)
+        elif name not in (*SOURCE_DROPPED, "env", *VF_CONFIG_KEYS):
+            env[name] = value  # rlbus's own (weight, group_size, limits) or a typo it names
     return env
 
 
-def _sources_to_envs(value: Any, data: dict) -> list[dict]:
-    return [_source_to_env(i, source) for i, source in enumerate(value)]
+def _train_envs(path: str) -> Callable[[Any, dict], Any]:
+    def convert(value: Any, data: dict) -> Any:
+        if not isinstance(value, list):
+            return value
+        return [_train_env(f"{path}[{i}]", entry) for i, entry in enumerate(value)]
 
-
-def _prime_env(entry: Any) -> Any:
-    """An entry of prime-rl's older layouts (`id`, `name`, `args`): the hub owner and the display
-    `name` dropped, the rest (id, args: the environment's keyword arguments) kept as it is."""
-    if not isinstance(entry, dict):
-        return entry
-    entry = {k: v for k, v in entry.items() if k != "name"}
-    if isinstance(entry.get("id"), str):
-        entry["id"] = prime_env_id(entry["id"])
-    return entry
-
-
-def _prime_envs(value: Any, data: dict) -> Any:
-    return [_prime_env(entry) for entry in value] if isinstance(value, list) else value
+    return convert
 
 
 def _environment_to_envs(value: Any, data: dict) -> list:
-    return [_prime_env(value)]
+    return [_train_env("orchestrator.environment", value)]
+
+
+def _entry_env_id(entry: Any) -> Any:
+    """The raw id an entry of any layout names (None when it names none)."""
+    if not isinstance(entry, dict):
+        return None
+    for taskset in (entry.get("taskset"), get_path(entry, "env.taskset")):
+        if isinstance(taskset, dict) and "id" in taskset:
+            return taskset["id"]
+    return entry.get("id")
 
 
 def prime_env_sources(data: dict) -> dict[str, str]:
     """Environment id -> what installs it (`rl env install <it>`), for every environment a prime-rl
     config names, in any of its layouts: the hub id `owner/name[@version]` where it gives one."""
-    raw: list[Any] = []
-    environment = get_path(data, "orchestrator.environment")
-    if isinstance(environment, dict):
-        raw.append(environment.get("id"))
-    for path in ("orchestrator.env", "orchestrator.train.env"):
-        entries = get_path(data, path)
-        if isinstance(entries, list):
-            raw += [e.get("id") for e in entries if isinstance(e, dict)]
-    sources = get_path(data, "orchestrator.train.source")
-    if isinstance(sources, list):
-        raw += [get_path(s, "env.taskset.id") for s in sources if isinstance(s, dict)]
+    entries: list[Any] = [get_path(data, "orchestrator.environment")]
+    for path in ("orchestrator.env", "orchestrator.train.env", "orchestrator.train.source"):
+        found = get_path(data, path)
+        if isinstance(found, list):
+            entries += found
+    raw = [_entry_env_id(entry) for entry in entries]
     return {prime_env_id(r): r for r in raw if isinstance(r, str) and not r.startswith("vf:")}
 
 
@@ -406,20 +444,25 @@ RL_RULES: list[Rule] = [
          "GPUs / tensor_parallel_size", _infer_replicas),
     Rule("inference.vllm.data_parallel_size", "move", "deployment.num_infer_replicas",
          "one rlbus replica per data-parallel rank"),
+    Rule("inference.parallel.dp", "move", "deployment.num_infer_replicas",
+         "one rlbus replica per data-parallel rank"),
+    Rule("inference.parallel.tp", "move", "inference.vllm.tensor_parallel_size"),
     Rule("orchestrator.train.sampling.max_completion_tokens", "move", "orchestrator.sampling.max_tokens"),
     Rule("orchestrator.train.sampling.temperature", "move", "orchestrator.sampling.temperature"),
     Rule("orchestrator.train.sampling.extra_body", "move", "orchestrator.sampling.extra_body"),
     Rule("orchestrator.train.filter_zero_advantages", "move", "orchestrator.filter_zero_advantage"),
+    Rule("orchestrator.train.group_size", "move", "orchestrator.group_size"),
     Rule("orchestrator.train.source", "convert", "orchestrator.env",
-         "taskset.id -> id (owner/ dropped), ratio -> weight, name dropped; the other taskset keys "
-         "-> args (an env of rlbus's venv) or the verifiers config -> args.env (a verifiers 0.4 env)",
-         _sources_to_envs),
-    Rule("orchestrator.train.env", "convert", "orchestrator.env", "owner/ of the id and name dropped",
-         _prime_envs),
+         "taskset.id -> id (owner/ dropped), ratio -> weight, name and curriculum dropped; the "
+         "other taskset keys -> args (an env of rlbus's venv) or the verifiers config -> args.env "
+         "(a verifiers 0.4 env)", _train_envs("orchestrator.train.source")),
+    Rule("orchestrator.train.env", "convert", "orchestrator.env",
+         "owner/ of the id and name dropped; taskset.id -> id, the other taskset keys -> args",
+         _train_envs("orchestrator.train.env")),
     Rule("orchestrator.environment", "convert", "orchestrator.env",
          "one environment; owner/ of the id dropped", _environment_to_envs),
     Rule("orchestrator.env", "convert", "orchestrator.env", "owner/ of the id and name dropped",
-         _prime_envs),
+         _train_envs("orchestrator.env")),
     Rule("orchestrator.token_batch_size", "move", "orchestrator.token_budget"),
     Rule("orchestrator.concurrency.max_inflight", "move", "orchestrator.max_concurrency", "per worker"),
     Rule("orchestrator.concurrency", "drop", note="rlbus keeps orchestrator.max_concurrency samples in flight from the start"),
