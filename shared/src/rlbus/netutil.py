@@ -3,6 +3,18 @@
 import socket
 from urllib.parse import urlsplit
 
+CLIENT_KEEPALIVE_S = 2.0
+"""How long our HTTP clients keep an idle connection for reuse. vLLM's server (uvicorn) closes an
+idle keep-alive connection after 5 s (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`); a client that keeps it
+longer (aiohttp's default is 15 s, httpx's 5 s) sometimes sends a request on a connection the
+server is closing, and gets a disconnect, not an answer. Shorter than the server: the client
+always closes first."""
+
+SERVER_KEEPALIVE_S = 75.0
+"""How long our HTTP servers (the replica's public gate) keep an idle connection open: longer
+than any client's reuse (CLIENT_KEEPALIVE_S, httpx's 5 s, the usual 60 s of proxies), so that a
+client never reuses a connection the server is closing."""
+
 _handed_out: set[int] = set()
 """Ports this process already handed out. A planned port is not bound until its service starts
 (seconds later): without this, a later pick (the launcher's own /metrics) could get it again."""

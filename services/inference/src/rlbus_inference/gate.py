@@ -25,8 +25,10 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+import structlog
 from opentelemetry.trace import SpanKind
 
+from rlbus.netutil import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
 from rlbus.obs import tracing
 
 if TYPE_CHECKING:  # aiohttp and uvicorn load with the gate, not with this module
@@ -38,6 +40,8 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
+
+log = structlog.get_logger()
 
 GENERATE_PATH = "/inference/v1/generate"
 """vLLM's token-in/token-out endpoint (`--enable-scale-out`): verifiers 0.4's train client calls
@@ -106,13 +110,17 @@ class PublicGate:
 
     def client(self) -> aiohttp.ClientSession:
         """The upstream session. aiohttp (a vLLM dependency), not httpx: on 2 cores httpx's
-        per-request cost halved the throughput through the gate (docs/inference.md)."""
+        per-request cost halved the throughput through the gate (docs/inference.md). Idle
+        connections are dropped before vLLM's server drops them (CLIENT_KEEPALIVE_S): with
+        aiohttp's default 15 s the gate answered bursts of 502s (`engine unreachable:
+        ServerDisconnectedError`) whenever requests paused for 5-15 s, e.g. between the turns of
+        multi-turn episodes."""
         import aiohttp
 
         if self.session is None:
             self.session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, connect=5.0),
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
                 auto_decompress=False,
             )
         return self.session
@@ -204,6 +212,7 @@ class PublicGate:
                 scope["method"], url, headers=headers, data=body, allow_redirects=False
             )
         except (aiohttp.ClientError, OSError) as error:
+            log.warning("engine_unreachable", path=scope["path"], error=repr(error))
             for message in json_response(
                 HTTPStatus.BAD_GATEWAY, {"error": f"engine unreachable: {error!r}"}
             ):
@@ -253,6 +262,12 @@ def no_signal_server(app: Any, host: str, port: int) -> uvicorn.Server:
 
     return Server(
         uvicorn.Config(
-            app, host=host, port=port, lifespan="off", log_level="warning", access_log=False
+            app,
+            host=host,
+            port=port,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=int(SERVER_KEEPALIVE_S),
         )
     )

@@ -35,6 +35,7 @@ import structlog
 from opentelemetry.trace import SpanKind
 
 from rlbus.configs.orchestrator import InferenceHttpConfig
+from rlbus.netutil import CLIENT_KEEPALIVE_S
 from rlbus.obs import tracing
 from rlbus.obs.metrics import timed_transport
 from rlbus.wire.replicas import ReplicaInfo
@@ -262,7 +263,9 @@ def make_http_client(config: InferenceHttpConfig, max_connections: int) -> httpx
         pool=config.connect_timeout_s,
     )
     # timed: rlbus_http_client_request_seconds; a client given a transport ignores its `limits`
-    transport = timed_transport(httpx.Limits(max_connections=max_connections))
+    # idle connections are closed before the server closes them (rlbus.netutil)
+    limits = httpx.Limits(max_connections=max_connections, keepalive_expiry=CLIENT_KEEPALIVE_S)
+    transport = timed_transport(limits)
     return httpx.AsyncClient(timeout=timeout, transport=transport)
 
 
