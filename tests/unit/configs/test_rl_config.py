@@ -1,5 +1,7 @@
 """RLConfig pushes shared values down into the service configs; explicit service values win."""
 
+import pytest
+
 from rlbus.configs import RLConfig
 from rlbus.configs.base import parse_cli
 
@@ -118,3 +120,28 @@ def test_the_tool_call_parser_follows_the_model_family_unless_set(tmp_path):
     assert parser_flags(model="Org/not-on-disk") == (None, False)
     assert parser_flags(model=str(other), tool_call_parser="pythonic") == ("pythonic", True)
     assert parser_flags(model=str(qwen), tool_call_parser="none") == (None, False)
+
+
+def test_each_environments_max_tokens_and_episode_budget_must_fit_the_engine_context(
+    tmp_path, capsys
+):
+    path = tmp_path / "rl.toml"
+    path.write_text(
+        "seq_len = 256\n"
+        "[[orchestrator.env]]\nid = 'reverse-text'\n"
+        "[[orchestrator.env]]\nid = 'reverse-text'\nmax_total_tokens = 512\n"
+        "sampling = { max_tokens = 300 }\n"
+    )
+    with pytest.raises(SystemExit):
+        make_rl("@", str(path))
+    text = capsys.readouterr().err
+    assert "--orchestrator.env[1].sampling.max-tokens" in text
+    assert "--orchestrator.env[1].max-total-tokens" in text
+    assert "orchestrator.env[0]" not in text
+    assert "max_model_len (256" in text
+
+    path.write_text(
+        "seq_len = 256\n[[orchestrator.env]]\nid = 'reverse-text'\nmax_total_tokens = 256\n"
+        "sampling = { max_tokens = 64 }\n"
+    )
+    assert make_rl("@", str(path)).orchestrator.env[0].sampling.max_tokens == 64

@@ -128,18 +128,30 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
 
     def _pushed_value_errors(self) -> list[tuple[str, str]]:
         """Completions must fit the engine's context (`inference.vllm.max_model_len`, pushed from
-        `seq_len`): vLLM refuses every request whose prompt plus max_tokens exceed it."""
-        max_tokens = self.orchestrator.sampling.max_tokens
+        `seq_len`): vLLM refuses every request whose prompt plus max_tokens exceed it. That holds
+        for the run's sampling and for each environment's own."""
         context = self.inference.vllm.max_model_len
-        if context is None or max_tokens <= context:
+        if context is None:
             return []
-        return [
-            (
-                "orchestrator.sampling.max_tokens",
-                f"must not exceed inference.vllm.max_model_len ({context}, from seq_len unless "
-                "set): vLLM refuses every request whose prompt plus max_tokens exceed it",
-            )
-        ]
+        why = (
+            f"must not exceed inference.vllm.max_model_len ({context}, from seq_len unless set): "
+            "vLLM refuses every request whose prompt plus max_tokens exceed it"
+        )
+        errors = []
+        if self.orchestrator.sampling.max_tokens > context:
+            errors.append(("orchestrator.sampling.max_tokens", why))
+        for i, env in enumerate(self.orchestrator.env):
+            if env.sampling.max_tokens is not None and env.sampling.max_tokens > context:
+                errors.append((f"orchestrator.env.{i}.sampling.max_tokens", why))
+            if env.max_total_tokens is not None and env.max_total_tokens > context:
+                errors.append(
+                    (
+                        f"orchestrator.env.{i}.max_total_tokens",
+                        f"must not exceed inference.vllm.max_model_len ({context}, from seq_len "
+                        "unless set): an episode is one sequence of the engine's context",
+                    )
+                )
+        return errors
 
     def _replica_port_errors(self) -> list[tuple[str, str]]:
         """Replica i serves on server.port + i and backend_port + i (rlbus_launch.plan), so with
