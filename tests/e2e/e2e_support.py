@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +122,32 @@ def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.5) -> Non
             return
         time.sleep(poll_s)
     pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@contextmanager
+def finished_launch(
+    output_dir: Path, run_name: str, *args: str, config: Path = DEBUG_RL
+) -> Iterator[RlLaunch]:
+    """An `rl` run waited for (its exit code in `.exit_code`); every process it started is
+    killed on the way out, also when the test fails."""
+    launch = RlLaunch(output_dir, run_name, *args, config=config)
+    try:
+        launch.exit_code = launch.wait()
+        yield launch
+    finally:
+        launch.kill()
+
+
+def assert_reward_rises(run_dir: Path, window: int, margin: float, num_steps: int = 0) -> None:
+    """The mean `reward/mean` of the last `window` steps beats that of the first `window` by
+    more than `margin` (and the run has `num_steps` steps with a reward, when given)."""
+    rows = run_rows(run_dir)
+    rewards = [rows[step]["reward/mean"] for step in sorted(rows) if "reward/mean" in rows[step]]
+    if num_steps:
+        assert len(rewards) == num_steps, rewards
+    first = sum(rewards[:window]) / window
+    last = sum(rewards[-window:]) / window
+    assert last > first + margin, f"rewards per step: {rewards}"
 
 
 def metrics_lines(run_dir: Path) -> list[dict]:

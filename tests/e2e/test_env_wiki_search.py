@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from e2e_support import RlLaunch, alive_groups, run_rows
+from e2e_support import alive_groups, assert_reward_rises, finished_launch, run_rows
 from env_packages import REPO, install_env_package
 from transformers import AutoTokenizer
 
@@ -36,12 +36,8 @@ ENV = "env/wiki-search/"
 def finished_run(tmp_path_factory):
     install_env_package("wiki_search")
     root = tmp_path_factory.mktemp("e2e-wiki-search")
-    launch = RlLaunch(root, "wiki", "--max-steps", str(MAX_STEPS), config=RL_TOML)
-    try:
-        launch.exit_code = launch.wait()
+    with finished_launch(root, "wiki", "--max-steps", str(MAX_STEPS), config=RL_TOML) as launch:
         yield launch
-    finally:
-        launch.kill()
 
 
 def model_dir() -> Path:
@@ -101,11 +97,7 @@ def test_the_model_calls_the_tools_and_reads_the_pages(finished_run):
 
 
 def test_the_reward_of_the_last_steps_beats_the_first(finished_run):
-    rows = run_rows(finished_run.run_dir)
-    rewards = [rows[s]["reward/mean"] for s in sorted(rows) if "reward/mean" in rows[s]]
-    first = sum(rewards[:WINDOW]) / WINDOW
-    last = sum(rewards[-WINDOW:]) / WINDOW
-    assert last > first + REWARD_MARGIN, f"rewards per step: {rewards}"
+    assert_reward_rises(finished_run.run_dir, WINDOW, REWARD_MARGIN, MAX_STEPS)
 
 
 def test_the_trained_batch_masks_tool_results_and_trains_tool_calls(finished_run):

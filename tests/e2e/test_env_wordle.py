@@ -4,7 +4,7 @@ each answered by the environment's feedback, are played against the run's vLLM-C
 the shipped SFT model, trained on, and the reward rises."""
 
 import pytest
-from e2e_support import REPO, RlLaunch, alive_groups, run_rows
+from e2e_support import REPO, alive_groups, assert_reward_rises, finished_launch, run_rows
 from env_packages import install_env_package
 
 pytestmark = pytest.mark.slow
@@ -22,18 +22,11 @@ Measured with this file's settings on 2 CPU cores (examples/wordle/README.md): t
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     install_env_package("wordle")
-    launch = RlLaunch(
-        tmp_path_factory.mktemp("e2e-wordle"),
-        "e2e-wordle",
-        "--max-steps",
-        str(MAX_STEPS),
-        config=CONFIG,
-    )
-    try:
-        launch.exit_code = launch.wait()
+    root = tmp_path_factory.mktemp("e2e-wordle")
+    with finished_launch(
+        root, "e2e-wordle", "--max-steps", str(MAX_STEPS), config=CONFIG
+    ) as launch:
         yield launch
-    finally:
-        launch.kill()
 
 
 def test_wordle_run_exits_0_and_leaves_no_process_behind(finished_run):
@@ -49,9 +42,4 @@ def test_every_step_is_trained_on_games_of_several_turns(finished_run):
 
 
 def test_reward_of_the_last_steps_exceeds_the_first(finished_run):
-    rows = run_rows(finished_run.run_dir)
-    rewards = [rows[step]["reward/mean"] for step in sorted(rows) if "reward/mean" in rows[step]]
-    assert len(rewards) == MAX_STEPS, rewards
-    first = sum(rewards[:REWARD_WINDOW]) / REWARD_WINDOW
-    last = sum(rewards[-REWARD_WINDOW:]) / REWARD_WINDOW
-    assert last > first + REWARD_MARGIN, f"rewards per step: {rewards}"
+    assert_reward_rises(finished_run.run_dir, REWARD_WINDOW, REWARD_MARGIN, MAX_STEPS)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from e2e_support import RlLaunch, alive_groups, run_rows
+from e2e_support import alive_groups, assert_reward_rises, finished_launch
 
 pytestmark = pytest.mark.slow
 
@@ -21,18 +21,11 @@ MAX_STEPS = 10
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, starting_model):
-    launch = RlLaunch(
-        tmp_path_factory.mktemp("e2e-lora"),
-        "e2e-lora",
-        "--model.name",
-        str(starting_model.path),
-        *LORA_ARGS,
-    )
-    try:
-        launch.exit_code = launch.wait()
+    root = tmp_path_factory.mktemp("e2e-lora")
+    with finished_launch(
+        root, "e2e-lora", "--model.name", str(starting_model.path), *LORA_ARGS
+    ) as launch:
         yield launch
-    finally:
-        launch.kill()
 
 
 def log_events(path: Path, event: str) -> list[dict]:
@@ -67,8 +60,4 @@ def test_the_replica_loads_each_adapter_in_place(finished_run):
 def test_reward_of_the_last_lora_steps_exceeds_the_first(finished_run, starting_model):
     if not starting_model.trained:
         pytest.skip("no SFT'd starting model (configs/debug/rl.toml model.name missing)")
-    rows = run_rows(finished_run.run_dir)
-    rewards = [rows[step]["reward/mean"] for step in sorted(rows) if "reward/mean" in rows[step]]
-    first = sum(rewards[:REWARD_WINDOW]) / REWARD_WINDOW
-    last = sum(rewards[-REWARD_WINDOW:]) / REWARD_WINDOW
-    assert last > first + REWARD_MARGIN, f"rewards per step: {rewards}"
+    assert_reward_rises(finished_run.run_dir, REWARD_WINDOW, REWARD_MARGIN)

@@ -5,7 +5,15 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_support import RlLaunch, alive_groups, run_rows, spans_named, step_trace, steps_with
+from e2e_support import (
+    alive_groups,
+    assert_reward_rises,
+    finished_launch,
+    run_rows,
+    spans_named,
+    step_trace,
+    steps_with,
+)
 
 from rlbus.obs import tracing
 
@@ -27,14 +35,9 @@ STEP_LINE = re.compile(
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, starting_model):
-    launch = RlLaunch(
-        tmp_path_factory.mktemp("e2e"), "e2e", "--model.name", str(starting_model.path)
-    )
-    try:
-        launch.exit_code = launch.wait()
+    root = tmp_path_factory.mktemp("e2e")
+    with finished_launch(root, "e2e", "--model.name", str(starting_model.path)) as launch:
         yield launch
-    finally:
-        launch.kill()
 
 
 def max_steps_of(run_dir: Path) -> int:
@@ -61,11 +64,7 @@ def test_reward_of_the_last_steps_exceeds_the_first(finished_run, starting_model
         pytest.skip(
             "no SFT'd starting model (configs/debug/rl.toml model.name missing): nothing to raise"
         )
-    rows = run_rows(finished_run.run_dir)
-    rewards = [rows[step]["reward/mean"] for step in sorted(rows) if "reward/mean" in rows[step]]
-    first = sum(rewards[:REWARD_WINDOW]) / REWARD_WINDOW
-    last = sum(rewards[-REWARD_WINDOW:]) / REWARD_WINDOW
-    assert last > first + REWARD_MARGIN, f"rewards per step: {rewards}"
+    assert_reward_rises(finished_run.run_dir, REWARD_WINDOW, REWARD_MARGIN)
 
 
 def test_trained_weights_reached_the_inference_replica(finished_run):
