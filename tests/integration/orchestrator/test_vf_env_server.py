@@ -7,6 +7,7 @@ out) that answers with the right reversal in the tiny model's tokenizer, so the 
 """
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -342,3 +343,34 @@ async def test_orchestrator_turns_vf_episodes_into_a_step_batch(
     logprobs = [lp for mb in micro_batches for lp in mb.inference_logprobs]
     assert sum(loss_mask) > 0
     assert {lp for lp, m in zip(logprobs, loss_mask, strict=True) if m} == {LOGPROB}
+
+
+async def test_a_multi_call_user_sim_episode_trains_the_assistants_turns_only(
+    vf_python, engine_url
+):
+    """verifiers 0.4's `user-sim` env: a modeled user (untrainable, the `null` harness) and the
+    assistant talk in turns, each side one model call per turn, on the same engine. The sample is
+    the assistant's trace: several turns, the user's messages between them masked out."""
+    role = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
+    env_config = {
+        "id": "user-sim",
+        "taskset": {"num_tasks": 4},
+        "assistant": role,
+        "user": {**role, "max_turns": 3},
+    }
+    env = load_environment("vf:reverse-text-v1", {"python": vf_python, "env": env_config})
+    try:
+        problem = env.example("train", 0)
+        sample = await env.run_episode(
+            StaticClient(engine_url), problem, SamplingArgs(temperature=1.0, max_tokens=48)
+        )
+    finally:
+        await env.aclose()
+
+    # the stub engine reverses the last user message: the user never says the done marker, and
+    # its turn limit (3) ends the conversation after the assistant's third answer
+    assert sample.num_turns == 3
+    mask = sample.completion_mask
+    runs = [value for value, _ in itertools.groupby(mask)]
+    assert runs == [1, 0, 1, 0, 1], runs  # answer, the user's turn, answer, ..., answer
+    assert sample.completion_text == "Hello! How can I help you today?"

@@ -63,13 +63,11 @@ class VfServerError(RuntimeError):
 
 
 def default_env_config(taskset_id: str) -> dict[str, Any]:
-    """A single-agent env over `taskset_id`: the `null` harness (one chat program, no tools)
-    in a local subprocess runtime, instead of verifiers' defaults (bash harness, Prime cloud
-    sandbox)."""
-    return {
-        "taskset": {"id": taskset_id},
-        "agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}},
-    }
+    """The env over `taskset_id`. Each agent role of its env class (whichever `env.id` names)
+    gets the `null` harness (one chat program, no tools) in a local subprocess runtime where the
+    config sets none, on the server side (`vf_server_main.ROLE_DEFAULTS`): only verifiers knows
+    an env's roles."""
+    return {"taskset": {"id": taskset_id}}
 
 
 def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

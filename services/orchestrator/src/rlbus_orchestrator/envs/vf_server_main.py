@@ -26,10 +26,28 @@ if TYPE_CHECKING:  # verifiers lives in the env venv only
     from verifiers.v1.configs.env import EnvConfig
 
 
-def env_config(raw: str) -> "EnvConfig":
-    from verifiers.v1.utils.loaders import resolve_env_config
+ROLE_DEFAULTS = {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}
+"""What each agent role of the env gets unless the config sets it: one chat program with no
+tools (the `null` harness) in a local subprocess, instead of verifiers' defaults (the taskset's
+harness, Prime's cloud sandbox)."""
 
-    return resolve_env_config(json.loads(raw))
+
+def env_config(raw: str) -> "EnvConfig":
+    """The env config, every agent role of its env class (`agent` of the single-agent env,
+    `assistant` and `user` of `user-sim`, ...) given ROLE_DEFAULTS where it sets nothing."""
+    from verifiers.v1.configs.agent import AgentConfig
+    from verifiers.v1.utils.loaders import env_config_type, resolve_env_config
+
+    data = json.loads(raw)
+    taskset_id = (data.get("taskset") or {}).get("id", "")
+    cls = env_config_type(taskset_id, data.get("id") or "")
+    for name, field in cls.model_fields.items():
+        if isinstance(field.default, AgentConfig):
+            role = data.setdefault(name, {})
+            for key, default in ROLE_DEFAULTS.items():
+                if getattr(field.default, key, None) is None or key == "runtime":
+                    role.setdefault(key, default)
+    return resolve_env_config(data)
 
 
 def print_tasks(raw: str) -> None:
