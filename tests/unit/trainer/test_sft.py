@@ -123,6 +123,31 @@ def test_sft_reads_parquet_messages(tiny_model, tmp_path):
     assert texts[0].endswith("<|im_start|>assistant\ncba<|im_end|>\n")
 
 
+def test_sft_data_visits_every_example_once_per_epoch_each_epoch_in_its_own_order(
+    tiny_model, tmp_path
+):
+    import json
+    import random
+
+    path = tmp_path / "train.jsonl"
+    rows = [
+        [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]
+        for i in range(7)
+    ]
+    path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    data = SFTData(str(path), tokenizer, loss_roles=["assistant"], batch_size=3, seed=5)
+    seen = [data.conversation(i)[0]["content"] for i in range(21)]  # three epochs, any order
+    epochs = [seen[0:7], seen[7:14], seen[14:21]]
+    assert all(sorted(e) == sorted(f"q{i}" for i in range(7)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3
+    # the documented order: epoch e is `range(n)` shuffled by Random("sft/<seed>/<e>")
+    order = list(range(7))
+    random.Random("sft/5/1").shuffle(order)
+    assert epochs[1] == [f"q{i}" for i in order]
+    assert data.conversation(3) == rows[data.epoch_order(0)[3]]  # back to an earlier epoch
+
+
 def test_sft_data_path_errors_name_the_field(tiny_model, tmp_path):
     import pytest
 

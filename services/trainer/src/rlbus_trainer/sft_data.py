@@ -145,6 +145,7 @@ class SFTData:
         self.conversations = None if path == "reverse-text" else _read_conversations(path)
         if self.conversations is not None and not self.conversations:
             raise ValueError(f"data.path {path!r} holds no conversations")
+        self._order: tuple[int, list[int]] | None = None
 
     @property
     def num_examples(self) -> int | None:
@@ -156,9 +157,17 @@ class SFTData:
             rng = random.Random(f"sft-reverse-text/{self.seed}/{self.split}/{index}")
             return reverse_text_conversation(rng, copy_fraction=self.copy_fraction)
         epoch, pos = divmod(index, len(self.conversations))
-        order = list(range(len(self.conversations)))
-        random.Random(f"sft/{self.seed}/{epoch}").shuffle(order)
-        return self.conversations[order[pos]]
+        return self.conversations[self.epoch_order(epoch)[pos]]
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The order of the examples in `epoch`, shuffled once per epoch and kept (shuffling the
+        whole file again for each example made a step of 32 cost 32 shuffles)."""
+        if self._order is None or self._order[0] != epoch:
+            assert self.conversations is not None
+            order = list(range(len(self.conversations)))
+            random.Random(f"sft/{self.seed}/{epoch}").shuffle(order)
+            self._order = (epoch, order)
+        return self._order[1]
 
     def batch(self, step: int) -> list[Tokenized]:
         """The global batch of step `step` (1-based)."""
