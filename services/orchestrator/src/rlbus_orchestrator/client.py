@@ -244,6 +244,20 @@ def parse_tool_call(call: dict[str, Any]) -> ToolCall:
     )
 
 
+def raise_for_status(response: httpx.Response) -> None:
+    """`response.raise_for_status()`, with vLLM's reason in the message of a refused request
+    (a 4xx says why in its body: a prompt longer than the context, a bad argument, ...)."""
+    if 400 <= response.status_code < 500:
+        try:
+            error = response.json().get("error") or response.json()
+            reason = error.get("message") if isinstance(error, dict) else str(error)
+        except (ValueError, AttributeError):
+            reason = response.text[:300]
+        message = f"HTTP {response.status_code} from {response.request.url}: {reason}"
+        raise httpx.HTTPStatusError(message, request=response.request, response=response)
+    response.raise_for_status()
+
+
 def describe(error: Exception) -> str:
     """What failed, in a few words (`HTTP 503`, `ConnectError: ...`, `ReadTimeout`)."""
     if isinstance(error, httpx.HTTPStatusError):
@@ -353,7 +367,7 @@ class InferenceClient:
         response = await self.http.post(
             url, json={"model": replica.info.model or self.model, **body}
         )
-        response.raise_for_status()
+        raise_for_status(response)
         try:
             tokens = response.json()["tokens"]
         except (ValueError, KeyError, TypeError) as error:
@@ -386,7 +400,7 @@ class InferenceClient:
                     headers=tracing.inject_headers({}),  # W3C traceparent: vLLM's spans join
                 )
                 span.set_attribute("http.response.status_code", response.status_code)
-                response.raise_for_status()
+                raise_for_status(response)
         finally:
             replica.outstanding -= 1
         header = response.headers.get(WEIGHTS_VERSION_HEADER)
