@@ -17,14 +17,15 @@ def config_error(**fields) -> str:
     return format_validation_error(OrchestratorConfig, caught.value)
 
 
-def test_an_env_without_overrides_takes_the_orchestrator_sampling_and_group_size_and_no_limits():
+def test_an_env_without_overrides_takes_the_orchestrator_sampling_group_size_and_seq_len():
     config = OrchestratorConfig(
-        group_size=4, batch_size=8, sampling={"temperature": 0.7, "max_tokens": 64}
+        group_size=4, batch_size=8, sampling={"temperature": 0.7, "max_tokens": 64}, seq_len=512
     )
     [settings] = env_settings(config)
     assert settings.group_size == 4 and settings.min_group_size == 2
     assert settings.sampling == SamplingArgs(temperature=0.7, max_tokens=64)
-    assert settings.limits == EpisodeLimits()
+    # an episode's tokens are bounded by the sequence it trains as (and the engine's context)
+    assert settings.limits == EpisodeLimits(max_total_tokens=512)
 
 
 def test_env_sampling_fields_replace_the_orchestrators_and_extra_body_is_merged_over_it():

@@ -55,7 +55,9 @@ def env_settings(config: OrchestratorConfig) -> list[EnvSettings]:
             sampling=sampling_args(env.sampling.over(config.sampling)),
             limits=EpisodeLimits(
                 max_turns=env.max_turns,
-                max_total_tokens=env.max_total_tokens,
+                # an episode never outgrows the sequence it is trained as (nor, with seq_len
+                # pushed to max_model_len, the engine's context: a turn past it is a 400)
+                max_total_tokens=env.max_total_tokens or config.seq_len,
                 deadline_s=env.episode_timeout_s,
             ),
         )

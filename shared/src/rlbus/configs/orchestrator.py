@@ -87,7 +87,9 @@ class EnvConfig(BaseConfig):
     """Model turns per episode (None: no limit; single-turn environments ignore it)."""
 
     max_total_tokens: int | None = Field(None, ge=1)
-    """Tokens of a whole episode: prompt, completions and environment messages (None: no limit)."""
+    """Tokens of a whole episode: prompt, completions and environment messages (None:
+    orchestrator.seq_len, the sequence it trains as; with `rl`, also the engine's context, where
+    a longer request would be refused)."""
 
     episode_timeout_s: float | None = Field(None, gt=0)
     """Wall-clock seconds per episode, from its first request (None: no limit). An episode still
