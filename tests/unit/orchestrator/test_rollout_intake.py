@@ -117,3 +117,24 @@ def test_drops_are_counted_per_environment_of_the_task():
     intake.drop("train-1", "timeout")  # already ended: not counted twice
     assert intake.stats.env_dropped == {("reverse-text", "timeout"): 1}
     assert intake.store.state.dropped == {"timeout": 1}
+
+
+def test_groups_dropped_in_a_row_are_reported_with_why_until_one_is_kept(monkeypatch):
+    from rlbus_orchestrator import rollout_intake
+
+    warnings = []
+    monkeypatch.setattr(rollout_intake, "STALLED_EVERY", 3)
+    monkeypatch.setattr(
+        rollout_intake.log, "warning", lambda event, **fields: warnings.append((event, fields))
+    )
+    intake = make_intake()
+    intake.store.record_issued({f"train-{i}": 0 for i in range(8)})
+    for i in range(6):  # two warnings: after 3 and after 6 flat groups
+        asyncio.run(intake.accept(FakeDelivery(make_rollout(f"train-{i}", [0.0, 0.0]))))
+    assert [f["dropped_in_a_row"] for _, f in warnings] == [3, 6]
+    event, fields = warnings[-1]
+    assert event == "no_group_kept" and fields["by_reason"] == {"zero_advantage": 6}
+    assert "filter_zero_advantage" in fields["why"]
+    asyncio.run(intake.accept(FakeDelivery(make_rollout("train-6", [0.0, 1.0]))))  # kept
+    asyncio.run(intake.accept(FakeDelivery(make_rollout("train-7", [0.0, 0.0]))))
+    assert len(warnings) == 2 and sum(intake.dropped_in_a_row.values()) == 1

@@ -16,6 +16,7 @@ In order (callers hold the coordinator's lock):
    stored.
 """
 
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -34,6 +35,9 @@ from rlbus_orchestrator.state_store import EPISODE_DROP_REASONS, StateStore
 from rlbus_orchestrator.step_metrics import StepStats
 
 log = structlog.get_logger()
+
+STALLED_EVERY = 100
+"""Groups dropped in a row (none kept) between two `no_group_kept` warnings."""
 
 HANDLER_CONCURRENCY = 64
 """Rollouts handled at once (they queue on the coordinator's lock; the rest wait in the stream)."""
@@ -57,6 +61,8 @@ class RolloutIntake:
         self.pool = pool
         self.stats = stats
         self.mix = EnvMix(config)
+        self.dropped_in_a_row: Counter[str] = Counter()
+        """Groups dropped since the last one kept, by reason (STALLED_EVERY)."""
 
     def consumer(
         self, handler: Callable[[Delivery[Rollout]], Awaitable[None]]
@@ -125,11 +131,39 @@ class RolloutIntake:
             await delivery.ack()
             error = rollout.error or rollout.metadata.get("episode_error")
             log.debug("rollout_dropped", task_id=rollout.task_id, reason=reason, error=error)
+            self.count_drop_in_a_row(reason, rollout.env_id, error)
             return
+        self.dropped_in_a_row.clear()
         rewards = [s.reward for s in rollout.samples]
         advantages = group_advantages(rewards, normalize=self.config.normalize_advantages)
         self.pool.add(PooledGroup(rollout, delivery, advantages))
         self.stats.completion_tokens += sum(len(s.completion_token_ids) for s in rollout.samples)
+
+    def count_drop_in_a_row(self, reason: str, env_id: str, error: str | None) -> None:
+        """Every STALLED_EVERY groups dropped with none kept in between, one warning that says
+        why: a run whose model scores the same on every sample of every group (or whose
+        episodes all fail) otherwise samples forever without a step or a line."""
+        self.dropped_in_a_row[reason] += 1
+        total = sum(self.dropped_in_a_row.values())
+        if total % STALLED_EVERY:
+            return
+        hints = {
+            "zero_advantage": "every sample of these groups scored the same, so they teach "
+            "nothing (orchestrator.filter_zero_advantage drops them): check that the model can "
+            "earn a reward on the environment, or set filter_zero_advantage = false",
+            "error": f"their episodes failed; the last error: {error}",
+            "timeout": "their episodes timed out (env episode_timeout_s, orchestrator.http)",
+            "stale": "they were too far behind the trainer (orchestrator.max_off_policy_steps)",
+        }
+        main = self.dropped_in_a_row.most_common(1)[0][0]
+        log.warning(
+            "no_group_kept",
+            dropped_in_a_row=total,
+            by_reason=dict(self.dropped_in_a_row),
+            env_id=env_id,
+            next_step=self.store.state.next_step,
+            why=hints.get(main, main),
+        )
 
     def drop_reason(self, rollout: Rollout) -> str | None:
         """Why a training group is dropped on arrival (`error` or `timeout`: failed, or too few
