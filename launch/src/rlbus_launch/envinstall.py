@@ -14,7 +14,10 @@ environment lives:
   `<env dir>/<id>/` (`--venv-dir`, `$RLBUS_ENV_DIR`, default ~/.cache/rlbus/envs), made with
   `uv venv`, the package installed there, and the environment recorded in the index next to the
   venvs (rlbus.envindex), which the config load and the orchestrator read;
-- anything else (an rlbus entry point package, a classic verifiers module): rlbus's own venv,
+- it needs classic verifiers (a requirement on verifiers that admits releases before 0.4): a venv
+  of its own too, recorded with kind `classic`; rlbus's classic env server
+  (`rlbus_orchestrator.envs.classic_remote`) plays it turn by turn from there;
+- anything else (an rlbus entry point package, a plain module): rlbus's own venv,
   `uv pip install [-e]`, found by entry point or module as before; no record.
 
 Installing again updates: the venv is reused, a local package is rebuilt when it changed (uv's
@@ -244,7 +247,12 @@ def taskset_module(python: Path, package: Package) -> str:
 
 
 def install_own_venv(
-    uv: str, source: Source, package: Package, directory: Path, python_version: str
+    uv: str,
+    source: Source,
+    package: Package,
+    directory: Path,
+    python_version: str,
+    kind: str = envindex.VF_KIND,
 ) -> envindex.InstalledEnv:
     """Make (or reuse) `<directory>/<id>/`, install the package there, record it."""
     venv = directory / package.env_id
@@ -264,7 +272,7 @@ def install_own_venv(
     module = taskset_module(python, package)
     entry = envindex.InstalledEnv(
         id=package.env_id,
-        kind=envindex.VF_KIND,
+        kind=kind,
         python=str(python),
         taskset_id=module.replace("_", "-"),
         source=str(source.path or source.text),
@@ -311,13 +319,20 @@ def install(args: argparse.Namespace) -> int:
     directory = envindex.env_dir(args.venv_dir)
     package = read_package(uv, source)
     verifiers = verifiers_requirement(package.requires)
-    own = args.own_venv or (verifiers is not None and needs_verifiers_v1(verifiers))
+    v1 = verifiers is not None and needs_verifiers_v1(verifiers)
+    own = args.own_venv or verifiers is not None
+    kind = envindex.VF_KIND if v1 or args.own_venv else envindex.CLASSIC_KIND
     why = f"requires {verifiers}" if verifiers else "does not require verifiers"
-    where = "its own venv" if own else "rlbus's venv"
+    if not own:
+        where = "rlbus's venv"
+    elif kind == envindex.VF_KIND:
+        where = "its own venv (verifiers 0.4: served by verifiers' env server)"
+    else:
+        where = "its own venv (classic verifiers: served by rlbus's classic env server)"
     say(f"{package.name} {package.version} {why}: installing into {where}")
     with index_lock(directory):
         if own:
-            ids = [install_own_venv(uv, source, package, directory, args.python).id]
+            ids = [install_own_venv(uv, source, package, directory, args.python, kind).id]
         else:
             ids = install_here(uv, source, package, directory)
     for env_id in ids:
@@ -346,7 +361,8 @@ def listed_envs(directory: Path | None = None) -> list[tuple[str, str]]:
             rows.setdefault(env_id, f"verifiers module {dist.name} {dist.version} (rlbus's venv)")
     for env_id, entry in envindex.read_index(directory).items():
         gone = "" if Path(entry.python).exists() else "; the venv is gone: install it again"
-        kind = f"verifiers 0.4, own venv {entry.python} (from {entry.source}{gone})"
+        label = "classic verifiers" if entry.kind == envindex.CLASSIC_KIND else "verifiers 0.4"
+        kind = f"{label}, own venv {entry.python} (from {entry.source}{gone})"
         rows.setdefault(env_id, kind)
     return sorted(rows.items())
 

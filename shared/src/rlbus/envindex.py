@@ -27,6 +27,7 @@ INDEX_NAME = "index.json"
 INDEX_VERSION = 1
 
 VF_KIND = "vf"
+CLASSIC_KIND = "classic"
 """A verifiers 0.4 environment served by verifiers' `EnvServer` from its own venv."""
 
 
@@ -37,11 +38,13 @@ class InstalledEnv:
     id: str
     """The id configs name it by (`[[orchestrator.env]] id`): the package name, normalized."""
     kind: str
-    """`vf` (the only kind so far)."""
+    """`vf` (verifiers 0.4, served by verifiers' `EnvServer`) or `classic` (verifiers before
+    0.4, served by rlbus's `classic_vf_main.py`)."""
     python: str
     """The interpreter of the environment's venv."""
     taskset_id: str
-    """The verifiers taskset id the env server loads (`--env.taskset.id`)."""
+    """The verifiers taskset id the env server loads (`--env.taskset.id`); for `classic`, the
+    module whose `load_environment(**args)` builds the environment (`_` as `-`)."""
     source: str
     """What was installed: a local path (absolute) or a package spec; `rl env install <source>`
     installs it again."""

@@ -158,7 +158,8 @@ def test_a_verifiers_0_4_package_gets_a_venv_of_its_own_and_an_index_entry(
     )
     out = capsys.readouterr().out.splitlines()
     assert out[0] == (
-        "rl env install: my-v1-env 0.1.0 requires verifiers==0.4.0: installing into its own venv"
+        "rl env install: my-v1-env 0.1.0 requires verifiers==0.4.0: installing into its own venv "
+        "(verifiers 0.4: served by verifiers' env server)"
     )
     assert all(line.startswith("rl env install: ") for line in out[:-2])
     assert out[-2] == 'my-v1-env is installed: set `id = "my-v1-env"` in [[orchestrator.env]]'
@@ -202,8 +203,24 @@ def test_a_named_package_is_probed_alone_then_installed_and_upgraded(
     )
 
 
+def test_a_classic_verifiers_package_gets_a_venv_of_its_own_of_kind_classic(
+    tmp_path, monkeypatch, capsys, uv
+):
+    package = make_package(tmp_path, "my-classic-env", dependencies=('"verifiers==0.1.3"',))
+    monkeypatch.setenv("PYTHONPATH", str(package))
+    envs = tmp_path / "envs"
+
+    assert main(["install", str(package), "--venv-dir", str(envs)]) == 0
+
+    entry = envindex.find_installed("my-classic-env", envs)
+    assert (entry.kind, entry.taskset_id) == ("classic", "my-classic-env")
+    assert entry.python == str(envs / "my-classic-env" / "bin" / "python")
+    out = capsys.readouterr().out
+    assert "installing into its own venv (classic verifiers: served by rlbus's classic" in out
+
+
 def test_other_packages_go_into_rlbus_venv_and_leave_no_entry(tmp_path, monkeypatch, capsys, uv):
-    package = make_package(tmp_path, "my-env", dependencies=('"verifiers>=0.1"',))
+    package = make_package(tmp_path, "my-env", dependencies=('"numpy"',))
     envs = tmp_path / "envs"
     envindex.record(envindex.InstalledEnv("my-env", "vf", "/old/python", "my-env", "/old"), envs)
     monkeypatch.setattr(envinstall, "ids_in_this_venv", lambda package: ["my-env"])
@@ -216,7 +233,7 @@ def test_other_packages_go_into_rlbus_venv_and_leave_no_entry(tmp_path, monkeypa
     ]
     assert envindex.read_index(envs) == {}  # the stale own-venv record would shadow nothing now
     out = capsys.readouterr().out
-    assert "my-env 0.1.0 requires verifiers>=0.1: installing into rlbus's venv" in out
+    assert "my-env 0.1.0 does not require verifiers: installing into rlbus's venv" in out
     assert (
         out.splitlines()[-1] == 'my-env is installed: set `id = "my-env"` in [[orchestrator.env]]'
     )

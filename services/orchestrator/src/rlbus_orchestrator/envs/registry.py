@@ -110,6 +110,16 @@ def installed_environment(installed: envindex.InstalledEnv, args: dict[str, Any]
             f"environment {installed.id!r}: its venv is gone ({installed.python} does not exist); "
             f"install it again with `rl env install {installed.source}`"
         )
+    if installed.kind == envindex.CLASSIC_KIND:
+        from rlbus_orchestrator.envs.classic_remote import classic_environment
+
+        module = installed.taskset_id.replace("-", "_")
+        return classic_environment(
+            installed.id,
+            module,
+            args.get("python", installed.python),
+            {k: v for k, v in args.items() if k != "python"},
+        )
     taskset = {"taskset": {"id": installed.taskset_id}}
     options = {"python": installed.python, **args, "env": merged(taskset, args.get("env", {}))}
     unknown = set(options) - set(inspect.signature(VfServerEnv).parameters)
