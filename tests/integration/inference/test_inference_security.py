@@ -206,7 +206,14 @@ def test_public_port_streams_a_completion_as_it_is_generated(replica):
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]" and len(events) >= 7  # a role chunk, 6 tokens, done
+    # a role chunk, content chunks, done. vLLM puts each token in its own chunk when it sends
+    # them as fast as it makes them, and several tokens in one when it falls behind (a busy
+    # machine: CI saw 6 events for 6 tokens): check the stream's parts and its end, not a count
+    assert events[-1] == "data: [DONE]" and len(events) >= 3, events
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # all 6 tokens were streamed
+    assert any(c["choices"][0]["delta"].get("content") for c in chunks)
 
 
 def test_cors_is_off_on_the_public_port(replica):
