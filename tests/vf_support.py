@@ -28,10 +28,11 @@ def find_uv() -> str:
     return os.environ.get("UV") or shutil.which("uv") or str(REPO / ".uv" / "bin" / "uv")
 
 
-def rl_env_install(directory: Path) -> subprocess.CompletedProcess:
-    """`rl env install environments/reverse_text_v1 --venv-dir <directory>`, output captured."""
+def rl_env_install(directory: Path, package: Path = VF_PACKAGE) -> subprocess.CompletedProcess:
+    """`rl env install <package> --venv-dir <directory>` (default environments/reverse_text_v1),
+    output captured."""
     return subprocess.run(
-        [sys.executable, "-m", "rlbus_launch.envinstall", "install", str(VF_PACKAGE)]
+        [sys.executable, "-m", "rlbus_launch.envinstall", "install", str(package)]
         + ["--venv-dir", str(directory)],
         capture_output=True,
         text=True,

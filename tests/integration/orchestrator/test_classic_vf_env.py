@@ -8,14 +8,11 @@ test_classic_vf_run)."""
 
 import asyncio
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 from env_packages import REPO
 from unit.orchestrator.multiturn_fakes import FakeEngine, Scripted
-from vf_support import find_uv, vf_env_dir
+from vf_support import rl_env_install, vf_env_dir
 
 from rlbus import envindex
 from rlbus.wire.tasks import SamplingArgs
@@ -31,13 +28,7 @@ PACKAGE = REPO / "environments" / "count_up_classic"
 def env_dir():
     """The shared test env directory with count-up installed (once; PyPI the first time)."""
     directory = vf_env_dir()
-    result = subprocess.run(
-        [sys.executable, "-m", "rlbus_launch.envinstall", "install", str(PACKAGE)]
-        + ["--venv-dir", str(directory)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "UV": find_uv()},
-    )
+    result = rl_env_install(directory, PACKAGE)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "classic verifiers" in result.stdout
     return directory
