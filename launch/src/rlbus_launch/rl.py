@@ -460,6 +460,7 @@ SUBCOMMANDS = {
     "dead-letters": "rlbus_launch.deadletters",
     "env": "rlbus_launch.envinstall",
     "migrate-config": "rlbus_launch.migrate_config",
+    "rollouts": "rlbus_launch.rollouts",
 }
 """`rl <subcommand> ...`: tools about a run, each a module with `main(argv) -> exit code`."""
 
