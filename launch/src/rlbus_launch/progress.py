@@ -10,16 +10,31 @@ for a step); `step_line` renders one step as the parseable console line
 (`-` for a value not known yet; a run of several environments shows each one's mean reward after
 the overall one, `Reward 0.4213 (math 0.51, reverse-text 0.33)`, from `env/<id>/reward/mean`),
 followed by `| Quarantined N` once the run has quarantined
-messages (`dead_letters/total`, docs/bus.md "Dead letters"). On a terminal the launcher shows the
-lines above a rich Live status panel; otherwise it prints the plain lines only, once per step, when the step's row has
-both the trainer's and the orchestrator's metrics (or, when the run ends, any step a service
-reported; a row holding only weights acks is never a step line of its own).
+messages (`dead_letters/total`, docs/bus.md "Dead letters"). Each step is printed once, when
+the step's row has both the trainer's and the orchestrator's metrics (or, when the run ends, any
+step a service reported; a row holding only weights acks is never a step line of its own).
+
+On a terminal the lines scroll above a rich Live panel holding the newest step and
+`progress_line` (`step 12 of 40 · ETA 25s`, from `eta_s`); otherwise only the plain lines are
+printed. While the panel is shown, everything else that reaches the terminal goes above it
+through the panel's console, never straight to the terminal (where it would land on the
+panel's border and make the next refresh draw the panel a second time): the launcher's console
+log handler is pointed at `LinesAbovePanel` (rlbus.obs.logging.console_handler), and rich
+redirects `print` and direct `sys.stderr` writes. `Progress.close` stops the panel once, erasing
+it; what is printed after starts on a line of its own.
 """
 
+import io
 import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO, cast
+
+from rlbus.obs.logging import console_handler
 
 if TYPE_CHECKING:  # rich is imported where it is used: only a terminal needs it
     from rich.console import Console
@@ -155,10 +170,73 @@ def step_line(step: int, row: dict[str, Any], replicas: dict[str, int]) -> str:
     ])  # fmt: skip
 
 
-class Progress:
-    """Prints each step once; on a terminal also keeps a rich Live panel with the newest step."""
+ETA_WINDOW = 10
+"""Steps whose mean duration estimates the time left: recent enough to follow a change of pace."""
 
-    def __init__(self, metrics_path: Path, tty: bool, services: list[str] | None = None) -> None:
+
+def eta_s(
+    done_times: Sequence[float], steps_left: int, now: float, window: int = ETA_WINDOW
+) -> float | None:
+    """Seconds until the last step: the mean duration of the last <= `window` steps (between
+    their completion times `done_times`, ascending) times `steps_left`, less the time since the
+    newest step. None before 2 steps are done (no duration yet)."""
+    if len(done_times) < 2:
+        return None
+    recent = done_times[-(window + 1) :]
+    mean_step_s = (recent[-1] - recent[0]) / (len(recent) - 1)
+    return max(0.0, mean_step_s * steps_left - (now - recent[-1]))
+
+
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m 05s`, `2h 03m`."""
+    total = round(seconds)
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m {total % 60:02d}s"
+    return f"{total // 3600}h {total % 3600 // 60:02d}m"
+
+
+def progress_line(step: int, max_steps: int | None, eta: float | None) -> str:
+    """`step 12 of 40 · ETA 25s` (`ETA --` while unknown); `step 12` without max_steps."""
+    if max_steps is None:
+        return f"step {step}"
+    return f"step {step} of {max_steps} · ETA {'--' if eta is None else format_duration(eta)}"
+
+
+class LinesAbovePanel(io.TextIOBase):
+    """A text stream that prints each complete line above a live panel (its console's `print`),
+    colours kept: where the console log handler writes while the panel is shown."""
+
+    def __init__(self, console: "Console") -> None:
+        self.console = console
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        from rich.text import Text
+
+        *lines, self._partial = (self._partial + text).split("\n")
+        if lines:
+            # soft_wrap: a long line is left to the terminal to wrap, never cut by rich
+            self.console.print(Text("\n").join(map(Text.from_ansi, lines)), soft_wrap=True)
+        return len(text)
+
+    def isatty(self) -> bool:
+        return True
+
+
+class Progress:
+    """Prints each step once; on a terminal also keeps a rich Live panel with the newest step,
+    the step count and an ETA, and routes console log lines above it while it is shown."""
+
+    def __init__(
+        self,
+        metrics_path: Path,
+        tty: bool,
+        services: list[str] | None = None,
+        max_steps: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.tail = MetricsTail(metrics_path)
         # A resumed run appends to its metrics.jsonl: steps already complete there were shown
         # by the launch that trained them.
@@ -166,25 +244,53 @@ class Progress:
         self.printed: set[int] = {step for step, row in self.tail.steps.items() if is_complete(row)}
         self.tty = tty
         self.services = services or []
+        self.max_steps = max_steps
+        self.clock = clock
+        self.done_times: list[float] = []
+        """When each step of this launch was printed (`clock`): the ETA's step durations."""
+        self._latest: str | None = None
         self._live: Live | None = None
         self._console: Console | None = None
+        self._log_route: tuple[logging.StreamHandler[TextIO], TextIO] | None = None
+        """The console log handler pointed above the panel, and its own stream."""
         if tty:
-            import rich.console
-            import rich.live
+            self._start_panel()
 
-            self._console = rich.console.Console()
-            self._live = rich.live.Live(
-                self._panel(None), console=self._console, refresh_per_second=2, transient=True
-            )
-            self._live.start()
+    def _start_panel(self) -> None:
+        import rich.console
+        import rich.live
 
-    def _panel(self, latest: str | None) -> "Panel":
-        from rich.panel import Panel
-
-        body = (
-            latest or "waiting for the first step (services are starting; logs in <run_dir>/logs/)"
+        self._console = rich.console.Console()
+        handler = console_handler()
+        if handler is not None and handler.stream.isatty():  # the terminal, not a log file
+            self._log_route = (handler, handler.stream)
+            handler.setStream(cast(TextIO, LinesAbovePanel(self._console)))
+        # rich sends `print` and `sys.stderr` writes above the panel too; stderr only when it
+        # is a terminal (`2> file` keeps its lines in the file).
+        self._live = rich.live.Live(
+            self._panel(),
+            console=self._console,
+            refresh_per_second=2,
+            transient=True,
+            redirect_stderr=sys.stderr.isatty(),
         )
-        return Panel(body, title="rl: " + ", ".join(self.services), expand=False)
+        self._live.start()
+
+    def _panel(self) -> "Panel":
+        from rich.panel import Panel
+        from rich.text import Text
+
+        step = max(self.printed, default=0)
+        left = None if self.max_steps is None else max(0, self.max_steps - step)
+        eta = None if left is None else eta_s(self.done_times, left, self.clock())
+        body = self._latest or (
+            "waiting for the first step (services are starting; logs in <run_dir>/logs/)"
+        )
+        return Panel(
+            Text(f"{body}\n{progress_line(step, self.max_steps, eta)}"),
+            title="rl: " + ", ".join(self.services),
+            expand=False,
+        )
 
     def emit(self, line: str) -> None:
         if self._console is not None:
@@ -200,7 +306,6 @@ class Progress:
         """Read new rows; print steps that are complete (all remaining ones when `final`)."""
         self.tail.poll()
         replicas = replica_versions(self.tail.steps)
-        latest = None
         for step in sorted(self.tail.steps):
             row = self.tail.steps[step]
             if (
@@ -209,15 +314,21 @@ class Progress:
                 or not (is_complete(row) or (final and has_step_metrics(row)))
             ):
                 continue
-            line = step_line(step, row, replicas)
-            self.emit(line)
+            self._latest = step_line(step, row, replicas)
+            self.emit(self._latest)
             self.printed.add(step)
-            latest = line
-        if self._live is not None and latest is not None:
-            self._live.update(self._panel(latest))
+            self.done_times.append(self.clock())
+        if self._live is not None:
+            self._live.update(self._panel())  # every poll: the ETA counts down between steps
 
     def close(self) -> None:
+        """Print the remaining steps, then stop the panel (once; it is erased) and give the
+        console log handler its stream back."""
         self.update(final=True)
         if self._live is not None:
             self._live.stop()
             self._live = None
+        if self._log_route is not None:
+            handler, stream = self._log_route
+            handler.setStream(stream)
+            self._log_route = None

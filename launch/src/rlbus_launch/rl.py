@@ -57,6 +57,7 @@ from rlbus_launch.restarts import (
 from rlbus_launch.rundir import prepare_run_dir_or_exit
 from rlbus_launch.scrape import ScrapeTargets
 from rlbus_launch.scripts import describe_written, write_launch
+from rlbus_launch.summary import outcome_of, run_summary
 from rlbus_launch.supervisor import ServiceProcess, Supervisor
 from rlbus_launch.watchdog import Watchdog, start_watchdog
 
@@ -307,7 +308,8 @@ def schedule_restart(
 class SupervisedLaunch:
     """One supervised launch: its processes, progress, restart policy and /metrics targets, and
     where it stands: the exit code so far, whether it is still watching (a SIGHUP then is the
-    first signal: 129; later it only cuts a stop short) and whether every process was stopped."""
+    first signal: 129; later it only cuts a stop short), which signal stopped it, if any, and
+    whether every process was stopped."""
 
     launch: Launch
     launch_id: str
@@ -317,6 +319,7 @@ class SupervisedLaunch:
     targets: ScrapeTargets
     code: int = 1
     watching: bool = True
+    stopped_by: str | None = None
     stopped: bool = False
 
     def start_and_watch(self, poll_s: float) -> None:
@@ -333,6 +336,7 @@ class SupervisedLaunch:
             sig = signal.SIGINT if isinstance(interrupt, KeyboardInterrupt) else signal.SIGTERM
             self.code = EXIT_SIGNAL_BASE + sig
             self.watching = False
+            self.stopped_by = "Ctrl-C" if sig == signal.SIGINT else sig.name
             log.warning(
                 "interrupted",
                 signal=sig.name,
@@ -352,6 +356,7 @@ class SupervisedLaunch:
             first = stop.signum == signal.SIGHUP and self.watching
             if first:
                 self.code = EXIT_HANGUP
+                self.stopped_by = "SIGHUP"
             ignore_stop_signals()
             log.warning(
                 "stopping_now", signal=signal.Signals(stop.signum).name, exit_code=self.code
@@ -360,9 +365,9 @@ class SupervisedLaunch:
         self.stopped = True
 
     def close(self, watchdog: Watchdog) -> None:
-        """Stop serving /metrics and progress; once every process is stopped, drop the lock and
-        dismiss the watchdog (otherwise it sees its pipe close when we exit, and ends what is
-        left)."""
+        """Stop serving /metrics and progress (the live panel ends here, after the last log line
+        of the stop); once every process is stopped, drop the lock and dismiss the watchdog
+        (otherwise it sees its pipe close when we exit, and ends what is left)."""
         self.targets.close()
         try:
             self.progress.close()
@@ -371,6 +376,19 @@ class SupervisedLaunch:
         if self.stopped:
             remove_lock(self.launch.run_dir, self.launch_id)
             watchdog.done()
+
+    def print_summary(self, wall_s: float) -> None:
+        """What the run left behind (rlbus_launch.summary), on stdout, terminal or not: once,
+        after the panel is gone."""
+        outcome = outcome_of(self.code, self.stopped_by)
+        config = self.launch.config
+        text = run_summary(
+            self.launch.run_dir, outcome=outcome, wall_s=wall_s, max_steps=config.max_steps
+        )
+        try:
+            print(f"\n{text}", flush=True)
+        except OSError:  # the terminal is gone (SIGHUP)
+            pass
 
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
@@ -400,9 +418,16 @@ def supervise(launch: Launch, poll_s: float = 0.5) -> int:
     was killed by signal N) when it may not be restarted; 130 on Ctrl-C, 143 on SIGTERM (both
     drain first), 129 on SIGHUP (no drain). Every path stops all and checks that no process of
     the launch survives; the watchdog (`rlbus_launch.watchdog`) covers the launcher's own death."""
+    started = time.monotonic()
     launch_id = uuid.uuid4().hex
     names = [p.name for p in launch.processes]
-    progress = Progress(launch.run_dir / "metrics.jsonl", tty=sys.stdout.isatty(), services=names)
+    progress = Progress(
+        launch.run_dir / "metrics.jsonl",
+        # --log.json-console asks for machine-read console output: plain lines, no panel
+        tty=sys.stdout.isatty() and not launch.config.log.json_console,
+        services=names,
+        max_steps=launch.config.max_steps,
+    )
     policy = RestartPolicy(launch.config.supervision)
     previous = take_stop_signals()
     watchdog = start_watchdog(launch_id, launch.run_dir)
@@ -418,6 +443,7 @@ def supervise(launch: Launch, poll_s: float = 0.5) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         log.info("launcher_exit", exit_code=session.code, run_dir=str(launch.run_dir))
+        session.print_summary(time.monotonic() - started)
     return session.code
 
 

@@ -2,7 +2,17 @@
 
 import json
 
-from rlbus_launch.progress import MetricsTail, Progress, replica_versions, step_line
+import pytest
+
+from rlbus_launch.progress import (
+    MetricsTail,
+    Progress,
+    eta_s,
+    format_duration,
+    progress_line,
+    replica_versions,
+    step_line,
+)
 
 
 def make_row(step: int, **values) -> dict:
@@ -103,3 +113,31 @@ def test_a_run_of_several_environments_shows_each_ones_reward_on_the_same_line()
 def test_one_environment_shows_the_reward_alone():
     row = make_row(1, **{"reward/mean": 0.5, "env/reverse-text/reward/mean": 0.5})
     assert step_line(1, row, {}).startswith("Step 1 | Reward 0.5000 | Loss -")
+
+
+def test_eta_is_unknown_until_two_steps_are_done():
+    assert eta_s([], steps_left=10, now=0.0) is None
+    assert eta_s([5.0], steps_left=10, now=5.0) is None
+
+
+def test_eta_is_the_mean_of_the_last_ten_step_durations_times_the_steps_left():
+    slow_start = [0.0, 100.0]  # the first step (with compilation, warm-up) is long
+    steady = [100.0 + 2.0 * i for i in range(1, 11)]  # then 10 steps of 2 s
+    done = slow_start + steady
+    assert eta_s(done, steps_left=5, now=done[-1]) == pytest.approx(10.0)
+    assert eta_s(done[:3], steps_left=5, now=done[2]) == pytest.approx(5 * 51.0)
+
+
+def test_eta_counts_down_between_steps_and_stops_at_zero():
+    assert eta_s([0.0, 4.0], steps_left=3, now=7.0) == pytest.approx(9.0)
+    assert eta_s([0.0, 4.0], steps_left=1, now=60.0) == 0.0
+
+
+def test_progress_line_shows_step_of_max_steps_and_the_eta():
+    assert progress_line(3, 40, None) == "step 3 of 40 · ETA --"
+    assert progress_line(3, 40, 65.2) == "step 3 of 40 · ETA 1m 05s"
+    assert progress_line(3, None, None) == "step 3"
+
+
+def test_durations_read_in_seconds_minutes_or_hours():
+    assert [format_duration(s) for s in (0.4, 42, 185, 7380)] == ["0s", "42s", "3m 05s", "2h 03m"]

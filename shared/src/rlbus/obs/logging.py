@@ -9,7 +9,10 @@ One processor chain feeds two renderers through the stdlib `logging` root logger
         -> file handler:    JSON lines in <run_dir>/logs/<service>.log
 
 When the process's stderr already *is* that log file (the launcher redirects each service's output
-there), the file handler is skipped so no line is written twice.
+there), the file handler is skipped so no line is written twice. The console handler is named
+(`console_handler()`) so that the launcher's live panel can point it above the panel while it is
+shown (rlbus_launch.progress): a log line written straight to the terminal would land on the
+panel's border.
 
 Services call `setup_logging` once at start, then `bind_step(n)` as they move through steps.
 """
@@ -24,6 +27,8 @@ import structlog
 from structlog.typing import Processor
 
 LOGS_DIR = "logs"
+CONSOLE_HANDLER = "console"
+"""Name of the stdlib handler that writes the console lines (stderr unless told otherwise)."""
 
 
 def log_file_path(run_dir: str | Path, service: str, rank: int | None = None) -> Path:
@@ -92,6 +97,7 @@ def setup_logging(
     root.setLevel(numeric_level)
 
     console = logging.StreamHandler(stream)
+    console.set_name(CONSOLE_HANDLER)
     console.setFormatter(make_formatter(json_lines=json_console or not is_tty, colors=is_tty))
     root.addHandler(console)
 
@@ -126,9 +132,17 @@ def setup_logging(
     return log_path
 
 
+def console_handler() -> logging.StreamHandler[TextIO] | None:
+    """The console handler `setup_logging` installed (None before it ran)."""
+    for handler in logging.getLogger().handlers:
+        if handler.get_name() == CONSOLE_HANDLER and isinstance(handler, logging.StreamHandler):
+            return handler
+    return None
+
+
 def bind_step(step: int) -> None:
     """Tag every following log event of this context with `step`."""
     structlog.contextvars.bind_contextvars(step=step)
 
 
-__all__ = ["bind_step", "log_file_path", "setup_logging"]
+__all__ = ["bind_step", "console_handler", "log_file_path", "setup_logging"]
