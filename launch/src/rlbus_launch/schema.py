@@ -270,8 +270,10 @@ def stream_route(
     )
 
 
-def durable_of(stream: str) -> str:
-    (spec,) = [c for c in _S.consumers() if c.stream == stream]
+def durable_of(stream: str, subject: str | None = None) -> str:
+    (spec,) = [
+        c for c in _S.consumers() if c.stream == stream and subject in (None, c.filter_subject)
+    ]
     return f"durable pull consumer `{spec.durable}` (explicit ack)"
 
 
@@ -327,7 +329,14 @@ TASKS = stream_route(
     _S.tasks,
     sender="orchestrator coordinator",
     receivers="orchestrator rollout workers",
-    read_by=durable_of(_S.tasks_stream) + ", shared by all rollout workers",
+    read_by=durable_of(_S.tasks_stream, _S.tasks) + ", shared by all rollout workers",
+    msg_id="<task_id>",
+)
+EVAL_TASKS = stream_route(
+    _S.eval_tasks,
+    sender="orchestrator coordinator (an evaluation's tasks)",
+    receivers="orchestrator rollout workers (with a concurrency budget of their own)",
+    read_by=durable_of(_S.tasks_stream, _S.eval_tasks) + ", shared by all rollout workers",
     msg_id="<task_id>",
 )
 ROLLOUTS = stream_route(
@@ -378,6 +387,12 @@ METRICS_EVENT = stream_route(
     sender="orchestrator coordinator, trainer rank 0",
     receivers="monitors (metrics.jsonl, wandb); the trainer reads its own last one on restart",
     read_by=EVENTS_READ_BY + "; direct get of the last message on the subject",
+)
+EVAL_EVENT = stream_route(
+    _S.evals("<service>"),
+    sender="orchestrator coordinator (one per evaluation of one environment)",
+    receivers="monitors (evals.jsonl, wandb)",
+    read_by=EVENTS_READ_BY,
 )
 LIFECYCLE_EVENT = stream_route(
     _S.lifecycle("<service>"),
@@ -481,7 +496,7 @@ _MICRO_BATCH = batches.MicroBatch(
 REGISTRY: tuple[MessageSpec, ...] = (
     MessageSpec(
         tasks.Task,
-        (TASKS,),
+        (TASKS, EVAL_TASKS),
         tasks.Task(
             task_id="train-12",
             step=3,
@@ -556,6 +571,17 @@ REGISTRY: tuple[MessageSpec, ...] = (
         events.StepMetrics,
         (METRICS_EVENT,),
         events.StepMetrics(service="trainer", step=3, metrics={"loss": 0.25}, time=EXAMPLE_TIME),
+    ),
+    MessageSpec(
+        events.EvalResult,
+        (EVAL_EVENT,),
+        events.EvalResult(
+            service="orchestrator",
+            step=10,
+            env="reverse-text",
+            metrics={"eval/reverse-text/reward/mean": 0.5, "eval/reverse-text/pass@1": 0.25},
+            time=EXAMPLE_TIME,
+        ),
     ),
     MessageSpec(
         events.Lifecycle,

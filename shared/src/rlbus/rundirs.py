@@ -34,6 +34,15 @@ BROADCASTS_DIR = "broadcasts"
 CHECKPOINT_COMPLETE = "COMPLETE"
 """Written last into a finished checkpoint (rlbus_trainer.ckpt): only marked ones count."""
 
+ROLLOUTS_DIR = "rollouts"
+"""`<run_dir>/rollouts/step_<N>.jsonl`: samples of the rollouts step N trained on (orchestrator)."""
+EVALS_DIR = "evals"
+"""`<run_dir>/evals/step_<N>/`: one evaluation's `results.json` and `samples.jsonl`."""
+EVALS_FILE = "evals.jsonl"
+"""`<run_dir>/evals.jsonl`: one row per evaluation of one environment (the monitor writes it)."""
+EVAL_RESULTS_FILE = "results.json"
+EVAL_SAMPLES_FILE = "samples.jsonl"
+
 RUN_SUBDIRS = ("logs", "configs", "scripts")
 """Created by `prepare_run_dir`; the services add their own (checkpoints, broadcasts, nats, ...)."""
 
@@ -137,6 +146,26 @@ def broadcasts_dir(run_dir: str | Path) -> Path:
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     """`<run_dir>/checkpoints/step_<N>/trainer/`: where the trainer writes step N's checkpoint."""
     return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step}" / "trainer"
+
+
+def rollouts_file(run_dir: str | Path, step: int) -> Path:
+    """`<run_dir>/rollouts/step_<N>.jsonl`: the samples kept of step N's batch."""
+    return Path(run_dir) / ROLLOUTS_DIR / f"step_{step}.jsonl"
+
+
+def eval_dir(run_dir: str | Path, step: int) -> Path:
+    """`<run_dir>/evals/step_<N>/`: the evaluation of step N's weights (step 0: the base model)."""
+    return Path(run_dir) / EVALS_DIR / f"step_{step}"
+
+
+def numbered_steps(directory: Path, suffix: str = "") -> list[int]:
+    """Steps `N` of the `step_<N><suffix>` entries of `directory`, ascending (none: [])."""
+    if not directory.is_dir():
+        return []
+    pattern = re.compile(rf"step_(\d+){re.escape(suffix)}")
+    return sorted(
+        int(match.group(1)) for p in directory.iterdir() if (match := pattern.fullmatch(p.name))
+    )
 
 
 def never_reread_through(run_dir: Path, step: int, *, checkpointing: bool) -> int:

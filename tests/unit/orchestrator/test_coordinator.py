@@ -57,28 +57,41 @@ def test_duplicate_rollout_of_a_batched_task_is_acked_and_ignored():
     assert d.acked and not c.pool and not c.bus.dead
 
 
-def test_eval_rollouts_are_aggregated_into_eval_metrics():
-    c = make_coordinator(eval={"interval": 1, "num_examples": 2})
-    asyncio.run(c.evals.publish_tasks(3))
-    assert len(c.bus.published_to(c.bus.subjects.tasks)) == 2
-    for i, reward in enumerate([0.2, 0.6]):
-        asyncio.run(c.on_rollout(FakeDelivery(make_rollout(f"eval-3-{i}", [reward]))))
-    assert c.evals.results[3]["eval/reward/mean"] == 0.4
+def test_eval_rollouts_go_to_the_evaluation_never_to_the_pool():
+    c = make_coordinator(eval={"interval": 1, "num_examples": 2}, max_steps=5)
+    c.weights.applied_version = 3
+
+    async def scenario():
+        c.start_eval(3)
+        while not c.bus.published_to(c.bus.subjects.eval_tasks) and c.tasks.tasks:
+            await asyncio.sleep(0.01)
+        for i, reward in enumerate([0.2, 0.6]):
+            await c.on_rollout(FakeDelivery(make_rollout(f"eval-3-0-{i}", [reward])))
+        await c.tasks.join()
+
+    asyncio.run(scenario())
+    assert len(c.bus.published_to(c.bus.subjects.eval_tasks)) == 2
+    assert c.evals.results[3]["reverse-text"]["eval/reverse-text/reward/mean"] == 0.4
     assert not c.pool and c.store.state.dropped == {}
 
 
 def test_a_batch_at_an_eval_interval_starts_an_evaluation_and_max_steps_ends_the_run():
-    c = make_coordinator(eval={"interval": 2, "num_examples": 1}, max_steps=2)
+    c = make_coordinator(eval={"interval": 2, "num_examples": 1, "timeout_s": 0.1}, max_steps=3)
+    c.weights.applied_version = 3
 
     async def after_batches():
         c.after_batch(1)
         assert not c.tasks.tasks and not c.done.is_set()
         c.after_batch(2)
-        assert [*c.tasks.tasks.values()] == ["eval_step_2"] and c.done.is_set()
+        assert [*c.tasks.tasks.values()] == ["eval_step_2"] and not c.done.is_set()
+        c.after_batch(3)  # the last step: evaluated whatever the interval
+        assert c.done.is_set() and not c.evals.idle.is_set()
         await c.tasks.join()
 
     asyncio.run(after_batches())
-    assert [t.task_id for t in c.bus.published_to(c.bus.subjects.tasks)] == ["eval-2-0"]
+    tasks = c.bus.published_to(c.bus.subjects.eval_tasks)
+    assert [t.task_id for t in tasks] == ["eval-2-0-0", "eval-3-0-0"]
+    assert c.evals.idle.is_set()
 
 
 def test_poison_rollout_is_quarantined_dropped_as_invalid_and_batching_goes_on():

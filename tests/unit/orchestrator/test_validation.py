@@ -31,7 +31,7 @@ def check(task_id="train-3", samples=None, **kwargs):
 def test_a_usable_rollout_and_a_reported_error_pass():
     assert check() is None
     assert check(samples=[], error="boom") is None
-    assert check("eval-2-0", samples=[sample()]) is None
+    assert check("eval-2-0-0", samples=[sample()]) is None
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ While the next step is allowed (`next_step <= max_step()` of the weights watcher
 holds enough, `build_batches` drops the pooled groups that became too old for that step (`stale`),
 takes the oldest groups reaching `batch_size` samples (or `token_budget` tokens), packs them
 (packing.py) into per-rank micro-batches and publishes step N's batch. Then, in this order: the
-state is saved (its tasks trained, `next_step = N + 1`), the groups' rollouts are acked, the
-step's span ends, its metrics are published, and `on_published(N)` tells the coordinator (which
+state is saved (its tasks trained, `next_step = N + 1`), the groups' rollouts are acked, samples
+of the step are written when it keeps them (rollout_samples.py), the step's span ends, its metrics are published, and `on_published(N)` tells the coordinator (which
 starts an evaluation, or ends the run at `max_steps`). A crash between the publish and the save is
 repaired by the state store on restart (the batch log is the truth); one before the acks gets the
 rollouts redelivered, and they are acked as duplicates.
@@ -19,11 +19,13 @@ import structlog
 from rlbus.bus.client import Bus
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
+from rlbus.rundirs import run_dir_of
 from rlbus.wire.batches import TrainBatch
 from rlbus_orchestrator.env_mix import EnvMix
 from rlbus_orchestrator.group_pool import GroupPool, PooledGroup
 from rlbus_orchestrator.metrics import record_batch
 from rlbus_orchestrator.packing import group_sequences, make_train_sample, pack
+from rlbus_orchestrator.rollout_samples import is_kept, write_step_samples
 from rlbus_orchestrator.state_store import StateStore
 from rlbus_orchestrator.step_metrics import StepStats, publish_metrics, step_metrics
 from rlbus_orchestrator.step_traces import StepTraces
@@ -87,6 +89,8 @@ class Batcher:
         """Set when the coordinator ends: no batch is started after it."""
         self.on_published = on_published
         self.mix = EnvMix(config)
+        self.run_dir = run_dir_of(config) if config.run.name else None
+        """Where the kept samples go (None: a coordinator without a run name keeps none)."""
 
     async def build_batches(self) -> None:
         """Publish every batch the pool holds and the weights allow."""
@@ -117,6 +121,7 @@ class Batcher:
         await self.store.save()
         for g in groups:
             await g.delivery.ack()
+        await self.keep_samples(step, groups)
         self.traces.end(step)
         await publish_metrics(self.bus, step, batch.metrics)
         record_batch(step, batch.metrics)  # Prometheus (rlbus.obs.metrics)
@@ -129,6 +134,17 @@ class Batcher:
         )
         self.stats.reset()
         self.on_published(step)
+
+    async def keep_samples(self, step: int, groups: list[PooledGroup]) -> None:
+        """The step's samples for reading (rollout_samples.py), when it is one that keeps them;
+        a failed write is a warning, never the end of the run."""
+        config = self.config.samples
+        if self.run_dir is None or config is None or not is_kept(config, step):
+            return
+        try:
+            await asyncio.to_thread(write_step_samples, self.run_dir, config, step, groups)
+        except OSError as error:
+            log.warning("rollout_samples_not_written", step=step, error=str(error))
 
     async def publish(self, step: int, groups: list[PooledGroup]) -> TrainBatch:
         """Make step `step`'s batch and store it (message id `batch-<step>`), in a span linked

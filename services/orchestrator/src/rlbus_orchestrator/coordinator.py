@@ -73,10 +73,12 @@ from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Delivery
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.lifecycle import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
+from rlbus.rundirs import run_dir_of
 from rlbus.wire.rollouts import Rollout
 from rlbus_orchestrator import validation
 from rlbus_orchestrator.batcher import Batcher
 from rlbus_orchestrator.eval_runner import EvalRunner
+from rlbus_orchestrator.evaluation import eval_envs
 from rlbus_orchestrator.group_pool import GroupPool
 from rlbus_orchestrator.rollout_intake import RolloutIntake
 from rlbus_orchestrator.state_store import StateStore
@@ -141,7 +143,13 @@ class Coordinator:
             done=self.done,
             on_published=self.after_batch,
         )
-        self.evals = EvalRunner(bus, config.eval, config.sampling, envs[0])
+        self.evals = EvalRunner(
+            bus,
+            config,
+            eval_envs(config),
+            weights=weights,
+            run_dir=run_dir_of(config) if config.run.name else None,
+        )
 
     async def load_state(self) -> None:
         """The saved state (stored batches adopted), and the interrupted publish redone."""
@@ -200,9 +208,24 @@ class Coordinator:
     def after_batch(self, step: int) -> None:
         """Step `step`'s batch is stored: start its evaluation if due; end at `max_steps`."""
         if self.evals.is_due(step):
-            self.tasks.spawn(f"eval_step_{step}", self.evals.publish_tasks(step))
+            self.start_eval(step)
         if self.config.max_steps is not None and step >= self.config.max_steps:
             self.done.set()
+
+    def start_eval(self, step: int) -> None:
+        self.evals.start(step)
+        self.tasks.spawn(f"eval_step_{step}", self.evals.evaluate(step))
+
+    def start_missed_evals(self) -> None:
+        """At start: the evaluation of the starting weights before the first batch, and of the
+        last step once it is batched, unless they are recorded (eval_runner.py)."""
+        last = self.store.state.next_step - 1
+        steps = {0} if last == 0 else set()
+        if last == self.config.max_steps:
+            steps.add(last)
+        for step in sorted(steps):
+            if self.evals.is_due(step) and not self.evals.is_recorded(step):
+                self.start_eval(step)
 
     # ---- run and shutdown ------------------------------------------------------------------
 
@@ -224,17 +247,28 @@ class Coordinator:
         self.service = service or self.service
         await self.load_state()
         next_step = self.store.state.next_step
-        if self.config.max_steps is not None and next_step > self.config.max_steps:
+        finished = self.config.max_steps is not None and next_step > self.config.max_steps
+        last_eval_missing = self.evals.is_due(next_step - 1) and not self.evals.is_recorded(
+            next_step - 1
+        )
+        if finished and not last_eval_missing:
             log.info("coordinator_already_done", next_step=next_step)
             return
         consumer = self.intake.consumer(self.on_rollout)
         self.changed.set()
         try:
             async with self.tasks, consumer:
-                self.tasks.spawn("issue_tasks", self.issue_tasks())
+                if finished:
+                    self.done.set()
+                else:
+                    self.tasks.spawn("issue_tasks", self.issue_tasks())
                 self.tasks.spawn("watch_weights", self.weights.watch())
                 self.tasks.spawn("expire_tasks", self.expire_tasks())
+                self.start_missed_evals()
                 await self.tasks.wait(self.service.stop_requested, self.done)
+                if self.done.is_set() and not self.evals.idle.is_set():
+                    log.info("coordinator_waiting_for_evals", steps=sorted(self.evals.running))
+                    await self.tasks.wait(self.service.stop_requested, self.evals.idle)
                 if self.service.mode == "draining":
                     await self.drain()
                 # pooled rollouts stay unacked (redelivered); a handler past the budget too

@@ -1,6 +1,7 @@
 """The orchestrator's Prometheus series, declared here and served by `rlbus.obs.metrics`.
 
     record_batch(step, metrics)        the coordinator published a step's batch
+    observe_eval(env, metrics)         the coordinator finished an evaluation of one environment
     count_dropped_task(reason, env)    the coordinator dropped a training task
     count_rollout(rollout)             a rollout worker published a group (and left out episodes)
     poll_stream_stats(bus)        the coordinator role: JetStream stream and consumer state every
@@ -69,7 +70,28 @@ REWARD_MEAN = Gauge(
     ["env"],
     registry=None,
 )
-declare("coordinator", BATCHES, ORCHESTRATOR_STEP, OFF_POLICY_LAG, TASKS_DROPPED, REWARD_MEAN)
+EVAL_REWARD = Gauge(
+    "rlbus_eval_reward",
+    "Mean reward of the last evaluation of each environment (eval/<env>/reward/mean).",
+    ["env"],
+    registry=None,
+)
+EVAL_PASS_AT_K = Gauge(
+    "rlbus_eval_pass_at_k",
+    "pass@k of the last evaluation of each environment, per k evaluated (eval/<env>/pass@<k>).",
+    ["env", "k"],
+    registry=None,
+)
+declare(
+    "coordinator",
+    BATCHES,
+    ORCHESTRATOR_STEP,
+    OFF_POLICY_LAG,
+    TASKS_DROPPED,
+    REWARD_MEAN,
+    EVAL_REWARD,
+    EVAL_PASS_AT_K,
+)
 
 # ---- rollout workers ---------------------------------------------------------------------------
 
@@ -133,6 +155,7 @@ declare("streams", STREAM_MESSAGES, CONSUMER_PENDING, CONSUMER_ACK_PENDING, STRE
 
 OFF_POLICY_LAG_KEY = re.compile(r"^off_policy_lag/(-?\d+)$")
 ENV_REWARD_KEY = re.compile(r"^env/(.+)/reward/mean$")
+PASS_AT_K_KEY = re.compile(r"pass@(\d+)")
 ROLLOUT_OUTCOMES = ("ok", "partial", "error")
 TOKEN_KINDS = ("prompt", "completion")
 _env_labels: set[str] = set()
@@ -167,6 +190,19 @@ def record_batch(step: int, metrics: Mapping[str, float]) -> None:
                 OFF_POLICY_LAG.observe(lag)
         elif match := ENV_REWARD_KEY.match(key):
             REWARD_MEAN.labels(env=env_label(match.group(1))).set(count)
+
+
+def observe_eval(env: str, metrics: Mapping[str, float]) -> None:
+    """An evaluation of `env` finished: its `eval/<env>/reward/mean` and `eval/<env>/pass@<k>`
+    (rlbus_orchestrator.eval_metrics) become the gauges' values until the next one."""
+    enable("coordinator")
+    label = env_label(env)
+    prefix = f"eval/{env}/"
+    if (reward := metrics.get(prefix + "reward/mean")) is not None:
+        EVAL_REWARD.labels(env=label).set(reward)
+    for key, value in metrics.items():
+        if key.startswith(prefix) and (match := PASS_AT_K_KEY.fullmatch(key[len(prefix) :])):
+            EVAL_PASS_AT_K.labels(env=label, k=match.group(1)).set(value)
 
 
 def count_dropped_task(reason: str, env_id: str = "") -> None:

@@ -121,6 +121,7 @@ async def start_workers(
         stop=stop,
         state=state,
         http_config=config.http,
+        eval_concurrency=config.eval.max_concurrency if config.eval is not None else None,
     )
 
 

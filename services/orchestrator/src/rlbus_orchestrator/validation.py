@@ -5,7 +5,7 @@ A rollout that decodes but breaks what batching and training assume would otherw
 logprob, token ids < 0), or wait for a task that was never issued. `problem(rollout, ...)` names
 the first such fault in one short sentence (the dead-letter reason), or returns None.
 
-Checked, in order: the task id (`train-<cursor>` issued by this run, or `eval-<step>-<i>`), the
+Checked, in order: the task id (`train-<cursor>` issued by this run, or `eval-<step>-<k>-<i>`), the
 environment (a training task's is the one its cursor drew), the episodes left out (`dropped`:
 reasons `error` and `timeout` only), the group (samples plus left-out episodes = the
 environment's group size), then each sample: completion token ids,
@@ -21,7 +21,8 @@ from rlbus.wire.rollouts import Rollout, RolloutSample
 from rlbus_orchestrator.state_store import EPISODE_DROP_REASONS
 
 TRAIN_TASK_ID = re.compile(r"train-(\d+)")
-EVAL_TASK_ID = re.compile(r"eval-(\d+)-(\d+)")
+EVAL_TASK_ID = re.compile(r"eval-(\d+)-(\d+)-(\d+)")
+"""`eval-<step>-<eval env index>-<example>` (rlbus_orchestrator.evaluation)."""
 LOGPROB_SLACK = 1e-3
 """Logprobs a hair above 0 are rounding; more is not a log-probability."""
 
@@ -51,7 +52,7 @@ def problem(
     cursor = train_cursor(rollout.task_id)
     is_eval = eval_step(rollout.task_id) is not None
     if cursor is None and not is_eval:
-        return f"unknown task id {rollout.task_id!r} (expected train-<n> or eval-<step>-<i>)"
+        return f"unknown task id {rollout.task_id!r} (expected train-<n> or eval-<step>-<k>-<i>)"
     if cursor is not None and cursor >= issued_cursor:
         return f"task {rollout.task_id} was never issued (the next cursor is {issued_cursor})"
     if cursor is not None and env_id is not None and rollout.env_id != env_id:

@@ -36,6 +36,8 @@ the drain request) runs out: then they are abandoned and redelivered.
 """
 
 import asyncio
+import contextlib
+import functools
 import itertools
 import json
 import math
@@ -50,7 +52,7 @@ import msgspec
 import structlog
 
 from rlbus.bus.client import Bus
-from rlbus.bus.consumer import Delivery
+from rlbus.bus.consumer import Consumer, Delivery
 from rlbus.configs.orchestrator import InferenceHttpConfig
 from rlbus.lifecycle import DRAIN_BUDGET_S, ServiceState, TaskSupervisor
 from rlbus.obs import tracing
@@ -220,82 +222,29 @@ async def gather_or_cancel(*coros: Awaitable[T]) -> list[T]:
         raise
 
 
-class RolloutWorker:
-    """One consumer of the tasks stream (see module docstring)."""
+class GroupPlayer:
+    """Plays the group of a task against inference, at most `slots.capacity` samples at a time:
+    the part of a worker that needs no bus (a worker has one for training tasks and one for
+    evaluation tasks; the `eval` command plays its tasks with one of its own)."""
 
     def __init__(
         self,
-        bus: Bus,
         client: InferenceClient,
+        slots: SampleSlots,
         *,
-        max_concurrency: int,
-        group_size: int,
-        worker_id: str | None = None,
+        envs: EnvCache | None = None,
+        worker_id: str = "",
         no_replica_wait_s: float = 60.0,
         group_requests: bool = True,
         deadline_grace_s: float = DEADLINE_GRACE_S,
     ) -> None:
-        """`group_requests=False`: one request per sample even for a `GroupEnvironment` (the
-        baseline of benchmarks/orchestrator.py --group-compare). `group_size`: the smallest
-        group size of the run's environments (it sets how many tasks are fetched at once)."""
-        self.bus = bus
-        self.deadline_grace_s = deadline_grace_s
-        self.group_requests = group_requests
         self.client = client
+        self.slots = slots
+        self.envs = envs or EnvCache()
+        self.worker_id = worker_id
         self.no_replica_wait_s = no_replica_wait_s
-        self.envs = EnvCache()
-        self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
-        self.slots = SampleSlots(max_concurrency)
-        self.num_tasks = max(1, math.ceil(max_concurrency / group_size))
-        self.num_rollouts = 0
-
-    async def run(self, stop: asyncio.Event, service: ServiceState | None = None) -> None:
-        s = self.bus.subjects
-        consumer = self.bus.consumer(
-            s.tasks_stream,
-            s.tasks_durable,
-            tasks_wire.decoder,
-            self.handle,
-            concurrency=self.num_tasks,
-            nak_delay_s=NO_REPLICA_NAK_DELAY_S,
-        )
-        try:
-            async with consumer:
-                log.info(
-                    "rollout_worker_started",
-                    worker_id=self.worker_id,
-                    tasks_in_flight=self.num_tasks,
-                )
-                await stop.wait()
-                if service is not None:  # a group past the drain budget is redelivered elsewhere
-                    await consumer.stop(
-                        timeout_s=0 if service.stop_now else service.left_of(DRAIN_BUDGET_S)
-                    )
-        finally:
-            await self.envs.aclose()
-        log.info("rollout_worker_stopped", worker_id=self.worker_id, num_rollouts=self.num_rollouts)
-
-    async def handle(self, delivery: Delivery[Task]) -> None:
-        task = delivery.data
-        with tracing.span(
-            tracing.ROLLOUT,
-            attributes={
-                tracing.TASK_ID: task.task_id,
-                "rlbus.env_id": task.env_id,
-                "rlbus.group_size": task.group_size,
-            },
-        ):
-            rollout = await self.roll_out_when_a_replica_answers(task)
-            if rollout is None:
-                await delivery.nak(NO_REPLICA_NAK_DELAY_S)
-                return
-            # The batch span links to this rollout span itself (the message headers name the
-            # publish span, a child of it).
-            rollout.metadata["traceparent"] = tracing.inject_headers({}).get("traceparent", "")
-            await self.bus.publish(self.bus.subjects.rollouts, rollout, msg_id=task.task_id)
-        await delivery.ack()
-        self.num_rollouts += 1
-        count_rollout(rollout)  # Prometheus (rlbus.obs.metrics)
+        self.group_requests = group_requests
+        self.deadline_grace_s = deadline_grace_s
 
     async def roll_out_when_a_replica_answers(self, task: Task) -> Rollout | None:
         """`roll_out`, again while no replica answers, for up to `no_replica_wait_s` (the
@@ -423,7 +372,129 @@ class RolloutWorker:
             error=error,
             dropped=dropped or {},
             metadata={"started_at": started},
+            prompt=task.problem.messages or [],
         )
+
+
+class RolloutWorker:
+    """One consumer of the tasks stream, and one of the eval tasks (see module docstring)."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        client: InferenceClient,
+        *,
+        max_concurrency: int,
+        group_size: int,
+        worker_id: str | None = None,
+        no_replica_wait_s: float = 60.0,
+        group_requests: bool = True,
+        deadline_grace_s: float = DEADLINE_GRACE_S,
+        eval_concurrency: int | None = None,
+    ) -> None:
+        """`group_requests=False`: one request per sample even for a `GroupEnvironment` (the
+        baseline of benchmarks/orchestrator.py --group-compare). `group_size`: the smallest
+        group size of the run's environments (it sets how many tasks are fetched at once).
+        `eval_concurrency`: eval samples in flight besides (None: no eval consumer)."""
+        self.bus = bus
+        self.envs = EnvCache()
+        self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+        self.slots = SampleSlots(max_concurrency)
+        self.num_tasks = max(1, math.ceil(max_concurrency / group_size))
+        self.num_rollouts = 0
+
+        def player(slots: SampleSlots) -> GroupPlayer:
+            return GroupPlayer(
+                client,
+                slots,
+                envs=self.envs,
+                worker_id=self.worker_id,
+                no_replica_wait_s=no_replica_wait_s,
+                group_requests=group_requests,
+                deadline_grace_s=deadline_grace_s,
+            )
+
+        self.player = player(self.slots)
+        self.eval_player = player(SampleSlots(eval_concurrency)) if eval_concurrency else None
+
+    async def roll_out(self, task: Task) -> Rollout:
+        """The group of a training task (GroupPlayer.roll_out)."""
+        return await self.player.roll_out(task)
+
+    def consumers(self) -> list[Consumer[Task]]:
+        """The training tasks' consumer, and the eval tasks' when this worker serves them."""
+        s = self.bus.subjects
+        out = [
+            self.bus.consumer(
+                s.tasks_stream,
+                s.tasks_durable,
+                tasks_wire.decoder,
+                self.handle,
+                concurrency=self.num_tasks,
+                nak_delay_s=NO_REPLICA_NAK_DELAY_S,
+                filter_subject=s.tasks,
+            )
+        ]
+        if self.eval_player is not None:
+            out.append(
+                self.bus.consumer(
+                    s.tasks_stream,
+                    s.eval_tasks_durable,
+                    tasks_wire.decoder,
+                    functools.partial(self.handle, player=self.eval_player),
+                    concurrency=self.eval_player.slots.capacity,
+                    nak_delay_s=NO_REPLICA_NAK_DELAY_S,
+                    filter_subject=s.eval_tasks,
+                )
+            )
+        return out
+
+    async def run(self, stop: asyncio.Event, service: ServiceState | None = None) -> None:
+        consumers = self.consumers()
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for consumer in consumers:
+                    await stack.enter_async_context(consumer)
+                log.info(
+                    "rollout_worker_started",
+                    worker_id=self.worker_id,
+                    tasks_in_flight=self.num_tasks,
+                    evals=self.eval_player is not None,
+                )
+                await stop.wait()
+                if service is not None:  # a group past the drain budget is redelivered elsewhere
+                    for consumer in consumers:
+                        await consumer.stop(
+                            timeout_s=0 if service.stop_now else service.left_of(DRAIN_BUDGET_S)
+                        )
+        finally:
+            await self.envs.aclose()
+        log.info("rollout_worker_stopped", worker_id=self.worker_id, num_rollouts=self.num_rollouts)
+
+    async def handle(self, delivery: Delivery[Task], player: GroupPlayer | None = None) -> None:
+        """Play a task (with the training player unless `player` says otherwise), publish its
+        rollout, ack it."""
+        player = player or self.player
+        task = delivery.data
+        with tracing.span(
+            tracing.ROLLOUT,
+            attributes={
+                tracing.TASK_ID: task.task_id,
+                "rlbus.env_id": task.env_id,
+                "rlbus.group_size": task.group_size,
+            },
+        ):
+            rollout = await player.roll_out_when_a_replica_answers(task)
+            if rollout is None:
+                await delivery.nak(NO_REPLICA_NAK_DELAY_S)
+                return
+            # The batch span links to this rollout span itself (the message headers name the
+            # publish span, a child of it).
+            rollout.metadata["traceparent"] = tracing.inject_headers({}).get("traceparent", "")
+            await self.bus.publish(self.bus.subjects.rollouts, rollout, msg_id=task.task_id)
+        await delivery.ack()
+        self.num_rollouts += 1
+        count_rollout(rollout)  # Prometheus (rlbus.obs.metrics)
 
 
 def sample_seeded(sampling: SamplingArgs, first: int) -> SamplingArgs:
@@ -444,11 +515,14 @@ async def run_workers(
     stop: asyncio.Event,
     state: ServiceState | None = None,
     http_config: InferenceHttpConfig | None = None,
+    eval_concurrency: int | None = None,
 ) -> None:
-    """Run `num_workers` workers sharing one replica pool until `stop` (see module docstring)."""
+    """Run `num_workers` workers sharing one replica pool until `stop` (see module docstring);
+    with `eval_concurrency`, each also serves eval tasks with that many samples in flight."""
     http_config = http_config or InferenceHttpConfig()
     pool = ReplicaPool.from_config(http_config)
-    async with make_http_client(http_config, num_workers * max_concurrency) as http:
+    connections = num_workers * (max_concurrency + (eval_concurrency or 0))
+    async with make_http_client(http_config, connections) as http:
         client = InferenceClient(pool, http, model, max_attempts=http_config.max_attempts)
         workers = [
             RolloutWorker(
@@ -457,6 +531,7 @@ async def run_workers(
                 max_concurrency=max_concurrency,
                 group_size=group_size,
                 no_replica_wait_s=http_config.no_replica_wait_s,
+                eval_concurrency=eval_concurrency,
             )
             for _ in range(num_workers)
         ]

@@ -69,7 +69,14 @@ def role_publishes(s: RunSubjects, role: str) -> list[str]:
     return {
         "trainer": [kv_subject(s.weights_bucket), kv_subject(s.state_bucket), s.weights_published],
         # the coordinator, plus the rollout workers it runs in-process by default
-        "orchestrator": [s.tasks, s.rollouts, s.batches_all, kv_subject(s.state_bucket)],
+        "orchestrator": [
+            s.tasks,
+            s.eval_tasks,
+            s.rollouts,
+            s.batches_all,
+            kv_subject(s.state_bucket),
+            s.evals("orchestrator"),
+        ],
         "worker": [s.rollouts],
         "inference": [kv_subject(s.replicas_bucket), s.weights_applied, s.weights_failed],
         "monitor": [],

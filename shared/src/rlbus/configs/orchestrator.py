@@ -147,17 +147,152 @@ def unknown_env_error(env_id: str, known: list[str]) -> str | None:
     )
 
 
+class EvalEnvConfig(BaseConfig):
+    """One environment to evaluate on (`[[orchestrator.eval.env]]`): its own id, data, sampling
+    and schedule; never trained on."""
+
+    id: str = "reverse-text"
+    """Environment id (as `orchestrator.env[].id`)."""
+
+    name: str | None = None
+    """Name in the metric keys (`eval/<name>/...`) and sample files (None: the id); two entries
+    of one id need names of their own."""
+
+    args: dict[str, Any] = {}
+    """Keyword arguments for the environment: its data too, for an environment that reads a file
+    or a dataset (e.g. `args.data_path`)."""
+
+    split: Literal["train", "eval"] = "eval"
+    """Which split of the environment's data to evaluate on."""
+
+    num_examples: int | None = Field(None, ge=1)
+    """Problems per evaluation: the first N of the split (None: `eval.num_examples`; never more
+    than the split has)."""
+
+    rollouts_per_example: int | None = Field(None, ge=1)
+    """Samples per problem, `n` (None: `eval.rollouts_per_example`); pass@k needs k <= n."""
+
+    pass_k: list[int] | None = None
+    """The k's of pass@k and mean@k (None: `eval.pass_k`); k's above n are left out."""
+
+    pass_threshold: float | None = None
+    """A sample passes when its reward is at least this (None: `eval.pass_threshold`)."""
+
+    interval: int | None = Field(None, ge=1)
+    """Evaluate this environment every N steps (None: `eval.interval`)."""
+
+    sampling: EnvSamplingConfig = EnvSamplingConfig()
+    """Sampling of this environment's eval requests, over `eval.sampling` (unset fields fall
+    back)."""
+
+    max_turns: int | None = Field(None, ge=1)
+    """Model turns per episode (None: no limit)."""
+
+    max_total_tokens: int | None = Field(None, ge=1)
+    """Tokens of a whole episode (None: orchestrator.seq_len)."""
+
+    episode_timeout_s: float | None = Field(None, gt=0)
+    """Wall-clock seconds per episode (None: no limit)."""
+
+    @property
+    def label(self) -> str:
+        """The name of its metrics and files: `name`, else the id."""
+        return self.name or self.id
+
+
 class EvalConfig(BaseConfig):
-    """Evaluation on the eval split; reported as metrics, never blocks training."""
+    """Evaluations during training (docs/evaluating.md): reported as `eval/<env>/*`, written to
+    `<run_dir>/evals/`, never trained on, never in the way of training."""
 
     interval: int = Field(10, ge=1)
-    """Evaluate every N steps."""
+    """Evaluate every N steps (an environment may set its own)."""
+
+    eval_base_model: bool = True
+    """Evaluate the weights the run starts from, as step 0."""
+
+    eval_last_step: bool = True
+    """Evaluate the last step (`max_steps`) too, whatever the interval; the run ends once it is in."""
+
+    env: list[EvalEnvConfig] = []
+    """Environments to evaluate on (empty: the eval split of each training environment)."""
 
     num_examples: int = Field(64, ge=1)
-    """Problems per evaluation."""
+    """Problems per evaluation of an environment that sets none."""
+
+    rollouts_per_example: int = Field(1, ge=1)
+    """Samples per problem of an environment that sets none."""
+
+    pass_k: list[int] = [1]
+    """The k's of pass@k and mean@k reported (k's above an environment's n are left out)."""
+
+    pass_threshold: float = 1.0
+    """A sample passes (pass@k) when its reward is at least this."""
 
     greedy: bool = True
-    """Greedy decoding (otherwise the training sampling args)."""
+    """Decode greedily (temperature 0) an environment sampled once per problem whose temperature
+    neither `eval.sampling` nor its own sampling sets; otherwise the sampling below applies."""
+
+    sampling: EnvSamplingConfig = EnvSamplingConfig()
+    """Sampling of every eval request, over orchestrator.sampling (unset fields fall back)."""
+
+    max_concurrency: int = Field(64, ge=1)
+    """Eval samples in flight per rollout worker, on top of (never taken from) the training
+    budget `max_concurrency`."""
+
+    timeout_s: float = Field(900.0, gt=0)
+    """An evaluation whose rollouts are not all back this long after its tasks went out is
+    reported with the missing ones counted as failed."""
+
+    def envs(self, train: list[EnvConfig]) -> list[EvalEnvConfig]:
+        """The environments to evaluate: `env`, else one per training environment (its id,
+        args, episode limits and sampling, on its eval split)."""
+        if self.env:
+            return self.env
+        return [
+            EvalEnvConfig(
+                id=e.id,
+                args=e.args,
+                sampling=e.sampling,
+                max_turns=e.max_turns,
+                max_total_tokens=e.max_total_tokens,
+                episode_timeout_s=e.episode_timeout_s,
+            )
+            for e in train
+        ]
+
+    def env_interval(self, env: EvalEnvConfig) -> int:
+        return env.interval or self.interval
+
+    def is_due(self, env: EvalEnvConfig, step: int, max_steps: int | None) -> bool:
+        """Whether `env` is evaluated on the weights of `step` (0: the starting weights)."""
+        if step == 0:
+            return self.eval_base_model
+        if step == max_steps and self.eval_last_step:
+            return True
+        return step % self.env_interval(env) == 0
+
+    def label_errors(self) -> list[tuple[str, str]]:
+        labels = [e.label for e in self.env]
+        return [
+            (
+                f"eval.env.{i}.name",
+                f"{label!r} names two eval environments: give each entry of one id its own name",
+            )
+            for i, label in enumerate(labels)
+            if label in labels[:i]
+        ]
+
+
+class SamplesConfig(BaseConfig):
+    """Rollout samples kept for people to read (`rl rollouts`, a wandb table): every `interval`
+    steps, `per_env` samples of each environment of the step's batch go to
+    `<run_dir>/rollouts/step_<N>.jsonl` (rlbus.samples)."""
+
+    interval: int = Field(10, ge=1)
+    """Keep samples of every N-th step (and of step 1)."""
+
+    per_env: int = Field(8, ge=1)
+    """Samples per environment: one of each group first, then second ones, and so on."""
 
 
 class InferenceHttpConfig(BaseConfig):
@@ -282,6 +417,9 @@ class OrchestratorConfig(RunnableConfig):
     eval: EvalConfig | None = None
     """Evaluation (off unless set)."""
 
+    samples: SamplesConfig | None = SamplesConfig()
+    """Samples of the batches written for reading (None: none)."""
+
     def env_group_size(self, env: EnvConfig) -> int:
         """Samples per problem of `env` (its own group_size, else the orchestrator's)."""
         return env.group_size or self.group_size
@@ -334,9 +472,16 @@ class OrchestratorConfig(RunnableConfig):
     def cross_field_errors(self) -> list[tuple[str, str]]:
         """(field, message) for each rule between fields that this config breaks."""
         errors = self.group_size_errors()
+        if self.eval is not None:
+            errors += self.eval.label_errors()
         # Without the orchestrator installed (a launcher-only or trainer image) the group is
         # empty and nothing can be said about ids; the orchestrator checks them when it starts.
         known = known_env_ids()
+        eval_envs = self.eval.env if self.eval is not None else []
+        for i, eval_env in enumerate(eval_envs if known else []):
+            message = unknown_env_error(eval_env.id, known)
+            if message:
+                errors.append((f"eval.env.{i}.id", message))
         for i, env in enumerate(self.env if known else []):
             message = unknown_env_error(env.id, known)
             if message:

@@ -36,7 +36,19 @@ class Lifecycle(Message, kw_only=True, tag="lifecycle"):
     time: float = msgspec.field(default_factory=now)
 
 
-Event = StepMetrics | Lifecycle | WeightsPublished | WeightsApplied | WeightsFailed
+class EvalResult(Message, kw_only=True, tag="eval_result"):
+    """One evaluation of one environment on the weights of `step` (0: the starting weights):
+    `metrics` keyed `eval/<env>/<metric>` (docs/evaluating.md)."""
+
+    service: str
+    step: int
+    env: str
+    """The eval environment's name (its id unless `name` is set)."""
+    metrics: dict[str, float] = {}
+    time: float = msgspec.field(default_factory=now)
+
+
+Event = StepMetrics | Lifecycle | EvalResult | WeightsPublished | WeightsApplied | WeightsFailed
 
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(Event)

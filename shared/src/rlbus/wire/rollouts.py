@@ -66,6 +66,9 @@ class Rollout(Message, kw_only=True):
     """Episodes of the group that failed and were left out of `samples`, by reason (e.g.
     `error`, `timeout`); the group trains on the rest when enough remain."""
     metadata: dict[str, Any] = {}
+    prompt: list[ChatMessage] = []
+    """The problem's messages (the task's `problem.messages`), for the samples people read
+    (rlbus.samples); empty for a problem given as token ids."""
     finished_at: float = msgspec.field(default_factory=now)
 
 

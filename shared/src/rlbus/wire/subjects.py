@@ -8,6 +8,7 @@ names are spelled; `rlbus.bus` creates the streams, consumers and buckets listed
 | family    | subject(s)                         | stream / bucket          | retention  | durable consumer(s)   |
 | --------- | ---------------------------------- | ------------------------ | ---------- | --------------------- |
 | tasks     | `rlbus.<run>.tasks`                | `RLBUS_<run>_TASKS`      | work queue | `rollout-workers`     |
+|           | `rlbus.<run>.eval_tasks`           | (same stream)            | work queue | `eval-workers`        |
 | rollouts  | `rlbus.<run>.rollouts`             | `RLBUS_<run>_ROLLOUTS`   | work queue | `coordinator`         |
 | batches   | `rlbus.<run>.batches.<step>`       | `RLBUS_<run>_BATCHES`    | limits     | (direct get by step)  |
 | events    | `rlbus.<run>.events.<kind>.<svc>`  | `RLBUS_<run>_EVENTS`     | limits     | (ad hoc, per monitor) |
@@ -29,6 +30,9 @@ RUN_FINISHED_KEY = "finished"
 COORDINATOR_LEADER_KEY = "coordinator-leader"
 """State-bucket key of the coordinator's leader lease (one coordinator per run)."""
 TASKS_DURABLE = "rollout-workers"
+EVAL_TASKS_DURABLE = "eval-workers"
+"""Evaluation tasks have a consumer of their own: a worker serves them with a budget of its own,
+and they never queue in front of training tasks."""
 ROLLOUTS_DURABLE = "coordinator"
 
 _INVALID_RUN_CHARS = re.compile(r"[^A-Za-z0-9_-]")
@@ -84,6 +88,7 @@ class RunSubjects:
         self.dead_stream = f"{upper}_DEAD"
         # subjects
         self.tasks = f"{self.prefix}.tasks"
+        self.eval_tasks = f"{self.prefix}.eval_tasks"
         self.rollouts = f"{self.prefix}.rollouts"
         self.batches_all = f"{self.prefix}.batches.*"
         self.events_all = f"{self.prefix}.events.>"
@@ -93,6 +98,7 @@ class RunSubjects:
         self.weights_failed = f"{self.prefix}.events.weights.failed"
         # durables
         self.tasks_durable = TASKS_DURABLE
+        self.eval_tasks_durable = EVAL_TASKS_DURABLE
         self.rollouts_durable = ROLLOUTS_DURABLE
         # KV buckets
         self.weights_bucket = f"{lower}_weights"
@@ -115,6 +121,10 @@ class RunSubjects:
 
     def metrics(self, service: str) -> str:
         return f"{self.prefix}.events.metrics.{service}"
+
+    def evals(self, service: str) -> str:
+        """Where `service` publishes its evaluations' results (`EvalResult`)."""
+        return f"{self.prefix}.events.evals.{service}"
 
     def lifecycle(self, service: str) -> str:
         return f"{self.prefix}.events.lifecycle.{service}"
@@ -142,7 +152,7 @@ class RunSubjects:
 
     def streams(self) -> list[StreamSpec]:
         return [
-            StreamSpec(self.tasks_stream, (self.tasks,), "workqueue"),
+            StreamSpec(self.tasks_stream, (self.tasks, self.eval_tasks), "workqueue"),
             StreamSpec(self.rollouts_stream, (self.rollouts,), "workqueue"),
             # One message per step subject: a republished batch is a no-op (dedup + the limit).
             StreamSpec(self.batches_stream, (self.batches_all,), "limits", max_msgs_per_subject=1),
@@ -153,6 +163,7 @@ class RunSubjects:
     def consumers(self) -> list[ConsumerSpec]:
         return [
             ConsumerSpec(self.tasks_stream, self.tasks_durable, self.tasks),
+            ConsumerSpec(self.tasks_stream, self.eval_tasks_durable, self.eval_tasks),
             ConsumerSpec(self.rollouts_stream, self.rollouts_durable, self.rollouts),
         ]
 

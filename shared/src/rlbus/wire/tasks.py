@@ -78,7 +78,8 @@ class Task(Message, kw_only=True):
     task_id: str
     """Deterministic id, also the Nats-Msg-Id: `train-<cursor>` for training (the coordinator's
     data cursor: 0, 1, 2, ... over the whole run, not the step; a task issued again keeps its id),
-    `eval-<step>-<i>` for the `i`-th eval task of step `step`."""
+    `eval-<step>-<k>-<i>` for problem `i` of eval environment `k` in the evaluation of step
+    `step`."""
     step: NonNegative
     """The training step this group is meant for."""
     env_id: str
