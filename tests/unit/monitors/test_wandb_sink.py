@@ -11,7 +11,11 @@ from rlbus.configs import RLConfig
 from rlbus.configs.base import parse_cli
 from rlbus.configs.common import MonitorsConfig, WandbMonitorConfig
 from rlbus.obs.sinks import WandbSink, check_sinks_installed, wandb_mode, wandb_run_id
+from rlbus.rundirs import rollouts_file
+from rlbus.samples import sample_record, write_records
 from rlbus.wire.events import StepMetrics
+from rlbus.wire.rollouts import Rollout, RolloutSample
+from rlbus.wire.tasks import ChatMessage
 from rlbus.wire.weights import WeightsApplied
 from rlbus_launch.monitor.join import StepJoiner
 
@@ -175,3 +179,36 @@ def test_online_wandb_without_a_login_is_refused_before_the_run_starts(
     netrc.write_text("machine api.wandb.ai\n  login user\n  password k\n")
     netrc.chmod(0o600)
     check_sinks_installed(MonitorsConfig(wandb=WandbMonitorConfig()))  # what `wandb login` writes
+
+
+@pytest.mark.timeout(60)
+def test_eval_rows_have_their_own_axis_and_kept_samples_log_as_a_table(tmp_path, offline_wandb):
+    rollout = Rollout(
+        task_id="train-4",
+        step=2,
+        env_id="reverse-text",
+        prompt=[ChatMessage(role="user", content="reverse: abc")],
+        samples=[
+            RolloutSample(
+                prompt_token_ids=[1],
+                completion_token_ids=[2],
+                completion_logprobs=[-0.5],
+                completion_mask=[1],
+                reward=0.75,
+                completion_text="cba",
+            )
+        ],
+    )
+    write_records(rollouts_file(tmp_path, 2), [sample_record(rollout, 0, step=2, advantage=0.25)])
+    sink = make_sink(tmp_path)
+    sink.write({"step": 1, "loss": 1.0})
+    sink.write({"step": 2, "loss": 0.5})
+    sink.write_eval({"step": 0, "env": "rt", "eval/rt/reward/mean": 0.5, "time": 1.0})
+    sink.close()
+
+    (run,) = offline_runs(tmp_path)
+    assert run.history[1] == {"loss": 1.0}
+    assert run.history[2]["loss"] == 0.5
+    assert run.history[2]["samples._type"] == "table-file"  # the step's kept samples
+    assert (run.history[2]["samples.nrows"], run.history[2]["samples.ncols"]) == (1, 7)
+    assert run.history[2]["eval/rt/reward/mean"] == 0.5 and run.history[2]["eval/step"] == 0

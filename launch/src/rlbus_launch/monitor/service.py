@@ -18,10 +18,17 @@ import structlog
 from rlbus.bus import Bus, Delivery
 from rlbus.configs import RLConfig
 from rlbus.lifecycle import run_service
-from rlbus.obs.sinks import JoinedRow, RowSink, build_sinks
-from rlbus.rundirs import run_dir_of, run_id_of
+from rlbus.obs.sinks import (
+    EvalRowSink,
+    JoinedRow,
+    JsonlEvalSink,
+    RowSink,
+    build_sinks,
+    eval_sinks,
+)
+from rlbus.rundirs import EVALS_FILE, run_dir_of, run_id_of
 from rlbus.wire import events
-from rlbus.wire.events import Lifecycle, StepMetrics
+from rlbus.wire.events import EvalResult, Lifecycle, StepMetrics
 from rlbus.wire.weights import WeightsApplied, WeightsFailed
 from rlbus_launch.monitor.join import StepJoiner
 
@@ -61,8 +68,12 @@ class Monitor:
         sinks: Sequence[RowSink],
         joiner: StepJoiner | None = None,
         count_dead: Callable[[], Awaitable[int]] | None = None,
+        eval_sinks: Sequence[EvalRowSink] = (),
     ) -> None:
         self.sinks = sinks
+        self.eval_sinks = eval_sinks
+        self.evals_written: set[tuple[int, str]] = set()
+        """(step, env) of the evaluation rows written (evals.jsonl): each is written once."""
         self.joiner = joiner or StepJoiner()
         self.count_dead = count_dead
         self.num_rows = 0
@@ -70,8 +81,9 @@ class Monitor:
         self.dead_letters = 0
         self._dead_checked_at = float("-inf")
 
-    def resume(self, rows: list[dict[str, Any]]) -> None:
+    def resume(self, rows: list[dict[str, Any]], eval_rows: Sequence[dict[str, Any]] = ()) -> None:
         """Continue after the rows already written (one row per step across restarts)."""
+        self.evals_written.update((int(r["step"]), str(r["env"])) for r in eval_rows if "env" in r)
         self.joiner.resume(rows)
         self.dead_letters = max(
             [self.dead_letters, *(int(r.get(DEAD_LETTERS_KEY, 0)) for r in rows)]
@@ -90,6 +102,9 @@ class Monitor:
             await self.write(self.joiner.add_metrics(event, delivery))
         elif isinstance(event, (WeightsApplied, WeightsFailed)):
             await self.write(self.joiner.add_weights(event, delivery))
+        elif isinstance(event, EvalResult):
+            self.write_eval(event)
+            await delivery.ack()
         else:
             if isinstance(event, Lifecycle):
                 log.info(
@@ -128,6 +143,17 @@ class Monitor:
             for delivery in deliveries:
                 await delivery.ack()
 
+    def write_eval(self, event: EvalResult) -> None:
+        """An evaluation's row, once per (step, environment) across restarts."""
+        key = (event.step, event.env)
+        if key in self.evals_written:
+            return
+        row = {"step": event.step, "time": event.time, "env": event.env, **event.metrics}
+        for sink in self.eval_sinks:
+            sink.write_eval(row)
+        self.evals_written.add(key)
+        log.info("eval_row_written", step=event.step, env=event.env)
+
     async def close(self, run_over: bool = False) -> None:
         """Write the complete rows still held behind an incomplete one, hand the events of the
         incomplete ones back to the bus (nak: the next monitor gets them at once), then close
@@ -147,6 +173,9 @@ class Monitor:
         self.joiner.pending.clear()
         for sink in self.sinks:
             sink.close()
+        for eval_sink in self.eval_sinks:
+            if isinstance(eval_sink, JsonlEvalSink):
+                eval_sink.close()
 
 
 def metrics_path(config: RLConfig, run_dir: Path) -> Path | None:
@@ -159,11 +188,11 @@ async def run_monitor(config: RLConfig, stop: asyncio.Event) -> None:
     written = read_rows(metrics_path(config, run_dir))
     run_id = run_id_of(config.bus.run_id, config.run.name, str(run_dir))
     assert run_id is not None, "the run directory names the run at least"
+    sinks = build_sinks(config.monitors, run_id, run_dir, config.model_dump(mode="json"))
     monitor = Monitor(
-        build_sinks(config.monitors, run_id, run_dir, config.model_dump(mode="json")),
-        count_dead=bus.dead_letter_count,
+        sinks, count_dead=bus.dead_letter_count, eval_sinks=eval_sinks(run_dir, sinks)
     )
-    monitor.resume(written)
+    monitor.resume(written, read_rows(run_dir / EVALS_FILE))
     subjects = bus.subjects
     consumer = bus.consumer(
         subjects.events_stream,

@@ -10,6 +10,8 @@ from typing import Any, Literal, Protocol
 
 from rlbus.configs.base import exit_with_config_error
 from rlbus.configs.common import MonitorsConfig, WandbMonitorConfig
+from rlbus.rundirs import EVALS_FILE, rollouts_file
+from rlbus.samples import read_records
 
 WANDB_MISSING = (
     "monitors.wandb is enabled but wandb is not installed: install it with "
@@ -79,11 +81,16 @@ def cut_torn_tail(path: Path) -> None:
 class WandbSink:
     """Logs rows to one wandb run, at `step=row["step"]` so the x axis is the training step.
 
-    A joined row (monitors/join.py) logs each service metric as `<service>/<metric>`
-    (`trainer/loss`, `orchestrator/reward/mean`); what the monitor adds (`weights/*`,
-    `dead_letters/total`) and the rows of `sft` keep their keys. The run's files, offline or not,
-    go under `<run_dir>/wandb`, and a restarted monitor or a resumed run continues the same wandb
-    run (`wandb_run_id`)."""
+    Evaluation rows (`write_eval`) are logged against their own axis `eval/step` (an evaluation of
+    step N reports after later steps were logged, which wandb's step would drop), and a step whose
+    samples the orchestrator kept (`<run_dir>/rollouts/step_<N>.jsonl`) logs them as the table
+    `samples` alongside its row.
+
+        A joined row (monitors/join.py) logs each service metric as `<service>/<metric>`
+        (`trainer/loss`, `orchestrator/reward/mean`); what the monitor adds (`weights/*`,
+        `dead_letters/total`) and the rows of `sft` keep their keys. The run's files, offline or not,
+        go under `<run_dir>/wandb`, and a restarted monitor or a resumed run continues the same wandb
+        run (`wandb_run_id`)."""
 
     def __init__(
         self, config: WandbMonitorConfig, run_id: str, run_dir: Path, run_config: dict[str, Any]
@@ -92,6 +99,8 @@ class WandbSink:
             import wandb
         except ImportError as exc:
             raise RuntimeError(WANDB_MISSING) from exc
+        self._wandb = wandb
+        self._run_dir = run_dir
         self._run = wandb.init(
             project=config.project,
             entity=config.entity,
@@ -104,6 +113,7 @@ class WandbSink:
             mode=wandb_mode(config),
             config=run_config,
         )
+        self._run.define_metric("eval/*", step_metric="eval/step")
 
     def write(self, row: dict[str, Any]) -> None:
         names = row.service_keys if isinstance(row, JoinedRow) else {}
@@ -112,7 +122,45 @@ class WandbSink:
             for key, value in row.items()
             if key not in ("step", "time") and isinstance(value, (int, float))
         }
+        table = self.samples_table(int(row["step"]))
+        if table is not None:
+            values["samples"] = table
         self._run.log(values, step=row["step"])
+
+    def write_eval(self, row: dict[str, Any]) -> None:
+        """One evaluation row (`eval/<env>/*`) against the `eval/step` axis."""
+        values = {
+            k: v for k, v in row.items() if k.startswith("eval/") and isinstance(v, (int, float))
+        }
+        self._run.log({**values, "eval/step": row["step"]})
+
+    def samples_table(self, step: int) -> Any:
+        """The kept samples of `step` as a wandb Table, None when the step kept none."""
+        path = rollouts_file(self._run_dir, step)
+        if not path.exists():
+            return None
+        columns: list[str | int] = [
+            "env",
+            "example_id",
+            "sample",
+            "prompt",
+            "completion",
+            "reward",
+            "advantage",
+        ]
+        rows = [
+            [
+                r.get("env"),
+                str(r.get("example_id")),
+                r.get("sample"),
+                json.dumps(r.get("prompt"), ensure_ascii=False),
+                r.get("completion"),
+                r.get("reward"),
+                r.get("advantage"),
+            ]
+            for r in read_records(path)
+        ]
+        return self._wandb.Table(columns=columns, data=rows)
 
     def close(self) -> None:
         self._run.finish()
@@ -186,3 +234,26 @@ def build_sinks(
     if monitors.wandb is not None:
         sinks.append(WandbSink(monitors.wandb, run_id, run_dir, run_config))
     return sinks
+
+
+class EvalRowSink(Protocol):
+    def write_eval(self, row: dict[str, Any]) -> None: ...
+
+
+class JsonlEvalSink:
+    """`<run_dir>/evals.jsonl`: one row per evaluation of one environment (the step rows' file
+    holds one row per step, in step order; evaluations report later, so they have their own)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.jsonl = JsonlSink(run_dir / EVALS_FILE)
+
+    def write_eval(self, row: dict[str, Any]) -> None:
+        self.jsonl.write(row)
+
+    def close(self) -> None:
+        self.jsonl.close()
+
+
+def eval_sinks(run_dir: Path, sinks: list[JsonlSink | WandbSink]) -> list[EvalRowSink]:
+    """Where evaluation rows go: evals.jsonl, and the wandb run of `sinks` when there is one."""
+    return [JsonlEvalSink(run_dir), *(s for s in sinks if isinstance(s, WandbSink))]
