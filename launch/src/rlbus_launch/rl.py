@@ -40,7 +40,8 @@ from rlbus.lifecycle import (
 )
 from rlbus.obs.logging import setup_logging
 from rlbus.obs.sinks import check_sinks_installed
-from rlbus.rundirs import RunPlan, resolve_run_dir, rl_run_name, run_id_of
+from rlbus.rundirs import EVALS_FILE, RunPlan, resolve_run_dir, rl_run_name, run_id_of
+from rlbus.samples import read_records
 from rlbus.secrets import SecretError
 from rlbus_launch.lock import refusal, remove_lock, write_lock
 from rlbus_launch.metrics import count_restart
@@ -204,6 +205,38 @@ def wait_for_last_row(progress: Progress, max_steps: int | None, timeout_s: floa
         time.sleep(0.25)
 
 
+FINAL_EVAL_MARGIN_S = 60.0
+"""Besides the evaluation's own `eval.timeout_s` (twice: waiting for the last weights, then for
+the rollouts), how long the launcher waits for the orchestrator to end after the trainer."""
+
+
+def wait_for_final_eval(launch: Launch, supervisor: Supervisor, progress: Progress) -> None:
+    """After the trainer finished: when the run evaluates its last step, let the orchestrator
+    finish that evaluation and end by itself (it exits once the results are out), then give
+    the monitor time to write their rows to evals.jsonl."""
+    config = launch.config
+    eval_config = config.orchestrator.eval
+    if eval_config is None or not eval_config.eval_last_step or config.max_steps is None:
+        return
+    orchestrator = next((p for p in supervisor.services if p.name == "orchestrator"), None)
+    if orchestrator is None:
+        return
+    progress.note(f"evaluating step {config.max_steps}")
+    deadline = time.monotonic() + 2 * eval_config.timeout_s + FINAL_EVAL_MARGIN_S
+    while orchestrator.poll() is None and time.monotonic() < deadline:
+        progress.update()
+        time.sleep(0.25)
+    labels = {e.label for e in eval_config.envs(config.orchestrator.env)}
+    path = launch.run_dir / EVALS_FILE
+    row_deadline = time.monotonic() + 20.0
+    while time.monotonic() < row_deadline:
+        written = {r.get("env") for r in read_records(path) if r.get("step") == config.max_steps}
+        if labels <= written:
+            return
+        time.sleep(0.25)
+    log.warning("final_eval_rows_missing", step=config.max_steps, path=str(path))
+
+
 EXIT_HANGUP = EXIT_SIGNAL_BASE + signal.SIGHUP
 HANGUP_GRACE_S = 3.0
 """After SIGHUP: SIGTERM every process, SIGKILL what is left this much later (no drain)."""
@@ -249,6 +282,7 @@ def watch(
         trainer = next((p for p in supervisor.services if p.name == "trainer"), None)
         if trainer is not None and "trainer" not in pending and trainer.poll() == 0:
             wait_for_last_row(progress, launch.config.max_steps)
+            wait_for_final_eval(launch, supervisor, progress)
             log.info("run_finished", run_dir=str(launch.run_dir))
             return 0
         for service in supervisor.services:
@@ -485,6 +519,7 @@ def point_latest(run_dir: Path) -> None:
 SUBCOMMANDS = {
     "dead-letters": "rlbus_launch.deadletters",
     "env": "rlbus_launch.envinstall",
+    "eval": "rlbus_launch.evalcmd",
     "migrate-config": "rlbus_launch.migrate_config",
     "rollouts": "rlbus_launch.rollouts",
 }

@@ -3,7 +3,7 @@
     run finished after 35s: outputs/reverse-text--tiny--1a2b
       steps    40 of 40
       reward   0.6812 at step 1, 0.9023 at step 40
-      eval     step 40, reverse-text: reward/mean 0.41, pass@1 0.25, num_examples 16, failed 0
+      eval     step 40, reverse-text: reward/mean 0.41, num_examples 16, failed 0, pass@1 0.25
       model    outputs/reverse-text--tiny--1a2b/broadcasts/step_40
       samples  outputs/reverse-text--tiny--1a2b/rollouts
       logs     outputs/reverse-text--tiny--1a2b/logs
@@ -14,7 +14,6 @@ environment evaluated, `eval/<env>/<metric>` keys), the model from the newest we
 or else the newest complete checkpoint (rlbus.rundirs).
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from rlbus.rundirs import (
     complete_steps,
     numbered_steps,
 )
+from rlbus.samples import read_records
 from rlbus_launch.progress import MetricsTail, format_duration
 
 REWARD_KEY = "reward/mean"
@@ -57,23 +57,10 @@ def outcome_of(exit_code: int, stopped_by: str | None = None) -> str:
     return "finished" if exit_code == 0 else f"failed (exit code {exit_code})"
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a file, one a line; a torn or broken line is skipped."""
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def last_evals(run_dir: Path) -> list[dict[str, Any]]:
     """The rows of evals.jsonl with its highest step, in file order ([] without the file)."""
     path = run_dir / EVALS_FILE
-    rows = [row for row in read_jsonl(path) if "step" in row] if path.exists() else []
+    rows = [row for row in read_records(path) if "step" in row] if path.exists() else []
     if not rows:
         return []
     newest = max(row["step"] for row in rows)
@@ -115,16 +102,21 @@ def _number(value: Any) -> str:
     return str(int(value)) if isinstance(value, (int, float)) else str(value)
 
 
+SUMMARY_EVAL_METRICS = ("reward/mean", "num_examples", "failed")
+"""What the summary shows of an evaluation besides its pass@k's (evals.jsonl has the rest)."""
+
+
 def eval_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """`step 40, reverse-text: reward/mean 0.41, pass@1 0.25, ...`, one per environment."""
+    """`step 40, reverse-text: reward/mean 0.41, num_examples 16, failed 0, pass@1 0.25`, one per
+    environment."""
     lines = []
     for row in rows:
         env = row.get("env", "?")
         prefix = f"eval/{env}/"
+        shown = [prefix + name for name in SUMMARY_EVAL_METRICS]
+        shown += sorted(key for key in row if key.startswith(prefix + "pass@"))
         metrics = ", ".join(
-            f"{key.removeprefix(prefix)} {_number(value)}"
-            for key, value in row.items()
-            if key.startswith(prefix)
+            f"{key.removeprefix(prefix)} {_number(row[key])}" for key in shown if key in row
         )
         lines.append(f"step {row['step']}, {env}: {metrics}")
     return lines

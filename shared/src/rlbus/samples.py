@@ -82,8 +82,12 @@ def write_records(path: Path, records: Iterable[dict[str, Any]]) -> Path:
     return path
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a samples file (a line that is not a JSON object is skipped)."""
+def read_records(path: Path | None) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file (samples, metrics.jsonl, evals.jsonl), in file
+    order: a line that is not one (a torn last line of a killed writer) is skipped, a missing
+    file has none."""
+    if path is None or not path.exists():
+        return []
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:

@@ -49,7 +49,7 @@ def test_summary_of_a_finished_run_has_steps_rewards_last_eval_and_where_things_
         f"run finished after 1m 35s: {run_dir}",
         "  steps    3 of 3",
         "  reward   0.6100 at step 1, 0.8750 at step 3",
-        "  eval     step 3, reverse-text: reward/mean 0.41, pass@1 0.25, num_examples 16, failed 0",
+        "  eval     step 3, reverse-text: reward/mean 0.41, num_examples 16, failed 0, pass@1 0.25",
         "           step 3, math: reward/mean 0.5",
         f"  model    {run_dir}/broadcasts/step_3",
         f"  samples  {run_dir}/rollouts",

@@ -7,7 +7,6 @@ has quarantined (docs/bus.md, "Dead letters").
 """
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from rlbus.obs.sinks import (
     eval_sinks,
 )
 from rlbus.rundirs import EVALS_FILE, run_dir_of, run_id_of
+from rlbus.samples import read_records
 from rlbus.wire import events
 from rlbus.wire.events import EvalResult, Lifecycle, StepMetrics
 from rlbus.wire.weights import WeightsApplied, WeightsFailed
@@ -43,19 +43,8 @@ LAST_ROW_WAIT_S = 60.0
 FINISH_READ_TIMEOUT_S = 5.0
 
 
-def read_rows(path: Path | None) -> list[dict[str, Any]]:
-    """The complete rows of a metrics.jsonl (a torn last line, from a killed writer, is left out)."""
-    if path is None or not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+read_rows = read_records
+"""The rows of a metrics.jsonl or evals.jsonl (rlbus.samples.read_records)."""
 
 
 class Monitor:
