@@ -87,12 +87,12 @@ def test_lora_rl_loads_with_the_adapter_under_trainer_lora():
     assert config.ckpt.keep_last == 3
 
 
-def test_eval_sources_stop_the_load_with_one_line_naming_the_key(capsys):
-    error = load_error(RLConfig, "math-eval-rl.toml", capsys)
+def test_eval_sources_load_as_eval_environments():
+    config = load(RLConfig, "math-eval-rl.toml")
 
-    assert "1 invalid value for RLConfig" in error
-    assert "--orchestrator.eval.source: prime-rl key, in rlbus: no equivalent:" in error
-    assert "rl migrate-config FILE" in error
+    [aime] = config.orchestrator.eval.env
+    assert (aime.id, aime.label, aime.rollouts_per_example) == ("aime24", "aime", 16)
+    assert config.orchestrator.eval.interval == 40
 
 
 def test_multi_node_rl_names_each_key_without_an_equivalent(capsys):
@@ -142,7 +142,7 @@ def test_migrate_config_lists_what_needs_a_human_and_exits_2(capsys, tmp_path):
         ("reverse-text-rl.toml", 0, ["orchestrator.train.source", "orchestrator.renderer"]),
         ("wordle-rl.toml", 0, ["deployment.num_infer_gpus", "inference.vllm.data_parallel_size"]),
         ("alphabet-sort-lora-rl.toml", 0, ["trainer.model.lora", "orchestrator.model.lora.name"]),
-        ("math-eval-rl.toml", 2, ["orchestrator.eval.source", "trainer.scheduler.min_lr"]),
+        ("math-eval-rl.toml", 0, ["orchestrator.eval.source", "trainer.scheduler.min_lr"]),
         ("multinode-slurm-rl.toml", 2, ["deployment.num_train_nodes", "trainer.model.compile"]),
         ("reverse-text-sft.toml", 2, ["data.name", "data.seq_len", "eval", "inference"]),
     ],
@@ -162,7 +162,10 @@ def test_migrated_values_are_right_for_math_and_sft(capsys, tmp_path):
     assert math["trainer"]["seq_len"] == 8192
     assert math["trainer"]["scheduler"]["min_lr_ratio"] == pytest.approx(0.1)
     assert math["deployment"] == {"num_train_gpus": 2, "num_infer_replicas": 2}
-    assert math["orchestrator"]["eval"] == {"interval": 40}
+    assert math["orchestrator"]["eval"] == {
+        "interval": 40,
+        "env": [{"id": "aime24", "name": "aime", "rollouts_per_example": 16}],
+    }
     assert math["orchestrator"]["env"][0]["args"] == {
         "env": {"taskset": {"dataset_name": "openai/gsm8k", "dataset_subset": "main"}}
     }
@@ -203,12 +206,14 @@ def test_rules_leave_rlbus_keys_alone():
     """A rule on a key rlbus also has would change rlbus configs: only `trainer.model.impl`
     (whose prime-rl values hf/custom are converted, rlbus values kept) and vLLM's pass-through
     data_parallel_size (rlbus scales inference by replicas) may be both, and `orchestrator.env`
-    (prime-rl's entries lose `name` and the id's `owner/`; rlbus entries are kept)."""
+    and `orchestrator.eval.env` (prime-rl's entries lose the id's `owner/`, `name` is dropped from
+    training entries; rlbus entries are kept)."""
     both = {
         "trainer.model.impl",
         "inference.vllm.data_parallel_size",
         "model.impl",
         "orchestrator.env",
+        "orchestrator.eval.env",
     }
     for cls, rules in ((RLConfig, RL_RULES), (SFTConfig, SFT_RULES)):
         known = {path.replace("-", "_") for path in known_flag_paths(cls)}

@@ -297,6 +297,35 @@ def _train_envs(path: str) -> Callable[[Any, dict], Any]:
     return convert
 
 
+def _eval_env(key: str, entry: Any) -> Any:
+    """One entry of prime-rl's `orchestrator.eval.env` / `.source` as an
+    `orchestrator.eval.env[]` entry: as a training entry (`_train_env`), with its `name` kept (the
+    name of its metrics) and its `group_size` / `rollouts_per_example` as `rollouts_per_example`."""
+    env = _train_env(key, entry)
+    if not isinstance(env, dict) or not isinstance(entry, dict):
+        return env
+    env.pop("weight", None)
+    if isinstance(entry.get("name"), str):
+        env["name"] = entry["name"]
+    for name in ("group_size", "rollouts_per_example"):
+        if name in env:
+            env["rollouts_per_example"] = env.pop(name)
+    return env
+
+
+def _eval_envs(path: str) -> Callable[[Any, dict], Any]:
+    def convert(value: Any, data: dict) -> Any:
+        if not isinstance(value, list):
+            return value
+        return [_eval_env(f"{path}[{i}]", entry) for i, entry in enumerate(value)]
+
+    return convert
+
+
+def _skip_to_base(value: Any, data: dict) -> Any:
+    return not value if isinstance(value, bool) else value
+
+
 def _environment_to_envs(value: Any, data: dict) -> list:
     return [_train_env("orchestrator.environment", value)]
 
@@ -472,12 +501,17 @@ RL_RULES: list[Rule] = [
     Rule("orchestrator.model.lora", "drop", note="the adapter's shape is trainer.lora"),
     Rule("orchestrator.model.client.base_url", "convert", "orchestrator.inference_urls", "a list", _single),
     Rule("orchestrator.model.client", "drop", note="rlbus finds replicas in its registry"),
-    Rule("orchestrator.eval.source", "human",
-         "no equivalent: rlbus evaluates on the eval split of the training envs (orchestrator.eval)"),
-    Rule("orchestrator.eval.sampling", "human", "no equivalent: orchestrator.eval.greedy or the training sampling"),
-    Rule("orchestrator.eval.group_size", "human", "no equivalent: one sample per eval problem", harmless=1),
-    Rule("orchestrator.eval.skip_first_step", "drop", note="rlbus evaluates every orchestrator.eval.interval steps"),
-    Rule("orchestrator.eval.retrigger_on_resume", "drop", note="no rlbus counterpart"),
+    Rule("orchestrator.eval.source", "convert", "orchestrator.eval.env",
+         "as a training source; name kept, group_size -> rollouts_per_example",
+         _eval_envs("orchestrator.eval.source")),
+    Rule("orchestrator.eval.env", "convert", "orchestrator.eval.env",
+         "owner/ of the id dropped; group_size -> rollouts_per_example", _eval_envs("orchestrator.eval.env")),
+    Rule("orchestrator.eval.sampling.max_completion_tokens", "move", "orchestrator.eval.sampling.max_tokens"),
+    Rule("orchestrator.eval.group_size", "move", "orchestrator.eval.rollouts_per_example"),
+    Rule("orchestrator.eval.skip_first_step", "convert", "orchestrator.eval.eval_base_model",
+         "skip_first_step = true -> eval_base_model = false", _skip_to_base),
+    Rule("orchestrator.eval.retrigger_on_resume", "drop", note="rlbus evaluates step 0 and the last "
+         "step again after a restart unless their results are written (docs/evaluating.md)"),
     Rule("orchestrator.algo", "human", "no equivalent: rlbus computes GRPO advantages "
          "(orchestrator.normalize_advantages, trainer.loss)"),
     Rule("orchestrator.tasks_per_minute", "human", "no equivalent: no task rate limit"),
