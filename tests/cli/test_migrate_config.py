@@ -35,7 +35,7 @@ def test_rl_migrate_config_exits_2_listing_keys_for_a_human(tmp_path):
     )
     assert result.returncode == 2
     assert "human    data.name needs a human: data.path" in result.stderr
-    assert "human    eval needs a human: no equivalent" in result.stderr
+    assert "convert  eval.source -> eval.env" in result.stderr
     assert tomli.loads(result.stdout)["num_processes"] == 2  # the rest is converted anyway
 
 

@@ -12,18 +12,23 @@ this launcher never imports the trainer, so `sft --help` and `sft --dry-run` sta
 import importlib.util
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from rlbus.configs import SFTConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
+from rlbus.configs.bus import BusConfig
+from rlbus.configs.inference import InferenceConfig
 from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.lifecycle import EXIT_SERVICE_MISSING, config_inputs, errors_in_one_line
+from rlbus.netutil import free_ports
 from rlbus.obs.logging import log_file_path, setup_logging
 from rlbus.obs.sinks import check_sinks_installed
 from rlbus.rundirs import sft_run_name
-from rlbus_launch.plan import torchrun_argv
+from rlbus_launch.plan import python_module_argv, torchrun_argv
 from rlbus_launch.restarts import shell_exit_code
 from rlbus_launch.rundir import prepare_run_dir_or_exit
 from rlbus_launch.scripts import config_path, describe_written, write_launch
@@ -50,9 +55,46 @@ def prepare_sft(config: SFTConfig) -> tuple[SFTConfig, Path]:
     return resolved, run.run_dir
 
 
-def plan_sft(config: SFTConfig, command: str) -> tuple[ServiceProcess, list[Path], list[Path]]:
-    """Name the run, prepare its directory, write the resolved config and the torchrun script."""
+EVAL_SERVER = "eval-inference"
+"""The inference server `sft` starts for its evaluations: configs/eval-inference.toml, its log."""
+
+
+def eval_server_config(resolved: SFTConfig, run_dir: Path) -> InferenceConfig | None:
+    """The evaluation server to start (None: no `[eval]`, or an attached `eval.inference_url`):
+    `eval.inference` serving `model.name` on free loopback ports without a bus, loading weights
+    from the run's broadcasts/; the ranks get its URLs in `eval.inference_url` / `admin_url`."""
+    if resolved.eval is None or resolved.eval.inference_url is not None:
+        return None
+    server = resolved.eval.inference.model_copy(deep=True)
+    server.vllm.model = resolved.model.name
+    server.run_dir = str(run_dir)
+    server.bus = BusConfig()
+    server.metrics = None
+    server.server.host = "127.0.0.1"
+    server.server.port, server.backend_port = free_ports(2)
+    resolved.eval.inference_url = f"http://127.0.0.1:{server.server.port}/v1"
+    resolved.eval.admin_url = f"http://127.0.0.1:{server.backend_port}"
+    return server
+
+
+def plan_sft(
+    config: SFTConfig, command: str
+) -> tuple[ServiceProcess, ServiceProcess | None, list[Path], list[Path]]:
+    """Name the run, prepare its directory, write the resolved configs and the scripts: the
+    torchrun process, and the evaluation server when the run evaluates on environments."""
     resolved, run_dir = prepare_sft(config)
+    server_config = eval_server_config(resolved, run_dir)
+    server = None
+    if server_config is not None:
+        server = ServiceProcess(
+            name=EVAL_SERVER,
+            argv=python_module_argv(
+                "rlbus_inference.entrypoint", config_path(run_dir, EVAL_SERVER).absolute()
+            ),
+            log_path=log_file_path(run_dir, EVAL_SERVER),
+            cwd=Path.cwd(),
+            launch_id=uuid.uuid4().hex,  # it dies with this launcher (process_marks)
+        )
     process = ServiceProcess(
         name="sft",
         argv=torchrun_argv(
@@ -61,13 +103,29 @@ def plan_sft(config: SFTConfig, command: str) -> tuple[ServiceProcess, list[Path
         log_path=log_file_path(run_dir, "sft"),
         cwd=Path.cwd(),
     )
-    configs, scripts = write_launch(run_dir, {"sft": resolved}, [process], command)
-    return process, configs, scripts
+    services: dict[str, Any] = {"sft": resolved}
+    if server_config is not None:
+        services[EVAL_SERVER] = server_config
+    processes = [process] if server is None else [server, process]
+    configs, scripts = write_launch(run_dir, services, processes, command)
+    return process, server, configs, scripts
 
 
-def launch(process: ServiceProcess) -> int:
+def launch(process: ServiceProcess, server: ServiceProcess | None = None) -> int:
     """Run torchrun in the foreground (its output on this terminal); its exit code (128 + N
-    when torchrun itself was killed by signal N)."""
+    when torchrun itself was killed by signal N). The evaluation server, if any, runs beside it
+    and is stopped by its pid at the end."""
+    if server is None:
+        return run_ranks(process)
+    server.start()
+    log.info("sft_eval_server_started", pid=server.pid, log=str(server.log_path))
+    try:
+        return run_ranks(process)
+    finally:
+        server.stop()
+
+
+def run_ranks(process: ServiceProcess) -> int:
     if importlib.util.find_spec("rlbus_trainer") is None:
         exit_with_config_error(
             f"{SFT_RANK_MODULE} is not in this installation, so SFT cannot train: "
@@ -95,12 +153,12 @@ def main(argv: list[str] | None = None) -> None:
 
             resolved, run_dir = prepare_sft(config)
             sys.exit(submit_sft(config, resolved, run_dir, command))
-        process, configs, scripts = plan_sft(config, command)
+        process, server, configs, scripts = plan_sft(config, command)
     if config.dry_run:
         print(describe_written(configs[0].parent.parent, configs, scripts))
         return
     with errors_in_one_line("sft", inputs=config_inputs(config)):
-        code = launch(process)
+        code = launch(process, server)
     sys.exit(code)
 
 

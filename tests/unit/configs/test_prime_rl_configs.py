@@ -102,12 +102,12 @@ def test_multi_node_rl_names_each_key_without_an_equivalent(capsys):
     assert "--trainer.model.ep: prime-rl key, in rlbus: no equivalent: the rlbus trainer is data-parallel only" in error  # fmt: skip
 
 
-def test_reverse_text_sft_names_dataset_and_eval(capsys):
+def test_reverse_text_sft_names_its_dataset_and_reads_its_eval(capsys):
     error = load_error(SFTConfig, "reverse-text-sft.toml", capsys)
 
-    assert "2 invalid values for SFTConfig" in error
+    assert "1 invalid value for SFTConfig" in error
     assert "--data.name: prime-rl key, in rlbus: data.path" in error
-    assert "--eval: prime-rl key, in rlbus: no equivalent" in error
+    assert "--eval" not in error  # [eval] with an eval source is rlbus's eval
 
 
 def test_migrate_config_converts_reverse_text_rl_and_exits_0(capsys, tmp_path):
@@ -144,7 +144,7 @@ def test_migrate_config_lists_what_needs_a_human_and_exits_2(capsys, tmp_path):
         ("alphabet-sort-lora-rl.toml", 0, ["trainer.model.lora", "orchestrator.model.lora.name"]),
         ("math-eval-rl.toml", 0, ["orchestrator.eval.source", "trainer.scheduler.min_lr"]),
         ("multinode-slurm-rl.toml", 2, ["deployment.num_train_nodes", "trainer.model.compile"]),
-        ("reverse-text-sft.toml", 2, ["data.name", "data.seq_len", "eval", "inference"]),
+        ("reverse-text-sft.toml", 2, ["data.name", "data.seq_len", "eval.source", "inference"]),
     ],
 )
 def test_migrate_config_output_is_an_rlbus_config(name, code, changed, capsys, tmp_path):
@@ -173,7 +173,13 @@ def test_migrated_values_are_right_for_math_and_sft(capsys, tmp_path):
     _, sft, _ = migrate_fixture("reverse-text-sft.toml", capsys, tmp_path)
     assert sft["seq_len"] == 2048 and sft["num_processes"] == 2
     assert sft["data"] == {"batch_size": 16} and sft["optim"] == {"lr": 1e-5}
-    assert "eval" not in sft and "inference" not in sft and "deployment" not in sft
+    assert "inference" not in sft and "deployment" not in sft
+    assert sft["eval"] == {
+        "interval": 20,
+        "num_examples": 16,
+        "sampling": {"max_tokens": 512},
+        "env": [{"id": "reverse-text", "name": "reverse"}],
+    }
 
 
 def test_rlbus_spelling_wins_over_the_prime_rl_one():
@@ -206,7 +212,7 @@ def test_rules_leave_rlbus_keys_alone():
     """A rule on a key rlbus also has would change rlbus configs: only `trainer.model.impl`
     (whose prime-rl values hf/custom are converted, rlbus values kept) and vLLM's pass-through
     data_parallel_size (rlbus scales inference by replicas) may be both, and `orchestrator.env`
-    and `orchestrator.eval.env` (prime-rl's entries lose the id's `owner/`, `name` is dropped from
+    and `orchestrator.eval.env` / sft's `eval.env` (prime-rl's entries lose the id's `owner/`, `name` is dropped from
     training entries; rlbus entries are kept)."""
     both = {
         "trainer.model.impl",
@@ -214,6 +220,7 @@ def test_rules_leave_rlbus_keys_alone():
         "model.impl",
         "orchestrator.env",
         "orchestrator.eval.env",
+        "eval.env",
     }
     for cls, rules in ((RLConfig, RL_RULES), (SFTConfig, SFT_RULES)):
         known = {path.replace("-", "_") for path in known_flag_paths(cls)}

@@ -12,6 +12,7 @@ run, writes the resolved config and starts torchrun, whose ranks (sft_entrypoint
     for step in start + 1 .. num_steps:
         train    this rank's share of the step's examples, packed (train_step)
         validate every `data.val_interval` steps and at the last (validation_loss)
+        evaluate on environments at `eval` steps (sft_eval.py; step 0 before the loop)
         report   an `sft_step` line and a row for every sink (rank 0)
         ckpt     every `ckpt.interval` steps and at the last, then prune to keep_last
     end: the final model (write_final_model), unless `save_final_model` is off
@@ -40,6 +41,7 @@ from rlbus_trainer.engine import (
 from rlbus_trainer.hf_dir import write_hf_dir
 from rlbus_trainer.lora import merged_state_dict
 from rlbus_trainer.sft_data import SFTData, Tokenized, pack, sft_loss
+from rlbus_trainer.sft_eval import SFTEvaluator
 
 log = structlog.get_logger()
 
@@ -62,6 +64,12 @@ def run(config: SFTConfig) -> Path | None:
         else []
     )
 
+    evaluator = SFTEvaluator(config, run_dir, world, num_steps) if config.eval is not None else None
+    if evaluator is not None and start == 0 and evaluator.is_due(0):
+        record0: dict[str, float] = {"step": 0, **evaluator.evaluate(engine, 0)}
+        for sink in sinks:
+            sink.write(record0)
+
     for step in range(start + 1, num_steps + 1):
         t0 = time.perf_counter()
         samples = data.batch(step)[world.rank :: world.world_size]
@@ -70,6 +78,8 @@ def run(config: SFTConfig) -> Path | None:
         record = train_step(engine, config, step, samples, t0)
         if val is not None and (step % config.data.val_interval == 0 or step == num_steps):
             record["val_loss"] = validation_loss(engine, config, val, world)
+        if evaluator is not None and evaluator.is_due(step):
+            record |= evaluator.evaluate(engine, step)
         if world.is_main:
             log_step(record)
         for sink in sinks:

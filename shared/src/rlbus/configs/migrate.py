@@ -435,6 +435,23 @@ def _shared_rules(prefix: str) -> list[Rule]:
     ]  # fmt: skip
 
 
+def _eval_rules(p: str) -> list[Rule]:
+    """Rules of prime-rl's eval config, at `orchestrator.eval` (rl) or `eval` (sft)."""
+    return [
+        Rule(f"{p}.source", "convert", f"{p}.env",
+             "as a training source; name kept, group_size -> rollouts_per_example",
+             _eval_envs(f"{p}.source")),
+        Rule(f"{p}.env", "convert", f"{p}.env",
+             "owner/ of the id dropped; group_size -> rollouts_per_example", _eval_envs(f"{p}.env")),
+        Rule(f"{p}.sampling.max_completion_tokens", "move", f"{p}.sampling.max_tokens"),
+        Rule(f"{p}.group_size", "move", f"{p}.rollouts_per_example"),
+        Rule(f"{p}.skip_first_step", "convert", f"{p}.eval_base_model",
+             "skip_first_step = true -> eval_base_model = false", _skip_to_base),
+        Rule(f"{p}.retrigger_on_resume", "drop", note="rlbus evaluates step 0 and the last "
+             "step again after a restart unless their results are written (docs/evaluating.md)"),
+    ]  # fmt: skip
+
+
 def _launcher_rules() -> list[Rule]:
     """Top-level keys of prime-rl's `rl` and `sft`: deployment, SLURM, weight transfer."""
     return [
@@ -501,17 +518,7 @@ RL_RULES: list[Rule] = [
     Rule("orchestrator.model.lora", "drop", note="the adapter's shape is trainer.lora"),
     Rule("orchestrator.model.client.base_url", "convert", "orchestrator.inference_urls", "a list", _single),
     Rule("orchestrator.model.client", "drop", note="rlbus finds replicas in its registry"),
-    Rule("orchestrator.eval.source", "convert", "orchestrator.eval.env",
-         "as a training source; name kept, group_size -> rollouts_per_example",
-         _eval_envs("orchestrator.eval.source")),
-    Rule("orchestrator.eval.env", "convert", "orchestrator.eval.env",
-         "owner/ of the id dropped; group_size -> rollouts_per_example", _eval_envs("orchestrator.eval.env")),
-    Rule("orchestrator.eval.sampling.max_completion_tokens", "move", "orchestrator.eval.sampling.max_tokens"),
-    Rule("orchestrator.eval.group_size", "move", "orchestrator.eval.rollouts_per_example"),
-    Rule("orchestrator.eval.skip_first_step", "convert", "orchestrator.eval.eval_base_model",
-         "skip_first_step = true -> eval_base_model = false", _skip_to_base),
-    Rule("orchestrator.eval.retrigger_on_resume", "drop", note="rlbus evaluates step 0 and the last "
-         "step again after a restart unless their results are written (docs/evaluating.md)"),
+    *_eval_rules("orchestrator.eval"),
     Rule("orchestrator.algo", "human", "no equivalent: rlbus computes GRPO advantages "
          "(orchestrator.normalize_advantages, trainer.loss)"),
     Rule("orchestrator.tasks_per_minute", "human", "no equivalent: no task rate limit"),
@@ -548,12 +555,11 @@ SFT_RULES: list[Rule] = [
         for key in ("micro_batch_size", "num_workers", "shuffle", "seed")
     ),
     Rule("val", "human", "data.val_path and data.val_interval (validation loss)"),
-    Rule("eval", "human", "no equivalent: rlbus sft starts no inference server; validation "
-         "loss comes from data.val_path"),
-    Rule("inference", "drop", note="rlbus sft starts no inference server"),
+    *_eval_rules("eval"),
+    Rule("inference", "drop", note="the server sft starts for its evaluations takes eval.inference"),
     Rule("renderer", "drop", note="rlbus applies the tokenizer's chat template"),
     Rule("deployment.num_train_gpus", "move", "num_processes"),
-    Rule("deployment.num_infer_gpus", "drop", note="rlbus sft starts no inference server"),
+    Rule("deployment.num_infer_gpus", "drop", note="sft's evaluation server is one replica (eval.inference)"),
     *_trainer_rules(""),
 ]  # fmt: skip
 """prime-rl `sft` keys (SFTConfig)."""

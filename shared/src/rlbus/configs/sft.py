@@ -5,8 +5,10 @@ from typing import Any, Literal, Self
 from pydantic import Field, model_validator
 
 from rlbus.configs.base import BaseConfig, field_errors
-from rlbus.configs.common import LaunchConfig, MonitorsConfig
+from rlbus.configs.common import LaunchConfig, ModelConfig, MonitorsConfig
+from rlbus.configs.inference import InferenceConfig
 from rlbus.configs.migrate import migrate_for_load
+from rlbus.configs.orchestrator import EvalConfig, OrchestratorConfig
 from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import TrainerConfig
 
@@ -47,6 +49,37 @@ class SFTDataConfig(BaseConfig):
         return self
 
 
+class SFTEvalConfig(EvalConfig):
+    """Evaluation on environments during SFT (docs/evaluating.md, "During SFT"): at step 0, every
+    `interval` steps and at the last step, the weights go to an inference server and
+    `[[eval.env]]` is evaluated with the code of the in-run evaluations; `eval/<env>/*` joins the
+    step's row (beside `val_loss`) and `evals.jsonl`."""
+
+    inference: InferenceConfig = InferenceConfig()
+    """The inference server `sft` starts for the evaluations (its vLLM settings; the model is
+    `model.name`, then each evaluated step's weights)."""
+
+    inference_url: str | None = None
+    """An OpenAI API root of a running server to evaluate on instead (`sft` starts none); it must
+    serve `model.name` and load weights from this run's `broadcasts/` (its
+    `--admin.weights-root`)."""
+
+    admin_url: str | None = None
+    """That server's engine (admin) port, for /update_weights (default: port 8100 of its host)."""
+
+    def orchestrator(self, model: str, seq_len: int) -> OrchestratorConfig:
+        """The orchestrator config `rlbus_orchestrator.evaluate` runs an evaluation with."""
+        eval_config = EvalConfig.model_validate(
+            self.model_dump(exclude={"inference", "inference_url", "admin_url"})
+        )
+        return OrchestratorConfig(
+            model=ModelConfig(name=model),
+            eval=eval_config,
+            seq_len=seq_len,
+            inference_urls=[self.inference_url] if self.inference_url else [],
+        )
+
+
 class SFTConfig(TrainerConfig, LaunchConfig):
     """Supervised fine-tuning with the trainer's model, optimizer, checkpoints and offload."""
 
@@ -67,6 +100,9 @@ class SFTConfig(TrainerConfig, LaunchConfig):
     save_final_model: bool = True
     """Write an HF model directory `<run_dir>/model/` at the end."""
 
+    eval: SFTEvalConfig | None = None
+    """Evaluation on environments (off unless set; `[[eval.env]]` names them)."""
+
     kind: Literal["sft"] = "sft"
     """Fixed tag for run naming."""
 
@@ -75,6 +111,23 @@ class SFTConfig(TrainerConfig, LaunchConfig):
     def _read_prime_rl_keys(cls, data: Any) -> Any:
         """prime-rl keys are read as their rlbus keys where they map (rlbus.configs.migrate)."""
         return migrate_for_load(data, "sft")
+
+    @model_validator(mode="after")
+    def _eval_names_its_environments(self) -> "SFTConfig":
+        if self.eval is not None and not self.eval.env:
+            raise field_errors(
+                self,
+                (
+                    "eval.env",
+                    "SFT has no training environments to evaluate on: list them as "
+                    '[[eval.env]] tables (e.g. id = "reverse-text")',
+                ),
+            )
+        if self.eval is not None:
+            labels = self.eval.label_errors()
+            if labels:
+                raise field_errors(self, *labels)
+        return self
 
     @model_validator(mode="after")
     def _every_rank_gets_data(self) -> "SFTConfig":
