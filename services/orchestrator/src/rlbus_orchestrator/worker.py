@@ -10,6 +10,10 @@ most `max_concurrency`). Each request goes to the inference replica with the few
 requests. The group is then published as one `Rollout` (message id = task id, so a worker that
 dies after publishing but before acking is deduplicated) and the task acked.
 
+With `[eval]` a worker is also a consumer of the durable `eval-workers` (the eval tasks subject),
+whose groups it plays the same way (`GroupPlayer`, which needs no bus) with `eval.max_concurrency`
+samples of their own: evaluations and training never wait for each other's slots.
+
 Failure handling:
 - a replica that fails mid-request is backed off and the request retried on another
   (`InferenceClient`; deadlines and back-off in `OrchestratorConfig.http`);
