@@ -13,7 +13,9 @@
   (several workers of one run); all are closed at teardown.
 """
 
+import json
 import os
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -107,3 +109,56 @@ async def make_bus(nats_server, tmp_path):
 @pytest.fixture
 async def bus(make_bus) -> Bus:
     return await make_bus()
+
+
+SLOW_GROUP = "slow"
+SLOW_IDS_VAR = "RLBUS_TEST_SLOW_IDS"
+"""A file the xdist workers write the ids of the collected `slow` tests to, for the controller's
+scheduler (`SlowTogetherScheduling`)."""
+
+
+def pytest_configure(config):
+    """The controller of an xdist run names the file its workers report slow tests in (they
+    inherit the environment when they start)."""
+    if not hasattr(config, "workerinput") and config.getvalue("dist") == "loadgroup":
+        handle, path = tempfile.mkstemp(prefix="rlbus-slow-ids-", suffix=".json")
+        os.close(handle)
+        os.environ[SLOW_IDS_VAR] = path
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and os.environ.get(SLOW_IDS_VAR):
+        Path(os.environ.pop(SLOW_IDS_VAR)).unlink(missing_ok=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session):
+    """A worker writes the ids of its `slow` tests before xdist reports its collection."""
+    path = os.environ.get(SLOW_IDS_VAR)
+    if path and hasattr(session.config, "workerinput"):
+        ids = [i.nodeid for i in session.items if i.get_closest_marker("slow") is not None]
+        tmp = f"{path}.{os.getpid()}"
+        Path(tmp).write_text(json.dumps(ids), encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (the README's whole-suite command) runs every `slow` test on one worker,
+    one after the other as a serial run would, while the other workers take the fast tests beside
+    them: two vLLM or torchrun tests never share the 2 cores of a CI machine, and the fast tier no
+    longer waits for them. (xdist's own loadgroup cannot group them under pytest 9: it renames
+    `item._nodeid`, which pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlowTogetherScheduling(LoadScopeScheduling):
+        slow_ids: set[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.slow_ids is None:
+                text = Path(os.environ[SLOW_IDS_VAR]).read_text(encoding="utf-8")
+                self.slow_ids = set(json.loads(text)) if text else set()
+            return SLOW_GROUP if nodeid in self.slow_ids else nodeid
+
+    return SlowTogetherScheduling(config, log)
