@@ -162,13 +162,10 @@ def test_the_kept_samples_of_the_batches_read_back_and_print(finished_run):
     assert best["completion"] in printed and best["prompt"][-1]["content"][:20] in printed
 
 
-def test_the_eval_command_on_the_last_weights_gives_the_in_run_evaluation(finished_run):
-    """`rl eval RUN_DIR` serves the newest weights (step 10) itself and evaluates them with the
-    in-run code: the greedy environment scores exactly as the run's last evaluation did, the
-    sampled one within sampling noise (vLLM on CPU cannot seed requests, docs/evaluating.md)."""
-    run_dir = finished_run.run_dir
+def run_eval_command(*args: str) -> str:
+    """`rl eval ARGS...`, waited for (its group killed if it outlives the wait); its output."""
     with subprocess.Popen(
-        [str(BIN / "rl"), "eval", str(run_dir)],
+        [str(BIN / "rl"), "eval", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -181,13 +178,35 @@ def test_the_eval_command_on_the_last_weights_gives_the_in_run_evaluation(finish
             if command.poll() is None:
                 os.killpg(command.pid, signal.SIGKILL)
     assert command.returncode == 0, output[-4000:]
+    return output
+
+
+def assert_same_as_in_run(run_dir: Path, results_dir: Path) -> None:
+    """The greedy environment scores exactly as the run's last evaluation did, the sampled one
+    within sampling noise (vLLM on CPU cannot seed requests, docs/evaluating.md)."""
     in_run = json.loads((eval_dir(run_dir, 10) / EVAL_RESULTS_FILE).read_text())["envs"]
-    offline = json.loads(
-        (run_dir / "evals" / "command" / "step_10" / EVAL_RESULTS_FILE).read_text()
-    )
+    offline = json.loads((results_dir / EVAL_RESULTS_FILE).read_text())
     assert offline["step"] == 10
     greedy = "eval/reverse/reward/mean"
     assert offline["envs"]["reverse"][greedy] == in_run["reverse"][greedy]
     sampled = "eval/reverse-pass4/reward/mean"
     assert abs(offline["envs"]["reverse-pass4"][sampled] - in_run["reverse-pass4"][sampled]) < 0.1
+
+
+def test_the_eval_command_on_the_last_weights_gives_the_in_run_evaluation(finished_run):
+    """`rl eval RUN_DIR` serves the newest weights (step 10's, from broadcasts/) itself and
+    evaluates them with the in-run code."""
+    run_dir = finished_run.run_dir
+    output = run_eval_command(str(run_dir))
+    assert_same_as_in_run(run_dir, run_dir / "evals" / "command" / "step_10")
     assert "reverse-pass4" in output and "pass@4" in output  # the table
+
+
+def test_the_eval_command_on_the_last_checkpoint_gives_the_in_run_evaluation(
+    finished_run, tmp_path
+):
+    """`--checkpoint`: the trainer's checkpoint of step 10 exported as a model and served."""
+    run_dir = finished_run.run_dir
+    run_eval_command(str(run_dir), "--step", "10", "--checkpoint", "--out", str(tmp_path))
+    assert (tmp_path / "model" / "config.json").exists()
+    assert_same_as_in_run(run_dir, tmp_path)

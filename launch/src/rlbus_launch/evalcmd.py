@@ -1,8 +1,9 @@
 """`rl eval`: evaluate a run's weights, a model directory or a running server, outside a run.
 
-    rl eval RUN_DIR [--step N]                 the weights of step N of a run (default: its newest
-                                               in broadcasts/; 0: the model it started from), on
-                                               the run's own eval config (configs/orchestrator.toml)
+    rl eval RUN_DIR [--step N] [--checkpoint]  the weights of step N of a run (default: its newest;
+                                               0: the model it started from): broadcasts/step_N,
+                                               else (or with --checkpoint) its trainer checkpoint
+                                               exported; on the run's own eval config
     rl eval --model DIR [--config rl.toml]     a model directory (or hub id) on the eval config of
                                                an `rl` config file (default: rl's defaults)
     ... [--inference-url URL]                  an OpenAI API root of a running server instead of
@@ -22,6 +23,7 @@ import json
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from rlbus.rundirs import (
     EVAL_RESULTS_FILE,
     EVAL_SAMPLES_FILE,
     EVALS_DIR,
+    complete_steps,
     numbered_steps,
     short_id,
     slug,
@@ -52,6 +55,8 @@ log = structlog.get_logger()
 
 SERVER_START_TIMEOUT_S = 900.0
 """How long vLLM may take to answer (a cold start on CPU takes a minute or two)."""
+EXPORTED_MODEL = "model"
+"""`<out>/model/`: a checkpoint exported for serving (rlbus_trainer.export_checkpoint)."""
 COMMAND_EVALS = "command"
 """`RUN_DIR/evals/command/step_<N>/`: the command's evaluations of a run, beside the in-run ones."""
 
@@ -64,6 +69,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rl eval", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", nargs="?", type=Path, help="a run directory")
     parser.add_argument("--step", type=int, help="the step whose weights to evaluate (RUN_DIR)")
+    parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="serve the step's trainer checkpoint even when broadcasts/ has its weights",
+    )
     parser.add_argument("--model", help="a model directory or id (instead of RUN_DIR)")
     parser.add_argument("--config", type=Path, help="an rl config file with [orchestrator.eval]")
     parser.add_argument("--inference-url", help="an OpenAI API root of a running server")
@@ -71,8 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.run_dir is None) == (args.model is None and args.inference_url is None):
         parser.error("give a RUN_DIR, or --model / --inference-url (not both)")
-    if args.run_dir is None and args.step is not None:
-        parser.error("--step goes with RUN_DIR")
+    if args.run_dir is None and (args.step is not None or args.checkpoint):
+        parser.error("--step and --checkpoint go with RUN_DIR")
     return args
 
 
@@ -94,25 +104,29 @@ def run_configs(run_dir: Path) -> tuple[OrchestratorConfig, InferenceConfig]:
     )
 
 
-def step_weights(run_dir: Path, step: int | None, base_model: str) -> tuple[int, str]:
-    """(step, model to serve): step 0 is the model the run started from, step N the weights the
-    trainer wrote for inference (`broadcasts/step_N`, a Hugging Face directory)."""
-    kept = [
-        s
-        for s in numbered_steps(run_dir / BROADCASTS_DIR)
-        if (run_dir / BROADCASTS_DIR / f"step_{s}" / "config.json").exists()
-    ]
+def step_weights(
+    run_dir: Path, step: int | None, base_model: str, *, from_checkpoint: bool = False
+) -> tuple[int, str | None]:
+    """(step, model to serve; None: export the step's checkpoint first). Step 0 is the model the
+    run started from, step N the weights the trainer wrote for inference (`broadcasts/step_N`, a
+    Hugging Face directory), else its complete checkpoint `checkpoints/step_N`; the default step
+    is the newest of either."""
+    root = run_dir / BROADCASTS_DIR
+    kept = [s for s in numbered_steps(root) if (root / f"step_{s}" / "config.json").exists()]
+    checkpoints = complete_steps(run_dir)
     if step is None:
-        step = kept[-1] if kept else 0
+        step = max([*kept, *checkpoints], default=0)
     if step == 0:
         return 0, base_model
-    if step not in kept:
-        listed = ", ".join(map(str, [0, *kept]))
-        raise EvalCommandError(
-            f"--step {step}: {run_dir}/{BROADCASTS_DIR}/step_{step} holds no weights (steps with "
-            f"weights: {listed}; the trainer keeps the newest weight_broadcast.keep_last)"
-        )
-    return step, str((run_dir / BROADCASTS_DIR / f"step_{step}").resolve())
+    if step in kept and not from_checkpoint:
+        return step, str((root / f"step_{step}").resolve())
+    if step in checkpoints:
+        return step, None
+    raise EvalCommandError(
+        f"--step {step}: {run_dir} holds neither weights (broadcasts/: steps "
+        f"{', '.join(map(str, [0, *kept]))}) nor a complete checkpoint (checkpoints/: "
+        f"{', '.join(map(str, checkpoints)) or 'none'}) of that step"
+    )
 
 
 def served_model(url: str) -> str:
@@ -124,12 +138,27 @@ def served_model(url: str) -> str:
         raise EvalCommandError(f"--inference-url {url}: cannot list its models ({error})") from None
 
 
-def plan(args: argparse.Namespace) -> tuple[OrchestratorConfig, InferenceConfig | None, int, Path]:
-    """(orchestrator config, inference config to start or None when attached, step, out dir)."""
+@dataclass
+class EvalPlan:
+    orchestrator: OrchestratorConfig
+    inference: InferenceConfig | None
+    """The server to start (None: attached to `--inference-url`)."""
+    step: int
+    out: Path
+    export: bool = False
+    """Serve step `step`'s trainer checkpoint, exported to `<out>/model` first."""
+
+
+def plan(args: argparse.Namespace) -> EvalPlan:
+    """What to serve, with which configs, and where the results go (module docstring)."""
     if args.run_dir is not None:
         orchestrator, inference = run_configs(args.run_dir)
-        step, model = step_weights(args.run_dir, args.step, orchestrator.model.name)
+        step, served = step_weights(
+            args.run_dir, args.step, orchestrator.model.name, from_checkpoint=args.checkpoint
+        )
         out = args.out or args.run_dir / EVALS_DIR / COMMAND_EVALS / f"step_{step}"
+        model = served or str((out / EXPORTED_MODEL).resolve())
+        export = served is None
     else:
         rl = parse_cli(RLConfig, ["@", str(args.config)] if args.config else [], prog="rl eval")
         orchestrator, inference = (
@@ -139,12 +168,13 @@ def plan(args: argparse.Namespace) -> tuple[OrchestratorConfig, InferenceConfig 
         model = args.model or served_model(args.inference_url)
         step = 0
         out = args.out or Path(rl.output_dir) / f"eval--{slug(Path(model).name)}--{short_id()}"
+        export = False
     orchestrator.eval = orchestrator.eval or EvalConfig()
     orchestrator.model.name = model
     orchestrator.bus = BusConfig()
     if args.inference_url:
         orchestrator.inference_urls = [args.inference_url]
-        return orchestrator, None, step, out
+        return EvalPlan(orchestrator, None, step, out, export)
     inference.vllm.model = model
     inference.bus = BusConfig()
     inference.attach = None
@@ -152,7 +182,7 @@ def plan(args: argparse.Namespace) -> tuple[OrchestratorConfig, InferenceConfig 
     inference.server.port, inference.backend_port = free_ports(2)
     inference.server.host = "127.0.0.1"
     orchestrator.inference_urls = [f"http://127.0.0.1:{inference.server.port}/v1"]
-    return orchestrator, inference, step, out
+    return EvalPlan(orchestrator, inference, step, out, export)
 
 
 def wait_until_serving(server: ServiceProcess, url: str, timeout_s: float) -> None:
@@ -200,14 +230,45 @@ def results_table(results: dict[str, Any]) -> Table:
     return table
 
 
+def export_checkpoint(run_dir: Path, step: int, out: Path, launch_id: str) -> None:
+    """Write step `step`'s trainer checkpoint as `<out>/model` (rlbus_trainer.export_checkpoint)."""
+    print(
+        f"rl eval: exporting {run_dir}/checkpoints/step_{step} to {out / EXPORTED_MODEL}",
+        flush=True,
+    )
+    exporter = ServiceProcess(
+        name="export",
+        argv=[
+            sys.executable,
+            "-m",
+            "rlbus_trainer.export_checkpoint",
+            *(str(run_dir.absolute()), str(step), str((out / EXPORTED_MODEL).absolute())),
+        ],
+        log_path=out / "logs" / "export.log",
+        launch_id=launch_id,
+    )
+    exporter.start()
+    while (code := exporter.poll()) is None:
+        time.sleep(0.5)
+    if code != 0:
+        raise EvalCommandError(
+            f"exporting the checkpoint failed (exit {code}); see {exporter.log_path}:\n{exporter.tail(20)}"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    orchestrator, inference, step, out = plan(args)
+    todo = plan(args)
+    orchestrator, inference, step, out = todo.orchestrator, todo.inference, todo.step, todo.out
     configs = out / "configs"
     configs.mkdir(parents=True, exist_ok=True)
     orchestrator_file = configs / "orchestrator.toml"
     orchestrator_file.write_text(config_to_toml(orchestrator), encoding="utf-8")
     launch_id = uuid.uuid4().hex  # marked children die with this process (process_marks)
     server = None
+    if args.run_dir is not None and orchestrator.model.name == str(
+        (out / EXPORTED_MODEL).resolve()
+    ):
+        export_checkpoint(args.run_dir, step, out, launch_id)
     if inference is not None:
         inference_file = configs / "inference.toml"
         inference_file.write_text(config_to_toml(inference), encoding="utf-8")

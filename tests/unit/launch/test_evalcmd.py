@@ -41,14 +41,30 @@ def test_the_newest_weights_step_0_or_a_given_step_are_served(tmp_path):
 
 def test_a_step_without_weights_is_one_line_listing_the_steps_that_have_them(tmp_path):
     with pytest.raises(
-        EvalCommandError, match=r"--step 9: .*holds no weights \(steps with weights: 0, 4, 5"
+        EvalCommandError,
+        match=r"--step 9: .* neither weights \(broadcasts/: steps 0, 4, 5\) nor a complete "
+        r"checkpoint \(checkpoints/: none\)",
     ):
         step_weights(fake_run(tmp_path), 9, "base")
 
 
+def test_a_step_with_a_checkpoint_only_or_asked_for_is_exported(tmp_path):
+    run_dir = fake_run(tmp_path)
+    for step in (5, 7):
+        marker = run_dir / "checkpoints" / f"step_{step}" / "trainer" / "COMPLETE"
+        marker.parent.mkdir(parents=True)
+        marker.write_text("")
+    assert step_weights(run_dir, None, "base") == (7, None)  # the newest of either
+    assert step_weights(run_dir, 5, "base", from_checkpoint=True) == (5, None)
+    todo = plan(parse_args([str(run_dir), "--step", "7"]))
+    assert todo.export and todo.orchestrator.model.name.endswith("step_7/model")
+    assert todo.inference.vllm.model == todo.orchestrator.model.name
+
+
 def test_a_run_is_served_on_free_local_ports_without_a_bus_and_written_beside_its_evals(tmp_path):
     run_dir = fake_run(tmp_path)
-    orchestrator, inference, step, out = plan(parse_args([str(run_dir)]))
+    todo = plan(parse_args([str(run_dir)]))
+    orchestrator, inference, step, out = todo.orchestrator, todo.inference, todo.step, todo.out
     assert step == 5 and out == run_dir / "evals" / "command" / "step_5"
     assert inference is not None and inference.vllm.model == orchestrator.model.name
     assert orchestrator.model.name.endswith("broadcasts/step_5")
@@ -59,7 +75,8 @@ def test_a_run_is_served_on_free_local_ports_without_a_bus_and_written_beside_it
 
 def test_an_attached_server_starts_nothing(tmp_path):
     args = parse_args(["--model", "m", "--inference-url", "http://h:9/v1", "--out", str(tmp_path)])
-    orchestrator, inference, step, out = plan(args)
+    todo = plan(args)
+    orchestrator, inference, step, out = todo.orchestrator, todo.inference, todo.step, todo.out
     assert inference is None and orchestrator.inference_urls == ["http://h:9/v1"]
     assert (orchestrator.model.name, step, out) == ("m", 0, tmp_path)
 
