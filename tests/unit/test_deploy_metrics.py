@@ -140,6 +140,9 @@ def test_the_dashboard_covers_what_a_run_needs():
         "rlbus_service_restarts",
         "rlbus_dead_letters",  # quarantined
         "rlbus_http_client_request_seconds",  # HTTP latency p95
+        "rlbus_orchestrator_reward_mean",  # reward per environment
+        "rlbus_eval_reward",  # eval reward per environment
+        "rlbus_eval_pass_at_k",
     }
     assert wanted <= used, wanted - used
     panels = dashboard()["panels"]

@@ -110,6 +110,33 @@ def test_record_batch_observes_each_sample_s_off_policy_lag():
     assert value("rlbus_off_policy_lag_steps_bucket", le="0.0") == at_most_0 + 3
 
 
+def test_record_batch_sets_the_mean_reward_of_each_environment():
+    orchestrator_metrics.record_batch(
+        5, {"reward/mean": 0.5, "env/a/reward/mean": 0.25, "env/org/b/reward/mean": 0.75}
+    )
+
+    assert value("rlbus_orchestrator_reward_mean", env="a") == 0.25
+    assert value("rlbus_orchestrator_reward_mean", env="org/b") == 0.75
+
+
+def test_observe_eval_sets_the_last_evaluation_s_reward_and_pass_at_k_of_its_env():
+    orchestrator_metrics.observe_eval(
+        "rev",
+        {
+            "eval/rev/reward/mean": 0.41,
+            "eval/rev/pass@1": 0.25,
+            "eval/rev/pass@4": 0.5,
+            "eval/rev/mean@4": 0.3,
+            "eval/rev/num_examples": 16.0,
+        },
+    )
+    orchestrator_metrics.observe_eval("rev", {"eval/rev/reward/mean": 0.5, "eval/rev/pass@1": 0.3})
+
+    assert value("rlbus_eval_reward", env="rev") == 0.5
+    assert value("rlbus_eval_pass_at_k", env="rev", k="1") == 0.3
+    assert value("rlbus_eval_pass_at_k", env="rev", k="4") == 0.5
+
+
 def test_count_rollout_counts_samples_groups_tokens_and_left_out_episodes_by_env():
     samples = value("rlbus_rollouts_total", env="e")
     ok = value("rlbus_rollout_groups_total", outcome="ok", env="e")

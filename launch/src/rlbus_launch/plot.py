@@ -1,8 +1,12 @@
-"""`rl-plot RUN_DIR`: PNG charts of a run's `metrics.jsonl` (reward, loss, lag, tokens/s per step).
+"""`rl-plot RUN_DIR`: PNG charts of a run's `metrics.jsonl` (reward, loss, lag, tokens/s per step)
+and, per environment, of its reward and its evaluations' reward.
 
 metrics.jsonl holds one JSON object per step (trainer and orchestrator metrics joined by the
 launcher's file monitor). Each chart picks the first metric key that exists from a short list of
-candidates, so the plot keeps working as services add metrics.
+candidates, so the plot keeps working as services add metrics. The per-environment charts draw
+one line per environment: `env_reward.png` from the step metrics' `env/<id>/reward/mean`,
+`eval_reward.png` from `evals.jsonl` (one row per evaluation of one environment, with its
+`eval/<env>/reward/mean`); each only when the run has such keys.
 """
 
 import argparse
@@ -10,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from rlbus.rundirs import EVALS_FILE
 from rlbus_launch.progress import mean_lag
 
 # chart file stem -> (title, candidate metric keys in order of preference)
@@ -27,10 +32,21 @@ CHARTS: dict[str, tuple[str, list[str]]] = {
         ],
     ),
 }
+METRICS_FILE = "metrics.jsonl"
+# chart file stem -> (title, file of the run dir, key prefix, key suffix): one line per env of the
+# `<prefix><env><suffix>` keys (evals.jsonl's rows of one step, one per env, join without clashing)
+ENV_CHARTS: dict[str, tuple[str, str, str, str]] = {
+    "env_reward": ("Mean sampled reward per environment", METRICS_FILE, "env/", "/reward/mean"),
+    "eval_reward": ("Eval reward per environment", EVALS_FILE, "eval/", "/reward/mean"),
+}
+
+Lines = dict[str, tuple[list[int], list[float]]]
+"""A chart's lines: label -> (steps, values)."""
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Rows of metrics.jsonl sorted by step; the last row wins for a repeated step."""
+    """Rows of metrics.jsonl (or evals.jsonl) sorted by step; the rows of one step are joined,
+    the last one winning for a repeated key."""
     by_step: dict[int, dict] = {}
     for line in path.read_text().splitlines():
         if not line.strip():
@@ -60,14 +76,46 @@ def series(rows: list[dict], candidates: list[str]) -> tuple[str, list[int], lis
     return None
 
 
-def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
-    """Write one PNG per chart that has data; returns the files written."""
+def env_series(rows: list[dict], prefix: str, suffix: str) -> Lines:
+    """One line per environment `<env>` of the `<prefix><env><suffix>` keys of `rows`, sorted by
+    env and step."""
+    points: dict[str, dict[int, float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            env = key.removeprefix(prefix).removesuffix(suffix)
+            if key == f"{prefix}{env}{suffix}" and env and isinstance(value, (int, float)):
+                points.setdefault(env, {})[row["step"]] = float(value)
+    return {
+        env: (sorted(by_step), [by_step[step] for step in sorted(by_step)])
+        for env, by_step in sorted(points.items())
+    }
+
+
+def save_chart(path: Path, title: str, ylabel: str, lines: Lines, *, legend: bool = False) -> Path:
+    """One PNG of `lines` over step, with their labels in a legend if `legend`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics_path = run_dir / "metrics.jsonl"
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, (steps, values) in lines.items():
+        ax.plot(steps, values, marker=".", linewidth=1, label=label)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
+    """Write one PNG per chart that has data; returns the files written."""
+    metrics_path = run_dir / METRICS_FILE
     if not metrics_path.is_file():
         raise FileNotFoundError(f"{metrics_path} does not exist: is {run_dir} a run directory?")
     rows = read_metrics(metrics_path)
@@ -75,21 +123,16 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for stem, (title, candidates) in CHARTS.items():
-        found = series(rows, candidates)
-        if found is None:
-            continue
-        key, steps, values = found
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, values, marker=".", linewidth=1)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(key)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = out_dir / f"{stem}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        if found := series(rows, candidates):
+            key, steps, values = found
+            written.append(save_chart(out_dir / f"{stem}.png", title, key, {key: (steps, values)}))
+    for stem, (title, file, prefix, suffix) in ENV_CHARTS.items():
+        path = run_dir / file
+        env_rows = read_metrics(path) if path.is_file() else []
+        if lines := env_series(env_rows, prefix, suffix):
+            ylabel = f"{prefix}<env>{suffix}"
+            chart = save_chart(out_dir / f"{stem}.png", title, ylabel, lines, legend=True)
+            written.append(chart)
     return written
 
 
