@@ -40,6 +40,7 @@ CORE_LAYERS = {
     "envindex": 0,
     "checksums": 1,
     "rundirs": 1,
+    "samples": 1,
     "configs": 2,
     "obs": 3,
     "bus": 4,

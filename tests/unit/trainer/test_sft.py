@@ -198,6 +198,9 @@ class FakeWandb:
     def log(self, values, step):
         self.logged.append((values, step))
 
+    def define_metric(self, name, step_metric):
+        self.defined = (name, step_metric)
+
     def finish(self):
         self.finished = True
 
