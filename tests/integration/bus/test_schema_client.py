@@ -58,6 +58,7 @@ async def publish_every_stored_message(bus) -> None:
     await bus.publish(s.weights_applied, EXAMPLES["WeightsApplied"], msg_id="applied-replica-0-3")
     await bus.publish(s.weights_failed, EXAMPLES["WeightsFailed"])
     await bus.publish(s.metrics("trainer"), EXAMPLES["StepMetrics"])
+    await bus.publish(s.evals("orchestrator"), EXAMPLES["EvalResult"])
     await bus.publish(s.lifecycle("trainer"), EXAMPLES["Lifecycle"])
     replica = EXAMPLES["ReplicaInfo"]
     await bus.lease(s.replicas_bucket, replica.replica_id, replica, ttl_s=30).acquire()
@@ -139,7 +140,7 @@ async def test_the_schema_client_rejects_messages_that_break_the_contract(bus, t
     for expected in [
         "Task['step']: -1 is less than the minimum of 0",
         "Task.sampling: keys ['extra', 'seed',",
-        "Rollout: keys ['finished_at', 'metadata',",
+        "Rollout: keys ['finished_at', 'prompt',",
         "TrainBatch['micro_batches'][0][0][0][0]: 'one' is not of type 'integer'",
         "events.lifecycle.trainer: no message of the contract fits",
         "events.gossip.trainer: no message of the contract fits",
