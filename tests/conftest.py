@@ -14,12 +14,14 @@
 """
 
 import json
+import logging
 import os
 import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
+import structlog
 
 from rlbus import envindex, netutil
 from rlbus.bus import Bus
@@ -32,6 +34,19 @@ def environment_dir(tmp_path_factory):
     """No test reads or writes the user's environment index (`rl env install`,
     ~/.cache/rlbus/envs): RLBUS_ENV_DIR names an empty temp folder, inherited by subprocesses."""
     os.environ[envindex.ENV_DIR_VAR] = str(tmp_path_factory.mktemp("rlbus-envs"))
+
+
+@pytest.fixture
+def restore_logging():
+    """setup_logging configures process-wide state: put the defaults back for other tests."""
+    yield
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(logging.WARNING)
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
 
 
 @pytest.fixture

@@ -13,16 +13,8 @@ from rlbus.obs.logging import bind_step, log_file_path, setup_logging
 
 
 @pytest.fixture(autouse=True)
-def restore_logging():
-    """setup_logging configures process-wide state: put the defaults back for other tests."""
-    yield
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-        handler.close()
-    root.setLevel(logging.WARNING)
-    structlog.reset_defaults()
-    structlog.contextvars.clear_contextvars()
+def _restore_logging(restore_logging):
+    """Every test here leaves logging as it found it (conftest's `restore_logging`)."""
 
 
 class FakeTerminal(io.StringIO):

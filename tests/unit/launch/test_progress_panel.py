@@ -24,19 +24,6 @@ class FakeTerminal(io.StringIO):
 
 
 @pytest.fixture
-def restore_logging():
-    """setup_logging configures process-wide state: put the defaults back for other tests."""
-    yield
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-        handler.close()
-    root.setLevel(logging.WARNING)
-    structlog.reset_defaults()
-    structlog.contextvars.clear_contextvars()
-
-
-@pytest.fixture
 def terminal(restore_logging):
     """One fake terminal behind the console log handler (stderr); `to_terminal` puts it behind
     stdout (the panel) too."""

@@ -288,13 +288,21 @@ def _train_env(key: str, entry: Any) -> Any:
     return env
 
 
-def _train_envs(path: str) -> Callable[[Any, dict], Any]:
+def _each_entry(
+    path: str, entry_of: Callable[[str, Any], Any] = _train_env
+) -> Callable[[Any, dict], Any]:
+    """A converter of the list at `path`: `entry_of` applied to each entry (not a list: kept)."""
+
     def convert(value: Any, data: dict) -> Any:
         if not isinstance(value, list):
             return value
-        return [_train_env(f"{path}[{i}]", entry) for i, entry in enumerate(value)]
+        return [entry_of(f"{path}[{i}]", entry) for i, entry in enumerate(value)]
 
     return convert
+
+
+def _train_envs(path: str) -> Callable[[Any, dict], Any]:
+    return _each_entry(path, _train_env)
 
 
 def _eval_env(key: str, entry: Any) -> Any:
@@ -314,12 +322,7 @@ def _eval_env(key: str, entry: Any) -> Any:
 
 
 def _eval_envs(path: str) -> Callable[[Any, dict], Any]:
-    def convert(value: Any, data: dict) -> Any:
-        if not isinstance(value, list):
-            return value
-        return [_eval_env(f"{path}[{i}]", entry) for i, entry in enumerate(value)]
-
-    return convert
+    return _each_entry(path, _eval_env)
 
 
 def _skip_to_base(value: Any, data: dict) -> Any:
