@@ -175,14 +175,22 @@ def plan(args: argparse.Namespace) -> EvalPlan:
     if args.inference_url:
         orchestrator.inference_urls = [args.inference_url]
         return EvalPlan(orchestrator, None, step, out, export)
-    inference.vllm.model = model
-    inference.bus = BusConfig()
-    inference.attach = None
-    inference.metrics = None
-    inference.server.port, inference.backend_port = free_ports(2)
-    inference.server.host = "127.0.0.1"
+    inference = local_server(inference, model)
     orchestrator.inference_urls = [f"http://127.0.0.1:{inference.server.port}/v1"]
     return EvalPlan(orchestrator, inference, step, out, export)
+
+
+def local_server(base: InferenceConfig, model: str) -> InferenceConfig:
+    """An inference server for evaluations (`rl eval`, `sft`): `base`'s settings serving `model`
+    on free loopback ports, without a bus, an attach or a metrics port."""
+    server = base.model_copy(deep=True)
+    server.vllm.model = model
+    server.bus = BusConfig()
+    server.attach = None
+    server.metrics = None
+    server.server.host = "127.0.0.1"
+    server.server.port, server.backend_port = free_ports(2)
+    return server
 
 
 def wait_until_serving(server: ServiceProcess, url: str, timeout_s: float) -> None:

@@ -20,14 +20,13 @@ import structlog
 
 from rlbus.configs import SFTConfig
 from rlbus.configs.base import exit_with_config_error, parse_cli
-from rlbus.configs.bus import BusConfig
 from rlbus.configs.inference import InferenceConfig
 from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.lifecycle import EXIT_SERVICE_MISSING, config_inputs, errors_in_one_line
-from rlbus.netutil import free_ports
 from rlbus.obs.logging import log_file_path, setup_logging
 from rlbus.obs.sinks import check_sinks_installed
 from rlbus.rundirs import sft_run_name
+from rlbus_launch.evalcmd import local_server
 from rlbus_launch.plan import python_module_argv, torchrun_argv
 from rlbus_launch.restarts import shell_exit_code
 from rlbus_launch.rundir import prepare_run_dir_or_exit
@@ -65,13 +64,8 @@ def eval_server_config(resolved: SFTConfig, run_dir: Path) -> InferenceConfig | 
     from the run's broadcasts/; the ranks get its URLs in `eval.inference_url` / `admin_url`."""
     if resolved.eval is None or resolved.eval.inference_url is not None:
         return None
-    server = resolved.eval.inference.model_copy(deep=True)
-    server.vllm.model = resolved.model.name
+    server = local_server(resolved.eval.inference, resolved.model.name)
     server.run_dir = str(run_dir)
-    server.bus = BusConfig()
-    server.metrics = None
-    server.server.host = "127.0.0.1"
-    server.server.port, server.backend_port = free_ports(2)
     resolved.eval.inference_url = f"http://127.0.0.1:{server.server.port}/v1"
     resolved.eval.admin_url = f"http://127.0.0.1:{server.backend_port}"
     return server
