@@ -261,6 +261,18 @@ CONFIG_CASES = [
         ["--http.backoff-max-s", "0.5"],
         ["http.backoff_max_s (0.5) must be >= http.backoff_s"],
     ),
+    Case(
+        "difficulty-thresholds-order",
+        RL,
+        ["--orchestrator.difficulty-filter.failed-threshold", "1"],
+        ["--orchestrator.difficulty-filter.failed-threshold", "below solved_threshold (1.0)"],
+    ),
+    Case(
+        "difficulty-consecutive-zero",
+        ORCH,
+        ["--difficulty-filter.consecutive", "0"],
+        ["--difficulty-filter.consecutive", "'0'"],
+    ),
     Case("val-interval-zero", SFT, ["--data.val-interval", "0"], ["--data.val-interval", "'0'"]),
     Case("copy-fraction-one", SFT, ["--data.copy-fraction", "1"], ["--data.copy-fraction", "'1'"]),
     Case("lease-ttl-zero", INFER, ["--lease-ttl-s", "0"], ["--lease-ttl-s", "'0'"]),
@@ -465,6 +477,14 @@ CONFIG_CASES = [
 ACCEPTED = [
     # The rules above are not broader than they say.
     (RL, ["--orchestrator.batch-size", "16", "--orchestrator.group-size", "8"]),
+    (
+        RL,
+        [
+            "--orchestrator.difficulty-filter.enabled",
+            "--orchestrator.difficulty-filter.failed-threshold",
+            "0.5",
+        ],
+    ),
     (ORCH, ["--batch-size", "10", "--token-budget", "4096"]),  # a token budget sizes the step
     (INFER, ["--server.port", "0", "--backend-port", "0"]),  # 0: each picks a free port
     (

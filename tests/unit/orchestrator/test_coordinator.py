@@ -118,6 +118,7 @@ def test_poison_rollout_is_quarantined_dropped_as_invalid_and_batching_goes_on()
     assert state.dropped == {"invalid": 1} and state.accounting()["unaccounted"] == 0
     assert state.accounting() == {
         "issued": 3,
+        "skipped": 0,
         "trained": 2,
         "dropped": 1,
         "outstanding": 0,

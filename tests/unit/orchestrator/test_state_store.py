@@ -18,6 +18,7 @@ def test_every_issued_task_is_trained_dropped_or_outstanding():
     assert not store.record_dropped("train-1", "timeout")  # ended already: counted once
     assert store.state.accounting() == {
         "issued": 4,
+        "skipped": 0,
         "trained": 1,
         "dropped": 1,
         "outstanding": 2,
@@ -34,8 +35,23 @@ def test_state_round_trips_through_its_json_form():
         publishing=[8],
         trained=5,
         dropped={"error": 3},
+        skipped=2,
+        prompts={"reverse-text": {"3": [2, 27], "5": [-1, 0]}},
     )
     assert CoordinatorState.decode(state.encode()) == state
+
+
+def test_a_state_saved_before_difficulty_filtering_still_loads():
+    old = b'{"next_step": 3, "cursor": 4, "outstanding": {}, "publishing": [], "trained": 4, "dropped": {}}'
+    state = CoordinatorState.decode(old)
+    assert (state.skipped, state.prompts, state.accounting()["unaccounted"]) == (0, {}, 0)
+
+
+def test_cursors_passed_over_are_skipped_not_issued():
+    store = make_store()
+    store.record_issued({"train-0": 0, "train-3": 3}, next_cursor=4)  # 1 and 2 passed over
+    assert (store.state.cursor, store.state.skipped, store.state.num_issued()) == (4, 2, 2)
+    assert store.state.accounting()["unaccounted"] == 0
 
 
 def test_write_ahead_cursors_are_saved_before_the_publish_and_cleared_after():

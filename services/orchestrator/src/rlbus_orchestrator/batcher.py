@@ -21,6 +21,7 @@ from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
 from rlbus.rundirs import run_dir_of
 from rlbus.wire.batches import TrainBatch
+from rlbus_orchestrator.difficulty import DifficultyFilter
 from rlbus_orchestrator.env_mix import EnvMix
 from rlbus_orchestrator.group_pool import GroupPool, PooledGroup
 from rlbus_orchestrator.metrics import record_batch
@@ -77,6 +78,7 @@ class Batcher:
         traces: StepTraces,
         done: asyncio.Event,
         on_published: Callable[[int], None],
+        difficulty: DifficultyFilter | None = None,
     ) -> None:
         self.bus = bus
         self.config = config
@@ -88,6 +90,8 @@ class Batcher:
         self.done = done
         """Set when the coordinator ends: no batch is started after it."""
         self.on_published = on_published
+        self.difficulty = difficulty
+        """Told the outcome of each trained group (None: no filtering)."""
         self.mix = EnvMix(config)
         self.run_dir = run_dir_of(config) if config.run.name else None
         """Where the kept samples go (None: a coordinator without a run name keeps none)."""
@@ -109,6 +113,7 @@ class Batcher:
         for group in self.pool.take_stale(step, self.config.max_off_policy_steps):
             if self.store.record_dropped(group.task_id, "stale", group.rollout.env_id):
                 self.stats.count_drop("stale", group.rollout.env_id)
+                self.record_outcome(group)
             await self.store.save()
             await group.delivery.ack()
 
@@ -117,6 +122,8 @@ class Batcher:
         batch = await self.publish(step, groups)
         self.pool.remove(groups)
         self.store.record_trained([g.task_id for g in groups])
+        for group in groups:
+            self.record_outcome(group)
         self.store.state.next_step = step + 1
         await self.store.save()
         for g in groups:
@@ -163,7 +170,15 @@ class Batcher:
             )
         return batch
 
+    def record_outcome(self, group: PooledGroup) -> None:
+        """The group's task ended: its outcome goes to the difficulty filter's history."""
+        if self.difficulty is not None:
+            self.difficulty.record(group.task_id, [s.reward for s in group.rollout.samples])
+
     def make_batch(self, step: int, groups: list[PooledGroup]) -> TrainBatch:
+        skipped = None
+        if self.difficulty is not None and self.difficulty.config.enabled:
+            skipped = self.difficulty.num_skipped(step)
         metrics = step_metrics(
             step,
             [g.rollout for g in groups],
@@ -173,5 +188,6 @@ class Batcher:
             applied_version=self.weights.applied_version,
             num_groups=len(groups),
             env_ids=self.mix.env_ids(),
+            skipped=skipped,
         )
         return pack_groups(step, groups, self.config, metrics)

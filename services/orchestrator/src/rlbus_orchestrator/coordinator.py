@@ -84,7 +84,7 @@ from rlbus_orchestrator.rollout_intake import RolloutIntake
 from rlbus_orchestrator.state_store import StateStore
 from rlbus_orchestrator.step_metrics import StepStats, replay_lost_metrics
 from rlbus_orchestrator.step_traces import StepTraces
-from rlbus_orchestrator.task_issue import TaskIssuer, load_run_envs
+from rlbus_orchestrator.task_issue import TaskIssuer, load_run_envs, make_difficulty_filter
 from rlbus_orchestrator.weights_watch import WeightsWatcher
 
 log = structlog.get_logger()
@@ -117,6 +117,8 @@ class Coordinator:
         self.store = StateStore(bus, retry_s=config.bus.publish_retry_s)
         self.pool = GroupPool()
         store, pool, stats = self.store, self.pool, self.stats
+        self.difficulty = make_difficulty_filter(config, envs, store)
+        difficulty = self.difficulty
         self.weights = WeightsWatcher(
             bus, config, store=store, stats=stats, on_new_version=self.changed.set
         )
@@ -130,8 +132,11 @@ class Coordinator:
             weights=weights,
             traces=self.traces,
             stats=stats,
+            difficulty=difficulty,
         )
-        self.intake = RolloutIntake(bus, config, store=store, pool=pool, stats=stats)
+        self.intake = RolloutIntake(
+            bus, config, store=store, pool=pool, stats=stats, difficulty=difficulty
+        )
         self.batcher = Batcher(
             bus,
             config,
@@ -142,6 +147,7 @@ class Coordinator:
             traces=self.traces,
             done=self.done,
             on_published=self.after_batch,
+            difficulty=difficulty,
         )
         self.evals = EvalRunner(
             bus,

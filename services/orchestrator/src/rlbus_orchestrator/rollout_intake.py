@@ -28,6 +28,7 @@ from rlbus.wire import rollouts as rollouts_wire
 from rlbus.wire.rollouts import Rollout
 from rlbus_orchestrator import validation
 from rlbus_orchestrator.advantages import group_advantages, has_signal
+from rlbus_orchestrator.difficulty import DifficultyFilter
 from rlbus_orchestrator.env_mix import EnvMix
 from rlbus_orchestrator.group_pool import GroupPool, PooledGroup
 from rlbus_orchestrator.staleness import has_stale_sample
@@ -54,6 +55,7 @@ class RolloutIntake:
         store: StateStore,
         pool: GroupPool,
         stats: StepStats,
+        difficulty: DifficultyFilter | None = None,
     ) -> None:
         self.bus = bus
         self.config = config
@@ -61,6 +63,8 @@ class RolloutIntake:
         self.pool = pool
         self.stats = stats
         self.mix = EnvMix(config)
+        self.difficulty = difficulty
+        """Told the outcome of each group dropped with known rewards (None: no filtering)."""
         self.dropped_in_a_row: Counter[str] = Counter()
         """Groups dropped since the last one kept, by reason (STALLED_EVERY)."""
 
@@ -127,6 +131,8 @@ class RolloutIntake:
             self.stats.no_signal.append(rollout)
         if reason is not None:
             self.drop(rollout.task_id, reason)
+            if reason in ("zero_advantage", "stale") and self.difficulty is not None:
+                self.difficulty.record(rollout.task_id, [s.reward for s in rollout.samples])
             await self.store.save()
             await delivery.ack()
             error = rollout.error or rollout.metadata.get("episode_error")

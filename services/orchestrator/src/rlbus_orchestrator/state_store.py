@@ -55,16 +55,28 @@ class CoordinatorState:
     """Training tasks whose group is in a stored batch."""
     dropped: dict[str, int] = field(default_factory=dict)
     """Training tasks dropped, by reason (DROP_REASONS)."""
+    skipped: int = 0
+    """Cursors passed over, never issued: their prompts were skipped (difficulty.py)."""
+    prompts: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    """The difficulty filter's history: env id -> example index -> [streak, skip_until]
+    (difficulty.py)."""
+
+    def num_issued(self) -> int:
+        """Training tasks issued: the cursors so far, less those passed over."""
+        return self.cursor - self.skipped
 
     def accounting(self) -> dict[str, int]:
-        """Every issued task is trained, dropped (by reason) or outstanding; `unaccounted` is 0."""
+        """Every issued task is trained, dropped (by reason) or outstanding; `unaccounted` is 0.
+        `skipped` cursors were never issued."""
         num_dropped = sum(self.dropped.values())
+        issued = self.num_issued()
         return {
-            "issued": self.cursor,
+            "issued": issued,
+            "skipped": self.skipped,
             "trained": self.trained,
             "dropped": num_dropped,
             "outstanding": len(self.outstanding),
-            "unaccounted": self.cursor - self.trained - num_dropped - len(self.outstanding),
+            "unaccounted": issued - self.trained - num_dropped - len(self.outstanding),
         }
 
     def encode(self) -> bytes:
@@ -139,10 +151,13 @@ class StateStore:
 
     # ---- the task ledger (in memory; the caller saves) ------------------------------------
 
-    def record_issued(self, task_ids: dict[str, int]) -> None:
-        """New tasks (task_id -> cursor), outstanding from now on; the cursor moves past them."""
+    def record_issued(self, task_ids: dict[str, int], next_cursor: int | None = None) -> None:
+        """New tasks (task_id -> cursor), outstanding from now on; the cursor moves past them, to
+        `next_cursor` when cursors between were passed over (counted as skipped)."""
         self.state.outstanding.update(task_ids)
-        self.state.cursor += len(task_ids)
+        end = self.state.cursor + len(task_ids) if next_cursor is None else next_cursor
+        self.state.skipped += end - self.state.cursor - len(task_ids)
+        self.state.cursor = end
 
     def record_trained(self, task_ids: list[str]) -> None:
         """Tasks whose groups are in a stored batch (ids no longer outstanding are skipped)."""

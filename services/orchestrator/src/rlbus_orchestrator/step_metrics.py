@@ -49,6 +49,10 @@ class StepStats:
     no_signal: list[Rollout] = field(default_factory=list)
     """The groups dropped for zero advantage: sampled but never trained, their samples still
     count in the step's sampled reward (`reward/mean`)."""
+    prompt_skips: Counter[str] = field(default_factory=Counter)
+    """Cursors the difficulty filter passed over, by kind (`easy`, `hard`)."""
+    prompts_forced: int = 0
+    """Tasks issued although their prompt is skipped (its environment had no other)."""
 
     def reset(self) -> None:
         """Start counting the next step (the object is shared by the parts, so it stays)."""
@@ -58,6 +62,11 @@ class StepStats:
         """A group of `env_id` dropped for `reason` (the caller recorded it in the ledger)."""
         self.dropped[reason] += 1
         self.env_dropped[env_id, reason] += 1
+
+    def count_skips(self, skips: Counter[str], forced: int) -> None:
+        """The difficulty filter's decisions of one issue (difficulty.Selection)."""
+        self.prompt_skips.update(skips)
+        self.prompts_forced += forced
 
     def count_dropped_episodes(self, rollout: Rollout) -> None:
         """The episodes a worker left out of `rollout`'s group."""
@@ -75,9 +84,11 @@ def step_metrics(
     applied_version: int,
     num_groups: int = 0,
     env_ids: Sequence[str] = (),
+    skipped: Counter[str] | None = None,
 ) -> dict[str, float]:
     """The step's metrics from the groups of its batch; the task counts include the
-    `num_groups` groups of this batch; `env/<id>/*` for each of `env_ids` (the run's) at least.
+    `num_groups` groups of this batch; `env/<id>/*` for each of `env_ids` (the run's) at least;
+    `difficulty/*` when `skipped` (the prompts skipped at this step, by kind) is given.
 
     `reward/*` describe every sample of the step: the batch's plus those of the groups dropped
     for zero advantage since the last batch (what other tools call the mean reward);
@@ -98,7 +109,23 @@ def step_metrics(
             sum(n for (_, r), n in stats.episodes_dropped.items() if r == reason)
         )
     m |= env_metrics(env_ids, rollouts, stats)
+    if skipped is not None:
+        m |= difficulty_metrics(skipped, stats, state)
     return m
+
+
+def difficulty_metrics(
+    skipped: Counter[str], stats: StepStats, state: CoordinatorState
+) -> dict[str, float]:
+    """The difficulty filter at this step: prompts skipped now, cursors passed over and tasks
+    forced since the last batch, and cursors passed over since the run began."""
+    return {
+        "difficulty/skipped_easy": float(skipped["easy"]),
+        "difficulty/skipped_hard": float(skipped["hard"]),
+        "difficulty/skips": float(sum(stats.prompt_skips.values())),
+        "difficulty/forced": float(stats.prompts_forced),
+        "tasks/skipped": float(state.skipped),
+    }
 
 
 def env_metrics(
@@ -187,7 +214,7 @@ def task_metrics(state: CoordinatorState, stats: StepStats, num_groups: int) -> 
     for reason in DROP_REASONS:
         m[f"dropped/{reason}"] = float(stats.dropped[reason])
         m[f"tasks/dropped/{reason}"] = float(state.dropped.get(reason, 0))
-    m["tasks/issued"] = float(state.cursor)
+    m["tasks/issued"] = float(state.num_issued())
     m["tasks/trained"] = float(state.trained + num_groups)
     m["tasks/outstanding"] = float(len(state.outstanding) - num_groups)
     return m

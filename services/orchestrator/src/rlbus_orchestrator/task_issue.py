@@ -17,6 +17,7 @@ drops it as `timeout` and a replacement is issued (its clock restarts with the c
 """
 
 import asyncio
+import functools
 import random
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from rlbus.bus.client import Bus
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.obs import tracing
 from rlbus.wire.tasks import Task
+from rlbus_orchestrator.difficulty import DifficultyFilter, Prompt, Selection
 from rlbus_orchestrator.env_mix import EnvMix, EnvSettings, env_settings
 from rlbus_orchestrator.env_mix import sampling_args as sampling_args  # eval_runner's import
 from rlbus_orchestrator.envs import Environment, load_environment
@@ -65,9 +67,39 @@ def dataset_index(cursor: int, num_examples: int | None, seed: int) -> int:
     if num_examples is None:
         return cursor
     epoch, pos = divmod(cursor, num_examples)
+    return epoch_order(num_examples, seed, epoch)[pos]
+
+
+@functools.lru_cache(maxsize=8)
+def epoch_order(num_examples: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """The example indices of one epoch in their shuffled order (kept: the difficulty filter
+    looks at many cursors of the same epoch when it passes skipped prompts over)."""
     order = list(range(num_examples))
     random.Random(f"{seed}/{epoch}").shuffle(order)
-    return order[pos]
+    return tuple(order)
+
+
+def make_difficulty_filter(
+    config: OrchestratorConfig, envs: list[RunEnv], store: StateStore
+) -> DifficultyFilter:
+    """The run's difficulty filter: prompts of the environments with a finite train set."""
+    mix = EnvMix(config)
+    sizes = [run_env.env.num_examples("train") for run_env in envs]
+
+    def prompt_of(cursor: int) -> Prompt | None:
+        entry = mix.index(cursor)
+        size = sizes[entry]
+        if size is None:
+            return None
+        return envs[entry].settings.env_id, dataset_index(cursor, size, config.seed)
+
+    num_prompts: dict[str, int] = {}
+    for run_env, size in zip(envs, sizes, strict=True):
+        if size is not None:
+            num_prompts.setdefault(run_env.settings.env_id, size)
+    return DifficultyFilter(
+        config.difficulty_filter, store, prompt_of=prompt_of, num_prompts=num_prompts
+    )
 
 
 def task_id_of(cursor: int) -> str:
@@ -89,11 +121,14 @@ class TaskIssuer:
         weights: WeightsWatcher,
         traces: StepTraces,
         stats: StepStats,
+        difficulty: DifficultyFilter | None = None,
     ) -> None:
         self.bus = bus
         self.config = config
         self.envs = envs
         self.store = store
+        self.difficulty = difficulty or make_difficulty_filter(config, envs, store)
+        """Which prompts to pass over (difficulty.py; skips nothing unless enabled)."""
         self.pool = pool
         self.weights = weights
         self.traces = traces
@@ -128,16 +163,24 @@ class TaskIssuer:
         return self.pool.num_samples() + sum(self.mix.of_cursor(c).group_size for c in in_flight)
 
     def num_tasks_to_issue(self) -> int:
+        return len(self.cursors_to_issue()[0])
+
+    def cursors_to_issue(self) -> tuple[list[int], int, Selection]:
+        """The cursors due now, the cursor after them, and the difficulty filter's skips: from
+        the data cursor on, the cursors of skipped prompts are passed over."""
         state = self.store.state
+        selection = self.difficulty.selection(state.next_step)
         steps_ahead = self.weights.max_step() - state.next_step + 1
         if steps_ahead <= 0:
-            return 0
+            return [], state.cursor, selection
         missing = self.config.batch_size * steps_ahead - self.samples_on_the_way()
-        num = 0
+        cursors, cursor = [], state.cursor
         while missing > 0:  # each next cursor's group, whatever its environment's size
-            missing -= self.mix.of_cursor(state.cursor + num).group_size
-            num += 1
-        return num
+            if not selection.passes_over(cursor):
+                cursors.append(cursor)
+                missing -= self.mix.of_cursor(cursor).group_size
+            cursor += 1
+        return cursors, cursor, selection
 
     def expected_steps(self, cursors: list[int]) -> list[int]:
         """The step the groups of `cursors` (just recorded as issued) should land in: batches
@@ -155,12 +198,12 @@ class TaskIssuer:
 
     async def issue_due_tasks(self) -> int:
         """Publish the tasks due now (write-ahead cursors saved first); returns how many."""
-        num = self.num_tasks_to_issue()
+        cursors, next_cursor, selection = self.cursors_to_issue()
+        num = len(cursors)
         if not num:
             return 0
-        first = self.store.state.cursor
-        cursors = list(range(first, first + num))
-        self.store.record_issued({task_id_of(c): c for c in cursors})
+        self.stats.count_skips(selection.num_skips, selection.num_forced)
+        self.store.record_issued({task_id_of(c): c for c in cursors}, next_cursor)
         self.forget_ended_tasks()
         self.issued_at.update(dict.fromkeys(map(task_id_of, cursors), time.monotonic()))
         await self.store.save_write_ahead(cursors)

@@ -295,6 +295,42 @@ class SamplesConfig(BaseConfig):
     """Samples per environment: one of each group first, then second ones, and so on."""
 
 
+class DifficultyFilterConfig(BaseConfig):
+    """Skip prompts that are too easy or too hard for a while (docs/orchestrator.md,
+    "Difficulty filtering"): a prompt whose groups came back all solved, or all failed, on
+    `consecutive` visits in a row is not issued for `skip_steps` steps, then is eligible again
+    with its streak restarted. Only environments with a finite train set are tracked (a
+    generated one never repeats a prompt)."""
+
+    enabled: bool = False
+    """Track each prompt's outcomes and skip the easy and hard ones (off by default)."""
+
+    consecutive: int = Field(2, ge=1)
+    """Visits in a row, each all solved (or each all failed), that make a prompt skipped."""
+
+    skip_steps: int = Field(20, ge=1)
+    """Steps a prompt stays skipped: from the step being built when its streak completed."""
+
+    solved_threshold: float = 1.0
+    """A sample with reward >= this is solved; a group is all solved when every sample is."""
+
+    failed_threshold: float = 0.0
+    """A sample with reward <= this is failed; a group is all failed when every sample is."""
+
+    @model_validator(mode="after")
+    def _check_thresholds(self) -> "DifficultyFilterConfig":
+        if self.failed_threshold >= self.solved_threshold:
+            raise field_errors(
+                self,
+                (
+                    "failed_threshold",
+                    f"must be below solved_threshold ({self.solved_threshold}): a sample "
+                    "cannot be both solved and failed",
+                ),
+            )
+        return self
+
+
 class InferenceHttpConfig(BaseConfig):
     """Deadlines and back-off of the rollout workers' HTTP calls to inference replicas."""
 
@@ -382,6 +418,10 @@ class OrchestratorConfig(RunnableConfig):
 
     filter_zero_advantage: bool = True
     """Drop groups whose rewards are all equal (no learning signal)."""
+
+    difficulty_filter: DifficultyFilterConfig = DifficultyFilterConfig()
+    """Skip prompts solved, or failed, by every sample of their last groups for a while (off
+    unless `enabled`)."""
 
     seq_len: int = Field(2048, ge=8)
     """Micro-batch row length (tokens) when packing for the trainer."""
