@@ -194,3 +194,24 @@ def make_trainer_config(model_dir, output_dir, name: str, bus: dict, **overrides
     }
     config.update(overrides)
     return config
+
+
+CUSTOM_LOSS_CALLS: list[dict] = []
+"""What `recording_loss` saw, one entry per call (the custom-loss test reads it)."""
+
+
+def recording_loss(inputs, num_global_tokens: int, *, scale: float = 1.0):
+    """A custom loss for `loss.type = "custom"` tests (import path
+    `trainer_support:recording_loss`): `scale` x the on-policy policy gradient, token-normalised,
+    recording each call and reporting a `custom_calls` metric."""
+    CUSTOM_LOSS_CALLS.append(
+        {
+            "num_global_tokens": num_global_tokens,
+            "num_global_samples": inputs.num_global_samples,
+            "num_samples": len(set(inputs.sample_ids[inputs.loss_mask].tolist())),
+            "scale": scale,
+        }
+    )
+    per_token = -inputs.trainer_logprobs * inputs.advantages * inputs.loss_mask
+    loss = scale * per_token.sum() / max(num_global_tokens, 1)
+    return loss, {"custom_calls": inputs.advantages.new_tensor(1.0)}

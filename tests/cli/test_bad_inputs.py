@@ -329,6 +329,42 @@ CONFIG_CASES = [
         ["--orchestrator.sampling.max-tokens", "max_model_len (100", "got 128"],
     ),
     Case(
+        "dr-grpo-with-normalized-advantages",
+        RL,
+        ["--trainer.loss.type", "dr_grpo", "--orchestrator.normalize-advantages"],
+        ["--orchestrator.normalize-advantages", "trainer.loss.type = 'dr_grpo'", "must be false"],
+    ),
+    Case(
+        "ref-kl-full-fine-tuning-on-two-ranks",
+        RL,
+        ["--trainer.loss.ref-kl-coef", "0.1", "--deployment.num-train-gpus", "2"],
+        ["--trainer.loss.ref-kl-coef", "deployment.num_train_gpus = 1", "--trainer.lora"],
+    ),
+    Case(
+        "loss-type-unknown",
+        TRAINER,
+        ["--loss.type", "ppo"],
+        ["--loss", "'ppo'", "dr_grpo", "gspo", "dapo"],
+    ),
+    Case(
+        "ref-kl-coef-negative",
+        TRAINER,
+        ["--loss.ref-kl-coef", "-1"],
+        ["--loss.ref-kl-coef", "'-1'"],
+    ),
+    Case(
+        "gspo-eps-low-one",
+        TRAINER,
+        ["--loss.type", "gspo", "--loss.eps-low", "1"],
+        ["--loss.eps-low", "'1'"],
+    ),
+    Case(
+        "dr-grpo-max-tokens-zero",
+        RL,
+        ["--trainer.loss.type", "dr_grpo", "--trainer.loss.max-tokens", "0"],
+        ["--trainer.loss.max-tokens", "'0'"],
+    ),
+    Case(
         "inference-url-not-http",
         ORCH,
         ["--inference-urls", "host:8000/v1"],
@@ -503,6 +539,13 @@ ACCEPTED = [
     # The orchestrator only sends the name: the files live with inference (another container).
     (ORCH, ["--model.name", "/models/on-the-inference-host"]),
     (TRAINER, ["--optim.betas", "0.8", "0.95"]),
+    (RL, ["--trainer.loss.type", "dr_grpo"]),  # std normalisation is off by default
+    (RL, ["--trainer.loss.type", "gspo", "--orchestrator.normalize-advantages"]),
+    (
+        RL,
+        ["--trainer.loss.ref-kl-coef", "0.1", "--deployment.num-train-gpus", "2", "--trainer.lora"],
+    ),
+    (RL, ["--trainer.loss.ref-kl-coef", "0.1", "--trainer.reference.offload"]),
     (RL, ["--seq-len", "128", "--orchestrator.sampling.max-tokens", "128"]),
     (ORCH, ["--seq-len", "64"]),  # standalone: samples are cut to seq_len, the engine is elsewhere
 ]

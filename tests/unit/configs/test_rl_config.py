@@ -145,3 +145,17 @@ def test_each_environments_max_tokens_and_episode_budget_must_fit_the_engine_con
         "sampling = { max_tokens = 64 }\n"
     )
     assert make_rl("@", str(path)).orchestrator.env[0].sampling.max_tokens == 64
+
+
+def test_dr_grpo_normaliser_is_the_orchestrator_token_budget_unless_set():
+    pushed = RLConfig.model_validate(
+        {"trainer": {"loss": {"type": "dr_grpo"}}, "orchestrator": {"sampling": {"max_tokens": 48}}}
+    )
+    assert pushed.trainer.loss.max_tokens == 48
+    own = RLConfig.model_validate(
+        {
+            "trainer": {"loss": {"type": "dr_grpo", "max_tokens": 100}},
+            "orchestrator": {"sampling": {"max_tokens": 48}},
+        }
+    )
+    assert own.trainer.loss.max_tokens == 100

@@ -24,13 +24,13 @@ def one_token_padding() -> MicroBatch:
     )
 
 
-def first_step(tiny_model, tokens_per_forward, micro_batches):
+def first_step(tiny_model, tokens_per_forward, micro_batches, loss=None):
     # SGD with lr 1: weight changes equal the gradients (Adam's first step would amplify float noise).
     config = TrainerConfig(
         model={"name": str(tiny_model)},
         optim={"type": "sgd", "lr": 1.0, "max_norm": None},
         tokens_per_forward=tokens_per_forward,
-        loss={"mask_low": 1.0, "mask_high": 1.0},
+        loss=loss or {"mask_low": 1.0, "mask_high": 1.0},
     )
     engine = build_engine(config, setup_distributed())
     result = engine.train_step(micro_batches, build_loss_fn(config.loss))
@@ -89,9 +89,20 @@ def reverse_text_like_groups(num_groups=3, group_size=4, seed=0):
     return groups
 
 
+# Per-sample losses see the same samples in both layouts (LossInputs.sample_ids, num_global_samples).
+# GSPO's clip range is widened: the tiny model is far from the inference logprobs, and a clipped
+# sample has no gradient to compare.
+LOSSES = {
+    "default": None,
+    "dr_grpo": {"type": "dr_grpo", "max_tokens": 6},
+    "gspo": {"type": "gspo", "eps_low": 0.99, "eps_high": 1e9},
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
 @pytest.mark.parametrize("seq_len", [64, 40], ids=["one-row-per-group", "prompts-repeated"])
 def test_shared_prefixes_give_the_loss_and_gradients_of_one_sequence_per_sample(
-    tiny_model, seq_len
+    tiny_model, seq_len, loss
 ):
     from rlbus_orchestrator.packing import group_sequences, pack
 
@@ -101,7 +112,7 @@ def test_shared_prefixes_give_the_loss_and_gradients_of_one_sequence_per_sample(
         sequences = group_sequences(groups, seq_len, share_prefixes=share)
         (micro_batches,) = pack(sequences, seq_len=seq_len, num_ranks=1)
         tokens = sum(len(mb.input_ids) for mb in micro_batches)
-        return *first_step(tiny_model, 4096, micro_batches), tokens
+        return *first_step(tiny_model, 4096, micro_batches, LOSSES[loss]), tokens
 
     plain, w_plain, plain_tokens = step(False)
     shared, w_shared, shared_tokens = step(True)

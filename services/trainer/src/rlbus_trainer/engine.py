@@ -12,12 +12,20 @@ are stacked (padded) into one forward pass while rows x longest row <= `tokens_p
 which matters for tiny models where per-call overhead dominates. Every rank runs
 the same number of forward/backward passes (FSDP2 collectives must match), so a rank with fewer
 rows runs empty-loss padding passes.
-Loss terms are normalised by the step's global loss-token count; FSDP2 averages gradients over
-ranks, so each rank's loss is multiplied by the world size to turn that average back into a sum.
+Loss terms are normalised by the step's global loss-token count (or, for per-sample losses, its
+global sample count); FSDP2 averages gradients over ranks, so each rank's loss is multiplied by
+the world size to turn that average back into a sum.
+
+With `loss.ref_kl_coef` > 0 each forward pass is followed by one of the reference model without
+gradients, its logprobs going into `LossInputs.reference_logprobs`: under LoRA the same model
+with its adapters off (`lora.adapters_disabled`, no memory), else a frozen copy of the initial
+weights (`reference.offload`: in host memory, moved to the device for each pass; one rank only).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import time
 from dataclasses import dataclass, field
@@ -34,12 +42,14 @@ from rlbus.wire.batches import MicroBatch
 from rlbus_trainer import qwen3
 from rlbus_trainer.full_offload import OptimizerInBackward
 from rlbus_trainer.hf_dir import local_model_dir
-from rlbus_trainer.lora import apply_lora
+from rlbus_trainer.lora import adapters_disabled, apply_lora
 from rlbus_trainer.loss import (
     LossFn,
     LossInputs,
     ancestor_mask,
     block_causal_mask,
+    num_loss_samples,
+    sample_ids_of,
     token_logprobs_and_entropy,
 )
 from rlbus_trainer.optim import (
@@ -186,8 +196,12 @@ class Engine:
         model: torch.nn.Module,
         optimizer: EngineOptimizer,
         schedule: LRSchedule,
+        reference: torch.nn.Module | None = None,
     ) -> None:
         self.config = config
+        self.reference = reference
+        """The frozen initial weights (full fine-tuning with ref_kl_coef > 0), else None."""
+        self.use_reference = config.loss.ref_kl_coef > 0
         self.world = world
         self.model = model
         self.optimizer = optimizer
@@ -201,9 +215,13 @@ class Engine:
         t0 = time.perf_counter()
         num_local_loss = sum(sum(mb.loss_mask) for mb in micro_batches)
         num_local_tokens = sum(len(mb.input_ids) for mb in micro_batches)
-        totals = torch.tensor([num_local_loss, num_local_tokens], dtype=torch.float64)
+        num_local_samples = sum(num_loss_samples(mb) for mb in micro_batches)
+        totals = torch.tensor(
+            [num_local_loss, num_local_tokens, num_local_samples], dtype=torch.float64
+        )
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
         num_global_loss, num_global_tokens = int(totals[0]), int(totals[1])
+        num_global_samples = int(totals[2])
         padded = self._groups(micro_batches)
 
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -212,7 +230,7 @@ class Engine:
         for i, mb in enumerate(padded):
             if isinstance(self.optimizer, OptimizerInBackward):
                 self.optimizer.last_micro_batch = i == len(padded) - 1
-            loss, metrics = self._forward_loss(mb, loss_fn, num_global_loss)
+            loss, metrics = self._forward_loss(mb, loss_fn, num_global_loss, num_global_samples)
             (loss * self.world.world_size).backward()
             loss_sum += loss.detach().double().cpu()
             for k, v in metrics.items():
@@ -244,7 +262,11 @@ class Engine:
         )
 
     def _forward_loss(
-        self, group: list[MicroBatch], loss_fn: LossFn, num_global_loss: int
+        self,
+        group: list[MicroBatch],
+        loss_fn: LossFn,
+        num_global_loss: int,
+        num_global_samples: int,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One forward pass over a group of packed rows (padded to the longest), loss over all."""
         dev = self.world.device
@@ -262,17 +284,27 @@ class Engine:
                 mask[b, 0, :n, :n] = ancestor_mask(mb.parent_ids)[0, 0]
             else:
                 mask[b, 0, :n, :n] = block_causal_mask(mb.seq_lens)[0, 0]
-        logits = self.model(
-            input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev)
-        ).logits
-        logprobs, entropies = [], []
+        ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
+        logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask).logits
+        ref_logits = self._reference_logits(ids, pos, mask) if self.use_reference else None
+        logprobs, entropies, ref_logprobs = [], [], []
+        sample_ids: list[list[int]] = []
+        num_samples = 0  # in the rows before
         for b, mb in enumerate(group):  # per row: [T_b] each, pads dropped
             n = len(mb.input_ids)
             temps = torch.tensor(mb.temperatures, dtype=torch.float32, device=dev)
             parents = torch.tensor(mb.parent_ids, device=dev) if mb.parent_ids else None
-            lp, ent = token_logprobs_and_entropy(logits[b, :n], ids[b, :n].to(dev), temps, parents)
+            lp, ent = token_logprobs_and_entropy(logits[b, :n], ids[b, :n], temps, parents)
             logprobs.append(lp)
             entropies.append(ent)
+            if ref_logits is not None:
+                ref_lp, _ = token_logprobs_and_entropy(
+                    ref_logits[b, :n], ids[b, :n], temps, parents
+                )
+                ref_logprobs.append(ref_lp)
+            row_ids = sample_ids_of(mb)  # numbered on from the rows before: unique in the group
+            sample_ids.append([num_samples + i for i in row_ids])
+            num_samples += max(row_ids) + 1
 
         def flat(attr: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(
@@ -285,8 +317,27 @@ class Engine:
             advantages=flat("advantages", torch.float32),
             loss_mask=flat("loss_mask", torch.bool),
             entropy=torch.cat(entropies),
+            sample_ids=torch.tensor([i for row in sample_ids for i in row], device=dev),
+            num_global_samples=num_global_samples,
+            reference_logprobs=torch.cat(ref_logprobs) if ref_logprobs else None,
         )
         return loss_fn(inputs, num_global_loss)
+
+    @torch.no_grad()
+    def _reference_logits(
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """[B, T, V] logits of the reference model: the base model (adapters off) under LoRA,
+        else the frozen copy, brought to the device for the pass when it is offloaded."""
+        if self.reference is None:  # LoRA: build_engine keeps no copy
+            with adapters_disabled(self.model):
+                return self.model(input_ids=ids, position_ids=pos, attention_mask=mask).logits
+        offload = self.config.reference.offload and self.world.device.type != "cpu"
+        with contextlib.ExitStack() as stack:
+            if offload:
+                self.reference.to(self.world.device)
+                stack.callback(self.reference.to, "cpu")
+            return self.reference(input_ids=ids, position_ids=pos, attention_mask=mask).logits
 
     def _groups(self, micro_batches: list[MicroBatch]) -> list[list[MicroBatch]]:
         """Rows stacked per forward pass (rows x longest row <= tokens_per_forward), padded with
@@ -310,12 +361,18 @@ class Engine:
     def eval_loss(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> float:
         """Mean loss over micro-batches of every rank without updating anything (validation)."""
         self.model.eval()
-        total = torch.tensor([sum(sum(mb.loss_mask) for mb in micro_batches)], dtype=torch.float64)
+        total = torch.tensor(
+            [
+                sum(sum(mb.loss_mask) for mb in micro_batches),
+                sum(num_loss_samples(mb) for mb in micro_batches),
+            ],
+            dtype=torch.float64,
+        )
         dist.all_reduce(total)
         padded = self._groups(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for mb in padded:
-            loss, _ = self._forward_loss(mb, loss_fn, int(total))
+            loss, _ = self._forward_loss(mb, loss_fn, int(total[0]), int(total[1]))
             loss_sum += loss.double().cpu()
         dist.all_reduce(loss_sum)
         return float(loss_sum)
@@ -350,6 +407,7 @@ def build_engine(config: TrainerConfig, world: World) -> Engine:
     """Model, FSDP2 sharding, optimizer (plain, state-offloaded or in-backward) and schedule."""
     torch.manual_seed(config.seed)
     model = load_model(config.model, world.device)
+    reference = build_reference(config, world, model)
     if config.lora is not None:  # freezes the base: the optimizer sees adapters
         apply_lora(model, config.lora)
     model = shard_model(model, world)
@@ -374,7 +432,28 @@ def build_engine(config: TrainerConfig, world: World) -> Engine:
         full_offload=full is not None,
         optim_cpu_offload=config.model.optim_cpu_offload,
     )
-    return Engine(config, world, model, optimizer, schedule)
+    return Engine(config, world, model, optimizer, schedule, reference)
+
+
+def build_reference(
+    config: TrainerConfig, world: World, model: torch.nn.Module
+) -> torch.nn.Module | None:
+    """The frozen copy of the initial weights that `loss.ref_kl_coef` needs under full
+    fine-tuning (in host memory with `reference.offload`); None without a KL term or under LoRA,
+    whose reference is the base model itself. Called before LoRA and sharding touch `model`."""
+    if config.loss.ref_kl_coef == 0 or config.lora is not None:
+        return None
+    if world.world_size > 1:
+        raise ValueError(
+            f"trainer.loss.ref_kl_coef with full fine-tuning needs one trainer rank ({world.world_size} "
+            "here: the reference copy is not sharded): train LoRA adapters (`--trainer.lora`, "
+            "whose reference costs nothing), use one rank, or set ref_kl_coef = 0"
+        )
+    reference = copy.deepcopy(model).requires_grad_(False).eval()
+    if config.reference.offload:
+        reference.to("cpu")
+    log.info("reference_model_built", offload=config.reference.offload)
+    return reference
 
 
 def torch_optimizers(optimizer: EngineOptimizer) -> list[torch.optim.Optimizer]:

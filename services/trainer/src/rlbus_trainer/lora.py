@@ -3,6 +3,7 @@
     apply_lora(model, config)        freeze the model, add lora_A/lora_B to each target Linear
     adapter_state_dict(state)        the adapter tensors of a state dict, PEFT key names
     merged_state_dict(state, config) W + scaling * B @ A folded in (full weights, no adapters)
+    adapters_disabled(model)         context: the base model's forward (the reference of a KL term)
     write_adapter_dir(tensors, ...)  a PEFT adapter directory (what LoraWeightPublisher, in
                                      weights.py, writes under <run_dir>/broadcasts/step_N/)
 
@@ -22,11 +23,13 @@ sample from the adapter (docs/lora.md).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 def _lora_hook(
     module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor, *, scaling: float
 ) -> torch.Tensor:
+    if getattr(module, "lora_off", False):  # adapters_disabled: the base model's output
+        return output
     x = module.get_submodule("lora_dropout")(inputs[0])
     return output + module.get_submodule("lora_B")(module.get_submodule("lora_A")(x)) * scaling
 
@@ -90,6 +95,22 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("lora_applied", num_modules=len(linears), num_trainable=num_trainable)
     return list(linears)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside: `model` computes as its base model (every adapter's hook adds nothing). The
+    reference model of a LoRA run's `ref_kl_coef` is this, so it costs no memory."""
+    linears = [m for m in model.modules() if hasattr(m, "lora_A")]
+    # A plain bool attribute (nn.Module keeps it in __dict__); setattr because mypy reads
+    # nn.Module attributes as tensors or modules.
+    for linear in linears:
+        setattr(linear, "lora_off", True)  # noqa: B010
+    try:
+        yield
+    finally:
+        for linear in linears:
+            setattr(linear, "lora_off", False)  # noqa: B010
 
 
 def is_adapter_key(name: str) -> bool:

@@ -121,7 +121,11 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
     @model_validator(mode="after")
     def _push_shared_values_down(self) -> Self:
         self.push_shared_values_down()
-        errors = [*self._pushed_value_errors(), *self._replica_port_errors()]
+        errors = [
+            *self._pushed_value_errors(),
+            *self._replica_port_errors(),
+            *self._algorithm_errors(),
+        ]
         if errors:
             raise field_errors(self, *errors)
         return self
@@ -151,6 +155,26 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
                         "unless set): an episode is one sequence of the engine's context",
                     )
                 )
+        return errors
+
+    def _algorithm_errors(self) -> list[tuple[str, str]]:
+        """Loss and advantage settings the two services must agree on (docs/algorithms.md)."""
+        errors = []
+        loss = self.trainer.loss
+        if loss.type == "dr_grpo" and self.orchestrator.normalize_advantages:
+            why = (
+                "must be false with trainer.loss.type = 'dr_grpo': Dr. GRPO drops the group std "
+                "normalisation of advantages (use another loss type to keep it)"
+            )
+            errors.append(("orchestrator.normalize_advantages", why))
+        num_ranks = self.deployment.num_train_gpus
+        if loss.ref_kl_coef > 0 and self.trainer.lora is None and num_ranks > 1:
+            why = (
+                f"with full fine-tuning needs deployment.num_train_gpus = 1 (got {num_ranks}: the "
+                "reference copy is not sharded): train LoRA adapters (--trainer.lora, whose "
+                "reference costs nothing), use one trainer rank, or set it to 0"
+            )
+            errors.append(("trainer.loss.ref_kl_coef", why))
         return errors
 
     def _replica_port_errors(self) -> list[tuple[str, str]]:
@@ -200,6 +224,8 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
             for field in ("seq_len", "max_steps"):
                 push_down(service, field, getattr(self, field))
         push_down(self.orchestrator, "num_train_ranks", self.deployment.num_train_gpus)
+        if self.trainer.loss.type == "dr_grpo":  # its constant normaliser is the token budget
+            push_down(self.trainer.loss, "max_tokens", self.orchestrator.sampling.max_tokens)
         push_down(self.inference.vllm, "model", self.model.name)
         # The engine samples in the trainer's dtype: vLLM's "auto" downcasts a float32 checkpoint
         # to bfloat16 on CPU, and the sampled tokens' logprobs would then disagree with the trainer's.

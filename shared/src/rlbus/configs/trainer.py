@@ -162,7 +162,16 @@ SchedulerConfig = Annotated[
 ]
 
 
-class DefaultLossConfig(BaseConfig):
+class LossBaseConfig(BaseConfig):
+    """What every loss type shares: the optional KL term to the reference model."""
+
+    ref_kl_coef: float = Field(0.0, ge=0)
+    """Weight of a KL penalty to the reference model (the initial weights; the base model with
+    the adapters off under LoRA): k3 estimate per loss token, normalised by the step's loss
+    tokens, added to the loss. 0 (default): no reference model is kept (docs/algorithms.md)."""
+
+
+class DefaultLossConfig(LossBaseConfig):
     """Importance-weighted policy gradient with trust-region masking by probability difference."""
 
     type: Literal["default"] = "default"
@@ -174,7 +183,41 @@ class DefaultLossConfig(BaseConfig):
     """Weight of the `log_ratio^2` penalty."""
 
 
-class CustomLossConfig(BaseConfig):
+class DrGRPOLossConfig(LossBaseConfig):
+    """Dr. GRPO: PPO's clipped ratio objective, token losses summed and divided by a constant
+    (samples x max_tokens), with no length normalisation (docs/algorithms.md)."""
+
+    type: Literal["dr_grpo"] = "dr_grpo"
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    """The ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
+    max_tokens: int = Field(128, ge=1)
+    """The constant length normaliser: the completion token budget. `rl` sets it to
+    orchestrator.sampling.max_tokens unless given here."""
+
+
+class GSPOLossConfig(LossBaseConfig):
+    """GSPO: one importance ratio per sample (geometric mean of its token ratios), clipped at
+    sample level, loss averaged over the step's samples (docs/algorithms.md)."""
+
+    type: Literal["gspo"] = "gspo"
+    eps_low: float = Field(3e-4, gt=0, lt=1)
+    """The sample ratio is clipped below at 1 - eps_low."""
+    eps_high: float = Field(4e-4, gt=0)
+    """The sample ratio is clipped above at 1 + eps_high."""
+
+
+class DAPOLossConfig(LossBaseConfig):
+    """DAPO: PPO's clipped ratio objective with a higher upper clip ("clip-higher"), normalised
+    by the step's loss tokens (docs/algorithms.md)."""
+
+    type: Literal["dapo"] = "dapo"
+    eps_low: float = Field(0.2, gt=0, lt=1)
+    """The ratio is clipped below at 1 - eps_low."""
+    eps_high: float = Field(0.28, gt=0)
+    """The ratio is clipped above at 1 + eps_high."""
+
+
+class CustomLossConfig(LossBaseConfig):
     """A user loss function given by import path."""
 
     type: Literal["custom"] = "custom"
@@ -184,7 +227,19 @@ class CustomLossConfig(BaseConfig):
     """Extra keyword arguments passed to the function."""
 
 
-LossConfig = Annotated[DefaultLossConfig | CustomLossConfig, Field(discriminator="type")]
+LossConfig = Annotated[
+    DefaultLossConfig | DrGRPOLossConfig | GSPOLossConfig | DAPOLossConfig | CustomLossConfig,
+    Field(discriminator="type"),
+]
+
+
+class ReferenceConfig(BaseConfig):
+    """The reference model of `loss.ref_kl_coef` (kept only when that is above 0)."""
+
+    offload: bool = False
+    """Keep the frozen copy of the initial weights in host memory and move it to the device for
+    each forward pass (full fine-tuning on one rank; a LoRA run's reference is its base model
+    with the adapters off, which costs no memory, so there it changes nothing)."""
 
 
 class LoRAConfig(BaseConfig):
@@ -241,7 +296,11 @@ class TrainerConfig(TrainingRunConfig):
     """Learning-rate schedule (switch with `--scheduler.type`)."""
 
     loss: LossConfig = DefaultLossConfig()
-    """RL loss (switch with `--loss.type`)."""
+    """RL loss (switch with `--loss.type`: default, dr_grpo, gspo, dapo, custom;
+    docs/algorithms.md)."""
+
+    reference: ReferenceConfig = ReferenceConfig()
+    """Where the reference model of `loss.ref_kl_coef` lives."""
 
     lora: LoRAConfig | None = None
     """Train LoRA adapters instead of the whole model and publish only them (off by default;
