@@ -119,6 +119,17 @@ def test_record_batch_sets_the_mean_reward_of_each_environment():
     assert value("rlbus_orchestrator_reward_mean", env="org/b") == 0.75
 
 
+def test_record_batch_sets_the_skipped_prompts_and_counts_the_skips():
+    skips = value("rlbus_prompt_skips_total")
+    step = {"difficulty/skipped_easy": 3.0, "difficulty/skipped_hard": 1.0}
+    orchestrator_metrics.record_batch(6, step | {"difficulty/skips": 4.0})
+    orchestrator_metrics.record_batch(7, step | {"difficulty/skips": 2.0})
+
+    assert value("rlbus_prompts_skipped", kind="easy") == 3
+    assert value("rlbus_prompts_skipped", kind="hard") == 1
+    assert value("rlbus_prompt_skips_total") == skips + 6
+
+
 def test_observe_eval_sets_the_last_evaluation_s_reward_and_pass_at_k_of_its_env():
     orchestrator_metrics.observe_eval(
         "rev",

@@ -1,6 +1,7 @@
 """The orchestrator's Prometheus series, declared here and served by `rlbus.obs.metrics`.
 
-    record_batch(step, metrics)        the coordinator published a step's batch
+    record_batch(step, metrics)        the coordinator published a step's batch (its difficulty
+                                       filter's skips among them)
     observe_eval(env, metrics)         the coordinator finished an evaluation of one environment
     count_dropped_task(reason, env)    the coordinator dropped a training task
     count_rollout(rollout)             a rollout worker published a group (and left out episodes)
@@ -82,6 +83,19 @@ EVAL_PASS_AT_K = Gauge(
     ["env", "k"],
     registry=None,
 )
+PROMPTS_SKIPPED = Gauge(
+    "rlbus_prompts_skipped",
+    "Prompts the difficulty filter skips at the last published step; kind: easy (always "
+    "solved) or hard (always failed) (difficulty/skipped_<kind>).",
+    ["kind"],
+    registry=None,
+)
+PROMPT_SKIPS = Counter(
+    "rlbus_prompt_skips",
+    "Data cursors the difficulty filter passed over because their prompt was skipped "
+    "(difficulty/skips).",
+    registry=None,
+)
 declare(
     "coordinator",
     BATCHES,
@@ -91,6 +105,8 @@ declare(
     REWARD_MEAN,
     EVAL_REWARD,
     EVAL_PASS_AT_K,
+    PROMPTS_SKIPPED,
+    PROMPT_SKIPS,
 )
 
 # ---- rollout workers ---------------------------------------------------------------------------
@@ -156,6 +172,7 @@ declare("streams", STREAM_MESSAGES, CONSUMER_PENDING, CONSUMER_ACK_PENDING, STRE
 OFF_POLICY_LAG_KEY = re.compile(r"^off_policy_lag/(-?\d+)$")
 ENV_REWARD_KEY = re.compile(r"^env/(.+)/reward/mean$")
 PASS_AT_K_KEY = re.compile(r"pass@(\d+)")
+SKIPPED_KEY = re.compile(r"^difficulty/skipped_(easy|hard)$")
 ROLLOUT_OUTCOMES = ("ok", "partial", "error")
 TOKEN_KINDS = ("prompt", "completion")
 _env_labels: set[str] = set()
@@ -190,6 +207,10 @@ def record_batch(step: int, metrics: Mapping[str, float]) -> None:
                 OFF_POLICY_LAG.observe(lag)
         elif match := ENV_REWARD_KEY.match(key):
             REWARD_MEAN.labels(env=env_label(match.group(1))).set(count)
+        elif match := SKIPPED_KEY.match(key):
+            PROMPTS_SKIPPED.labels(kind=match.group(1)).set(count)
+        elif key == "difficulty/skips":
+            PROMPT_SKIPS.inc(count)
 
 
 def observe_eval(env: str, metrics: Mapping[str, float]) -> None:
