@@ -38,7 +38,8 @@ while it drops. The parts: `state_store` (CoordinatorState, write-ahead cursors,
 resume), `task_issue` (cursor, environments, which policy version to ask for, expiry),
 `weights_watch` (applied version, how far ahead to work), `rollout_intake` (validate, quarantine,
 dedup, drop), `group_pool` + `staleness` (pooling, staleness), `batcher` (packing into step
-batches), `step_metrics`, `step_traces`, `eval_runner`.
+batches), `difficulty` (each prompt's outcomes, fed by the intake and the batcher; the prompts
+task issue passes over), `step_metrics`, `step_traces`, `eval_runner`.
 
 Pause (control `Pause`, until `Resume`): issue_tasks issues nothing; rollouts still in flight are
 pooled and batched as usual. Drain (SIGTERM/SIGINT, control `Drain`): stop issuing, wait up to

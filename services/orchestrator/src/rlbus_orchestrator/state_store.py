@@ -3,8 +3,10 @@
 State lives in the state KV bucket under `STATE_KEY` as JSON (`CoordinatorState`): the next step
 to batch, the data cursor, the outstanding tasks (published, not yet batched or dropped), the
 cursors of a task publish in progress (the write-ahead cursors: saved before the publish and
-republished on restart, deduplicated by message id) and the accounting of every issued task:
-`cursor == trained + sum(dropped.values()) + len(outstanding)` after every save.
+republished on restart, deduplicated by message id), the accounting of every issued task:
+`cursor - skipped == trained + sum(dropped.values()) + len(outstanding)` after every save
+(`skipped`: cursors the difficulty filter passed over), and the difficulty filter's history
+(`prompts`, difficulty.py).
 
 The batches stream is the truth for which steps exist: `load` adopts any batch already stored at
 `next_step` (a crash between the batch publish and the state save) and marks its tasks trained.

@@ -3,7 +3,9 @@
 Issuing rule: keep `pooled + in_flight >= batch_size * (max_step - next_step + 1)` samples on
 the way, where a task in flight counts its environment's group size and `max_step` is the weights
 watcher's (never more than `async_level` steps ahead of the newest applied weights, never past
-`max_steps`). New cursors are issued one by one until their groups cover what is missing.
+`max_steps`). New cursors are issued one by one until their groups cover what is missing; with
+the difficulty filter on, a cursor whose prompt is skipped is passed over (difficulty.py: counted
+in the state's `skipped`, never issued).
 
 A task is `train-<cursor>`: the data cursor picks the environment (env_mix.py: seeded by the
 cursor, by the environments' weights) and its example (`dataset_index`), so a task republished
