@@ -31,12 +31,12 @@ def test_rl_migrate_config_writes_a_config_that_rl_dry_run_takes(tmp_path):
 
 def test_rl_migrate_config_exits_2_listing_keys_for_a_human(tmp_path):
     result = run_command(
-        "rl", "migrate-config", str(FIXTURES / "reverse-text-sft.toml"), cwd=tmp_path
+        "rl", "migrate-config", str(FIXTURES / "multinode-slurm-rl.toml"), cwd=tmp_path
     )
     assert result.returncode == 2
-    assert "human    data.name needs a human: data.path" in result.stderr
-    assert "convert  eval.source -> eval.env" in result.stderr
-    assert tomli.loads(result.stdout)["num_processes"] == 2  # the rest is converted anyway
+    assert "human    trainer.model.ep needs a human: no equivalent" in result.stderr
+    assert "convert  deployment.num_train_nodes -> slurm.nodes" in result.stderr
+    assert tomli.loads(result.stdout)["slurm"]["nodes"] == 3  # the rest is converted anyway
 
 
 def test_rl_loads_a_prime_rl_config_unchanged(tmp_path):
@@ -46,7 +46,11 @@ def test_rl_loads_a_prime_rl_config_unchanged(tmp_path):
 
 
 def test_sft_names_the_prime_rl_key_it_cannot_read(tmp_path):
-    result = run_command("sft", "@", str(FIXTURES / "reverse-text-sft.toml"), cwd=tmp_path)
+    config = tmp_path / "sft.toml"
+    config.write_text(
+        (FIXTURES / "reverse-text-sft.toml").read_text() + '\n[tokenizer]\nname = "t"\n'
+    )
+    result = run_command("sft", "@", str(config), cwd=tmp_path)
     assert result.returncode == 2
-    assert "--data.name: prime-rl key, in rlbus: data.path" in error_text(result)
+    assert "--tokenizer: prime-rl key, in rlbus: no equivalent" in error_text(result)
     assert "Traceback" not in result.stderr

@@ -44,7 +44,7 @@ def prepare_sft(config: SFTConfig) -> tuple[SFTConfig, Path]:
     `dry_run` or `slurm`: a rank never wipes, plans or resubmits its run) and the directory."""
     name_given = config.run.name is not None
     config = config.model_copy(deep=True)
-    config.run.name = config.run.name or sft_run_name(config.data.path, config.model.name)
+    config.run.name = config.run.name or sft_run_name(config.data.label, config.model.name)
     run = prepare_run_dir_or_exit(config, name_given=name_given)
     setup_logging("sft-launch", run_dir=run.run_dir, run_id=config.run.name, level=config.log.level)
     resolved = config.model_copy(deep=True)

@@ -102,12 +102,11 @@ def test_multi_node_rl_names_each_key_without_an_equivalent(capsys):
     assert "--trainer.model.ep: prime-rl key, in rlbus: no equivalent: the rlbus trainer is data-parallel only" in error  # fmt: skip
 
 
-def test_reverse_text_sft_names_its_dataset_and_reads_its_eval(capsys):
-    error = load_error(SFTConfig, "reverse-text-sft.toml", capsys)
+def test_reverse_text_sft_reads_its_dataset_by_name_and_its_eval():
+    config = parse_cli(SFTConfig, ["@", str(FIXTURES / "reverse-text-sft.toml")])
 
-    assert "1 invalid value for SFTConfig" in error
-    assert "--data.name: prime-rl key, in rlbus: data.path" in error
-    assert "--eval" not in error  # [eval] with an eval source is rlbus's eval
+    assert config.data.name == "someone/reverse-paragraphs" and config.seq_len == 2048
+    assert [env.id for env in config.eval.env] == ["reverse-text"]  # [eval] source -> eval.env
 
 
 def test_migrate_config_converts_reverse_text_rl_and_exits_0(capsys, tmp_path):
@@ -144,7 +143,7 @@ def test_migrate_config_lists_what_needs_a_human_and_exits_2(capsys, tmp_path):
         ("alphabet-sort-lora-rl.toml", 0, ["trainer.model.lora", "orchestrator.model.lora.name"]),
         ("math-eval-rl.toml", 0, ["orchestrator.eval.source", "trainer.scheduler.min_lr"]),
         ("multinode-slurm-rl.toml", 2, ["deployment.num_train_nodes", "trainer.model.compile"]),
-        ("reverse-text-sft.toml", 2, ["data.name", "data.seq_len", "eval.source", "inference"]),
+        ("reverse-text-sft.toml", 0, ["data.seq_len", "eval.source", "inference"]),
     ],
 )
 def test_migrate_config_output_is_an_rlbus_config(name, code, changed, capsys, tmp_path):
@@ -172,7 +171,8 @@ def test_migrated_values_are_right_for_math_and_sft(capsys, tmp_path):
 
     _, sft, _ = migrate_fixture("reverse-text-sft.toml", capsys, tmp_path)
     assert sft["seq_len"] == 2048 and sft["num_processes"] == 2
-    assert sft["data"] == {"batch_size": 16} and sft["optim"] == {"lr": 1e-5}
+    assert sft["data"] == {"name": "someone/reverse-paragraphs", "batch_size": 16}
+    assert sft["optim"] == {"lr": 1e-5}
     assert "inference" not in sft and "deployment" not in sft
     assert sft["eval"] == {
         "interval": 20,

@@ -3,8 +3,13 @@
 from trainer_support import make_sft_config, read_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlbus.configs.sft import SFTConfig
+from rlbus.configs.sft import SFTConfig, SFTDataConfig
 from rlbus_trainer.sft_data import SFTData, pack, tokenize_conversation
+
+
+def sft_data(tokenizer, *, seed=0, seq_len=512, **data):
+    """The SFT data an `sft` run with `[data]` = `data` trains on."""
+    return SFTData.from_config(SFTDataConfig(**data), tokenizer, seed=seed, seq_len=seq_len)
 
 
 def test_loss_mask_covers_assistant_content_and_end_token_only(tiny_model):
@@ -24,9 +29,7 @@ def test_loss_mask_covers_assistant_content_and_end_token_only(tiny_model):
 
 def test_packing_keeps_every_token_and_restarts_positions(tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    samples = SFTData(
-        "reverse-text", tokenizer, loss_roles=["assistant"], batch_size=10, seed=0
-    ).batch(1)
+    samples = sft_data(tokenizer, batch_size=10).batch(1)
     rows = pack(samples, seq_len=200)
     assert sum(len(r.input_ids) for r in rows) == sum(len(s.input_ids) for s in samples)
     assert all(len(r.input_ids) <= 200 for r in rows) and len(rows) < len(samples)
@@ -36,8 +39,8 @@ def test_packing_keeps_every_token_and_restarts_positions(tiny_model):
 
 def test_sft_data_is_deterministic_per_step(tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    a = SFTData("reverse-text", tokenizer, loss_roles=["assistant"], batch_size=4, seed=0)
-    b = SFTData("reverse-text", tokenizer, loss_roles=["assistant"], batch_size=4, seed=0)
+    a = sft_data(tokenizer, batch_size=4)
+    b = sft_data(tokenizer, batch_size=4)
     assert a.batch(3) == b.batch(3) and a.batch(3) != a.batch(4)
 
 
@@ -115,9 +118,7 @@ def test_sft_reads_parquet_messages(tiny_model, tmp_path):
     ]
     pq.write_table(pa.table({"messages": rows}), tmp_path / "train.parquet")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    data = SFTData(
-        str(tmp_path / "train.parquet"), tokenizer, loss_roles=["assistant"], batch_size=2, seed=0
-    )
+    data = sft_data(tokenizer, path=str(tmp_path / "train.parquet"), batch_size=2)
     assert data.num_examples == 2
     texts = sorted(tokenizer.decode(s.input_ids) for s in data.batch(1))
     assert texts[0].endswith("<|im_start|>assistant\ncba<|im_end|>\n")
@@ -136,7 +137,7 @@ def test_sft_data_visits_every_example_once_per_epoch_each_epoch_in_its_own_orde
     ]
     path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    data = SFTData(str(path), tokenizer, loss_roles=["assistant"], batch_size=3, seed=5)
+    data = sft_data(tokenizer, path=str(path), batch_size=3, seed=5)
     seen = [data.conversation(i)[0]["content"] for i in range(21)]  # three epochs, any order
     epochs = [seen[0:7], seen[7:14], seen[14:21]]
     assert all(sorted(e) == sorted(f"q{i}" for i in range(7)) for e in epochs)
@@ -153,13 +154,7 @@ def test_sft_data_path_errors_name_the_field(tiny_model, tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     with pytest.raises(ValueError, match="data.path"):
-        SFTData(
-            str(tmp_path / "missing.jsonl"),
-            tokenizer,
-            loss_roles=["assistant"],
-            batch_size=2,
-            seed=0,
-        )
+        sft_data(tokenizer, path=str(tmp_path / "missing.jsonl"), batch_size=2)
 
 
 def test_full_offload_sft_checkpoints_and_resumes(tiny_model, tmp_path):

@@ -100,9 +100,8 @@ def _num_steps(config: SFTConfig, data: SFTData) -> int:
     if config.max_steps is not None:
         return config.max_steps
     if data.num_examples is None:
-        raise ValueError(
-            "sft: the built-in reverse-text data never ends: set max_steps (--max-steps N)"
-        )
+        what = "fake data" if config.data.type == "fake" else "the built-in reverse-text data"
+        raise ValueError(f"sft: {what} never ends: set max_steps (--max-steps N)")
     return max(1, data.num_examples // config.data.batch_size)
 
 
@@ -111,25 +110,8 @@ def load_data(config: SFTConfig) -> tuple[SFTData, SFTData | None]:
     tokenizer = AutoTokenizer.from_pretrained(
         config.model.name, trust_remote_code=config.model.trust_remote_code
     )
-    data = SFTData(
-        config.data.path,
-        tokenizer,
-        loss_roles=config.data.loss_roles,
-        batch_size=config.data.batch_size,
-        seed=config.seed,
-        copy_fraction=config.data.copy_fraction,
-    )
-    if not config.data.val_path:
-        return data, None
-    val = SFTData(
-        config.data.val_path,
-        tokenizer,
-        loss_roles=config.data.loss_roles,
-        batch_size=config.data.batch_size,
-        seed=config.seed,
-        split="val",
-    )
-    return data, val
+    data = SFTData.from_config(config.data, tokenizer, seed=config.seed, seq_len=config.seq_len)
+    return data, SFTData.validation(config.data, tokenizer, seed=config.seed)
 
 
 def warn_if_truncated(samples: list[Tokenized], seq_len: int) -> None:

@@ -1,6 +1,6 @@
 """SFT data: messages-format conversations -> token ids + loss masks -> packed micro-batches.
 
-Sources (`sft.data.path`):
+Sources (`sft.data`; reading them: sft_sources.py):
 - `reverse-text`: generated on the fly, 5-10 lowercase characters, the user asks to reverse the
   text and the assistant answers it reversed (or, for a `copy_fraction` share of the examples,
   copies it: mixed-quality demonstrations that leave RL something to fix). The prompt is the one
@@ -9,7 +9,10 @@ Sources (`sft.data.path`):
   prompts it learned.
 - `*.jsonl`: one `{"messages": [{"role": ..., "content": ...}, ...]}` per line.
 - `*.parquet`: a `messages` column (needs `pyarrow`).
-- a directory written by `datasets.Dataset.save_to_disk` (needs `datasets`).
+- a directory written by `datasets.Dataset.save_to_disk`.
+- `data.name`: a Hugging Face dataset (hub or local HF cache), with subsets, splits and shares.
+- `[[data.sources]]`: a weighted mixture of any of the above.
+- `data.type = "fake"`: random tokens (FakeSFTData), for throughput runs.
 
 Example `i` of step `s` is deterministic given the seed (`batch(step)`), so a resumed run picks up
 the data exactly where its checkpoint left off, without saving a data cursor.
@@ -17,14 +20,14 @@ the data exactly where its checkpoint left off, without saving a data cursor.
 
 from __future__ import annotations
 
-import json
 import random
 import string
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from rlbus.configs.sft import ColumnsConfig, SFTDataConfig, SFTSourceConfig
 from rlbus.wire.batches import MicroBatch
+from rlbus_trainer.sft_sources import load_conversations
 
 if TYPE_CHECKING:  # names for annotations only: this module imports neither at run time
     import torch
@@ -33,6 +36,8 @@ if TYPE_CHECKING:  # names for annotations only: this module imports neither at 
     from rlbus_trainer.loss import LossInputs
 
 REVERSE_TEXT_SYSTEM_PROMPT = "Reverse the text character by character."
+REVERSE_TEXT = "reverse-text"
+"""`data.path` of the built-in generator."""
 
 
 @dataclass
@@ -56,7 +61,7 @@ def reverse_text_conversation(
 
 
 def tokenize_conversation(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], loss_roles: list[str]
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], loss_roles: list[str]
 ) -> Tokenized:
     """Token ids of the rendered chat, loss on the turns of `loss_roles` (content + end token).
 
@@ -85,7 +90,7 @@ def tokenize_conversation(
 
 def _render(
     tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = False,
 ) -> str:
@@ -97,77 +102,111 @@ def _render(
     return text
 
 
-def _read_conversations(path: str) -> list[list[dict[str, str]]]:
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(
-            f"sft data.path {path!r} does not exist: give a JSONL/Parquet file, a saved "
-            "`datasets` directory, or the built-in 'reverse-text'"
-        )
-    if p.is_dir():
-        try:  # optional: only a saved dataset needs it
-            import datasets
-        except ImportError as e:
-            raise ValueError(
-                f"data.path {path!r} is a directory: reading a saved dataset needs "
-                "`datasets` (uv pip install datasets)"
-            ) from e
-        return [row["messages"] for row in datasets.load_from_disk(str(p))]
-    if p.suffix == ".parquet":
-        try:  # optional: only Parquet data needs it
-            import pyarrow.parquet as pq
-        except ImportError as e:
-            raise ValueError(
-                f"data.path {path!r}: reading Parquet needs pyarrow (uv pip install pyarrow)"
-            ) from e
-        return pq.read_table(p, columns=["messages"]).to_pydict()["messages"]
-    with open(p) as f:
-        return [json.loads(line)["messages"] for line in f if line.strip()]
-
-
 class SFTData:
-    """Global batches of tokenized conversations, deterministic per (seed, step)."""
+    """Global batches of tokenized conversations, deterministic per (seed, step).
+
+    `sources` are lists of conversations (None: the built-in reverse-text generator) drawn with
+    the relative `weights`: example `i` comes from the source a seeded stream of draws gives it,
+    and is the next one of that source's own shuffled epochs (each source cycles by itself, so
+    a small source in a mixture repeats rather than ends it). One source is read in order of its
+    shuffled epochs, as before mixtures existed.
+    """
 
     def __init__(
         self,
-        path: str,
+        sources: list[list[list[dict[str, Any]]]] | None,
         tokenizer: PreTrainedTokenizerBase,
         *,
         loss_roles: list[str],
         batch_size: int,
         seed: int,
+        weights: list[float] | None = None,
         split: str = "train",
         copy_fraction: float = 0.0,
     ) -> None:
-        self.path, self.tokenizer, self.loss_roles = path, tokenizer, loss_roles
+        self.sources, self.tokenizer, self.loss_roles = sources, tokenizer, loss_roles
         self.batch_size, self.seed, self.split = batch_size, seed, split
         self.copy_fraction = copy_fraction
-        self.conversations = None if path == "reverse-text" else _read_conversations(path)
-        if self.conversations is not None and not self.conversations:
-            raise ValueError(f"data.path {path!r} holds no conversations")
-        self._order: tuple[int, list[int]] | None = None
+        self.weights = weights or [1.0] * len(sources or [])
+        self._orders: dict[int, tuple[int, list[int]]] = {}
+        self._draws: list[tuple[int, int]] = []
+        """(source, position in that source's stream) of examples 0, 1, ... drawn so far."""
+        self._counts = [0] * len(self.weights)
+        self._rng = random.Random(f"sft-mixture/{seed}/{split}")
+
+    @classmethod
+    def from_config(
+        cls,
+        data: SFTDataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        seed: int,
+        seq_len: int,
+    ) -> SFTData:
+        """The training data `data` describes (`data.type = "fake"`: FakeSFTData, sequences of
+        up to `seq_len` tokens)."""
+        if data.type == "fake":
+            return FakeSFTData(tokenizer, data, seed=seed, seq_len=seq_len)
+        resolved = data.resolved_sources()
+        common = dict(loss_roles=data.loss_roles, batch_size=data.batch_size, seed=seed)
+        if len(resolved) == 1 and resolved[0].path == REVERSE_TEXT:
+            return cls(None, tokenizer, copy_fraction=data.copy_fraction, **common)  # type: ignore[arg-type]
+        return cls(
+            [load_conversations(source) for source in resolved],
+            tokenizer,
+            weights=[source.weight for source in resolved],
+            **common,  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def validation(
+        cls, data: SFTDataConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int
+    ) -> SFTData | None:
+        """The validation data (`data.val_path`), read with the training data's columns."""
+        if not data.val_path:
+            return None
+        columns = {k: getattr(data, k) for k in ColumnsConfig.model_fields}
+        common = dict(loss_roles=data.loss_roles, batch_size=data.batch_size, seed=seed)
+        if data.val_path == REVERSE_TEXT:
+            return cls(None, tokenizer, split="val", **common)  # type: ignore[arg-type]
+        source = SFTSourceConfig(path=data.val_path, **columns)
+        return cls([load_conversations(source)], tokenizer, split="val", **common)  # type: ignore[arg-type]
 
     @property
     def num_examples(self) -> int | None:
-        return None if self.conversations is None else len(self.conversations)
+        return None if self.sources is None else sum(len(s) for s in self.sources)
 
-    def conversation(self, index: int) -> list[dict[str, str]]:
+    def conversation(self, index: int) -> list[dict[str, Any]]:
         """Example `index` of the data (the epochs are shuffled, each its own way)."""
-        if self.conversations is None:
+        if self.sources is None:
             rng = random.Random(f"sft-reverse-text/{self.seed}/{self.split}/{index}")
             return reverse_text_conversation(rng, copy_fraction=self.copy_fraction)
-        epoch, pos = divmod(index, len(self.conversations))
-        return self.conversations[self.epoch_order(epoch)[pos]]
+        source, position = self.draw(index)
+        conversations = self.sources[source]
+        epoch, pos = divmod(position, len(conversations))
+        return conversations[self.epoch_order(epoch, source)[pos]]
 
-    def epoch_order(self, epoch: int) -> list[int]:
-        """The order of the examples in `epoch`, shuffled once per epoch and kept (shuffling the
-        whole file again for each example made a step of 32 cost 32 shuffles)."""
-        if self._order is None or self._order[0] != epoch:
-            assert self.conversations is not None
-            order = list(range(len(self.conversations)))
-            random.Random(f"sft/{self.seed}/{epoch}").shuffle(order)
-            self._order = (epoch, order)
-        return self._order[1]
+    def draw(self, index: int) -> tuple[int, int]:
+        """(source, position in its stream) of example `index`; one source: (0, index)."""
+        if len(self.weights) == 1:
+            return 0, index
+        while len(self._draws) <= index:
+            source = self._rng.choices(range(len(self.weights)), weights=self.weights)[0]
+            self._draws.append((source, self._counts[source]))
+            self._counts[source] += 1
+        return self._draws[index]
+
+    def epoch_order(self, epoch: int, source: int = 0) -> list[int]:
+        """The order of a source's examples in `epoch`, shuffled once per epoch and kept
+        (shuffling the whole file again for each example made a step of 32 cost 32 shuffles)."""
+        kept = self._orders.get(source)
+        if kept is None or kept[0] != epoch:
+            assert self.sources is not None
+            order = list(range(len(self.sources[source])))
+            key = f"sft/{self.seed}/{epoch}" if source == 0 else f"sft/{self.seed}/{source}/{epoch}"
+            random.Random(key).shuffle(order)
+            kept = self._orders[source] = (epoch, order)
+        return kept[1]
 
     def batch(self, step: int) -> list[Tokenized]:
         """The global batch of step `step` (1-based)."""
@@ -176,6 +215,33 @@ class SFTData:
             tokenize_conversation(self.tokenizer, self.conversation(i), self.loss_roles)
             for i in range(start, start + self.batch_size)
         ]
+
+
+class FakeSFTData(SFTData):
+    """Random token sequences (`data.type = "fake"`), loss on every token: what the trainer's
+    throughput is measured on without reading or tokenizing data. Deterministic per step."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, data: SFTDataConfig, *, seed: int, seq_len: int
+    ) -> None:
+        super().__init__(
+            None, tokenizer, loss_roles=data.loss_roles, batch_size=data.batch_size, seed=seed
+        )
+        self.fake = data.fake
+        self.vocab_size, self.seq_len = len(tokenizer), seq_len
+
+    def batch(self, step: int) -> list[Tokenized]:
+        rng = random.Random(f"sft-fake/{self.seed}/{step}")
+        samples = []
+        for _ in range(self.batch_size):
+            n = self.seq_len if self.fake.length == "fixed" else rng.randint(2, self.seq_len)
+            if self.fake.input_ids == "increasing":
+                start = rng.randrange(self.vocab_size)
+                ids = [(start + k) % self.vocab_size for k in range(n)]
+            else:
+                ids = [rng.randrange(self.vocab_size) for _ in range(n)]
+            samples.append(Tokenized(ids, [0] + [1] * (n - 1)))
+        return samples
 
 
 def pack(samples: list[Tokenized], seq_len: int, *, pack: bool = True) -> list[MicroBatch]:

@@ -136,6 +136,15 @@ def _min_lr_ratio(prefix: str) -> Callable[[Any, dict], float]:
     return convert
 
 
+def _loss_roles(value: Any, data: dict) -> list[str]:
+    """prime-rl's `data.loss_mask` (a flag per role, assistant only by default) as the roles that
+    carry loss."""
+    if not isinstance(value, dict):
+        raise Unmappable("data.loss_mask", 'give data.loss_roles (e.g. ["assistant"])')
+    flags = {"system": False, "user": False, "assistant": True, "tool": False} | value
+    return [role for role, on in flags.items() if on]
+
+
 def _infer_replicas(value: Any, data: dict) -> int:
     """prime-rl gives inference GPUs; rlbus runs replicas of tensor_parallel_size GPUs each."""
     tp = get_path(data, "inference.vllm.tensor_parallel_size")
@@ -404,7 +413,8 @@ def _trainer_rules(prefix: str) -> list[Rule]:
         Rule(f"{p}metrics_server", "move", f"{p}metrics", "host, port of /metrics"),
         Rule(f"{p}dist_timeout_seconds", "move", f"{p}collective_timeout_s"),
         Rule(f"{p}log.ranks_filter", "drop", note="every rank logs to its own file"),
-        Rule(f"{p}data.fake", "human", "no equivalent: the trainer trains on rollouts from the bus"),
+        # sft's own `data` (SFTDataConfig) has a `fake` table: only the RL trainer's is prime-rl's.
+        *([Rule(f"{p}data.fake", "human", "no equivalent: the trainer trains on rollouts from the bus")] if p else []),
         Rule(f"{p}tokenizer", "human", "no equivalent: the tokenizer is the model's (model.name)"),
         *(
             Rule(f"{p}{key}", "drop", note="no rlbus counterpart; training is unchanged")
@@ -544,19 +554,19 @@ RL_RULES: list[Rule] = [
 SFT_RULES: list[Rule] = [
     *_launcher_rules(),
     *_shared_rules(""),
-    Rule("data.name", "human", "data.path: rlbus reads a local JSONL/Parquet file or a dataset "
-         "saved with save_to_disk (download the HF dataset first)"),
     Rule("data.seq_len", "move", "seq_len"),
-    Rule("data.type", "human", "no equivalent: SFT data is read from data.path", harmless="sft"),
-    Rule("data.loss_mask", "human", 'data.loss_roles (e.g. ["assistant"])'),
-    *(
-        Rule(f"data.{key}", "human", "no equivalent: data.path names one file or dataset")
-        for key in ("subsets", "splits", "probabilities", "stopping_strategy")
-    ),
+    Rule("data.loss_mask", "convert", "data.loss_roles", "the roles set to true", _loss_roles),
+    Rule("data.length", "move", "data.fake.length"),
+    Rule("data.input_ids", "move", "data.fake.input_ids"),
+    Rule("data.stopping_strategy", "drop",
+         note="each source of a mixture cycles by itself (prime-rl's all_exhausted)"),
     *(
         Rule(f"data.{key}", "drop", note="rlbus packs rows by seq_len and tokens_per_forward")
-        for key in ("micro_batch_size", "num_workers", "shuffle", "seed")
+        for key in ("micro_batch_size", "num_workers")
     ),
+    Rule("data.shuffle", "human", "no equivalent: rlbus shuffles every epoch, seeded by the run's "
+         "seed", harmless=True),
+    Rule("data.seed", "drop", note="the data is shuffled by the run's seed"),
     Rule("val", "human", "data.val_path and data.val_interval (validation loss)"),
     *_eval_rules("eval"),
     Rule("inference", "drop", note="the server sft starts for its evaluations takes eval.inference"),

@@ -120,6 +120,9 @@ def path_problems(config: BaseModel, *, strict: bool) -> list[str]:
                 value = getattr(sub, field)
                 flag = prefix + field.replace("_", "-")
                 found.append((str(value), data_problem(flag, value, strict=strict)))
+            for i, source in enumerate(sub.sources):
+                flag = f"{prefix}sources[{i}].path"
+                found.append((str(source.path), data_problem(flag, source.path, strict=strict)))
         for value, problem in found:
             if problem is not None:
                 problems.setdefault(value, problem)

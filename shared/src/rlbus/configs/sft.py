@@ -13,11 +13,98 @@ from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import TrainerConfig
 
 
-class SFTDataConfig(BaseConfig):
-    """Supervised data in messages format."""
+class ColumnsConfig(BaseConfig):
+    """Where a dataset keeps its conversations: a `messages` column (a whole chat), or a prompt
+    and a completion column (each a list of messages, or a string: the user's turn and the
+    assistant's answer). The messages column wins where a row has both."""
+
+    messages_column: str = "messages"
+    """Column holding a whole conversation as a list of `{role, content}` messages."""
+
+    prompt_column: str = "prompt"
+    """Column holding the prompt (messages, or a string taken as the user's turn)."""
+
+    completion_column: str = "completion"
+    """Column holding the answer (messages, or a string taken as the assistant's turn)."""
+
+
+class SFTSourceConfig(ColumnsConfig):
+    """One dataset of a mixture (`[[data.sources]]`)."""
+
+    name: str | None = None
+    """Hugging Face dataset id (`org/dataset`), loaded with `datasets` from the hub or the local
+    HF cache (docs/trainer.md, "SFT data")."""
+
+    path: str | None = None
+    """A local JSONL/Parquet file or a directory saved with `datasets.Dataset.save_to_disk`."""
+
+    subset: str | None = None
+    """The dataset's configuration (subset) name, for `name` only."""
+
+    split: str = "train"
+    """The split to read, for `name` only."""
+
+    weight: float = Field(1.0, gt=0)
+    """Relative share of the examples drawn from this source."""
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> Self:
+        if (self.name is None) == (self.path is None):
+            raise ValueError(
+                "a data source names exactly one of name (a Hugging Face dataset) or path "
+                "(a local file or saved dataset)"
+            )
+        return self
+
+    @property
+    def label(self) -> str:
+        origin = self.name or self.path or ""
+        return (
+            origin
+            + (f"[{self.subset}]" if self.subset else "")
+            + (f":{self.split}" if self.name and self.split != "train" else "")
+        )
+
+
+class FakeDataConfig(BaseConfig):
+    """Random token sequences instead of data (`data.type = "fake"`), for trainer throughput runs."""
+
+    length: Literal["fixed", "variable"] = "fixed"
+    """`fixed`: every sequence is `seq_len` tokens; `variable`: lengths drawn from 1..seq_len."""
+
+    input_ids: Literal["increasing", "random"] = "random"
+    """`random` token ids, or `increasing` (0, 1, 2, ... modulo the vocabulary)."""
+
+
+class SFTDataConfig(ColumnsConfig):
+    """Supervised data in messages format (docs/trainer.md, "SFT data")."""
+
+    type: Literal["sft", "fake"] = "sft"
+    """`sft`: conversations from `name`, `path` or `sources`; `fake`: random tokens (`data.fake`),
+    no data read, for throughput runs (set max_steps)."""
 
     path: str = "reverse-text"
     """JSONL/Parquet file, a `datasets` dataset saved to disk, or the built-in `reverse-text` generator."""
+
+    name: str | None = None
+    """A Hugging Face dataset id (`org/dataset`) instead of `path`: loaded with `datasets` from
+    the hub when it is reachable, else from the local HF cache."""
+
+    subsets: list[str] | None = None
+    """`name`'s subsets (configurations) to mix; default: its default one."""
+
+    splits: list[str] | None = None
+    """`name`'s splits to read (paired with `subsets` when both are given); default: `train`."""
+
+    probabilities: list[float] | None = None
+    """Shares of the subsets/splits above (default: equal)."""
+
+    sources: list[SFTSourceConfig] = []
+    """A mixture of several datasets/files, each with its own weight (`[[data.sources]]`),
+    instead of `name`/`path`."""
+
+    fake: FakeDataConfig = FakeDataConfig()
+    """Shape of the random data of `type = "fake"`."""
 
     loss_roles: list[str] = ["assistant"]
     """Roles whose turns carry loss."""
@@ -41,12 +128,88 @@ class SFTDataConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _copy_fraction_needs_built_in_data(self) -> Self:
-        if self.copy_fraction and self.path != "reverse-text":
+        if self.copy_fraction and (self.path != "reverse-text" or self.name or self.sources):
             raise ValueError(
                 f"data.copy_fraction={self.copy_fraction} only applies to the built-in 'reverse-text' data, "
                 f"not data.path={self.path!r}: drop --data.copy-fraction or use --data.path reverse-text"
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> Self:
+        errors = []
+        if self.name is not None and "path" in self.model_fields_set:
+            errors.append(
+                (
+                    "name",
+                    "give data.name (a Hugging Face dataset) or data.path (a local file), not both",
+                )
+            )
+        if self.sources and (self.name is not None or "path" in self.model_fields_set):
+            errors.append(
+                (
+                    "sources",
+                    "[[data.sources]] replaces data.name/data.path: move that dataset into the list",
+                )
+            )
+        if self.name is None and (self.subsets or self.splits or self.probabilities):
+            errors.append(
+                (
+                    "subsets" if self.subsets else "splits" if self.splits else "probabilities",
+                    "subsets, splits and probabilities choose parts of data.name: set data.name",
+                )
+            )
+        parts = max(len(self.subsets or []), len(self.splits or []))
+        if self.subsets and self.splits and len(self.subsets) != len(self.splits):
+            errors.append(
+                (
+                    "splits",
+                    f"has {len(self.splits)} entries for {len(self.subsets)} subsets: "
+                    "give one split per subset, or a single list",
+                )
+            )
+        elif self.probabilities is not None and len(self.probabilities) != max(parts, 1):
+            errors.append(
+                (
+                    "probabilities",
+                    f"has {len(self.probabilities)} entries for {max(parts, 1)} "
+                    "subsets/splits: give one share per subset/split",
+                )
+            )
+        if self.probabilities is not None and any(p <= 0 for p in self.probabilities):
+            errors.append(("probabilities", "every share must be positive"))
+        if errors:
+            raise field_errors(self, *errors)
+        return self
+
+    def resolved_sources(self) -> list[SFTSourceConfig]:
+        """The data as a list of sources (one for `name`/`path`, one per subset/split of `name`,
+        or `sources` as given)."""
+        if self.sources:
+            return list(self.sources)
+        columns = self.model_dump(include=set(ColumnsConfig.model_fields))
+        if self.name is None:
+            return [SFTSourceConfig(path=self.path, **columns)]
+        subsets: list[str | None] = [*self.subsets] if self.subsets else [None]
+        splits = list(self.splits or ["train"])
+        if len(subsets) == 1 and len(splits) > 1:
+            subsets *= len(splits)
+        elif len(splits) == 1 and len(subsets) > 1:
+            splits *= len(subsets)
+        weights = self.probabilities or [1.0] * len(subsets)
+        return [
+            SFTSourceConfig(name=self.name, subset=subset, split=split, weight=weight, **columns)
+            for subset, split, weight in zip(subsets, splits, weights, strict=True)
+        ]
+
+    @property
+    def label(self) -> str:
+        """What the run trains on, for its name: the dataset, file, `mixture` or `fake`."""
+        if self.type == "fake":
+            return "fake"
+        if self.sources:
+            return self.sources[0].label if len(self.sources) == 1 else "mixture"
+        return self.name.rsplit("/", 1)[-1] if self.name else self.path
 
 
 class SFTEvalConfig(EvalConfig):
