@@ -268,6 +268,20 @@ CONFIG_CASES = [
         ["--orchestrator.difficulty-filter.failed-threshold", "below solved_threshold (1.0)"],
     ),
     Case(
+        "difficulty-env-threshold",
+        RL,
+        ["@", "c.toml"],
+        [
+            "--orchestrator.env[0].difficulty-filter.solved-threshold",
+            "failed at reward <= 0.0 and solved at >= -1.0",
+        ],
+        {
+            "c.toml": "[orchestrator.difficulty_filter]\nenabled = true\n"
+            '[[orchestrator.env]]\nid = "reverse-text"\n'
+            "difficulty_filter = { solved_threshold = -1.0 }\n"
+        },
+    ),
+    Case(
         "difficulty-consecutive-zero",
         ORCH,
         ["--difficulty-filter.consecutive", "0"],

@@ -1,8 +1,10 @@
 """Difficulty filtering (difficulty.py): outcomes of groups, streaks, skips and their expiry, the
-cursors the task issuer passes over, the livelock guard, and the coordinator recording outcomes
-as tasks end (the real bus and a resume: tests/integration/orchestrator/test_difficulty.py)."""
+cursors the task issuer passes over, the livelock guard, per-environment settings, and the
+coordinator recording outcomes as tasks end (the real bus and a resume:
+tests/integration/orchestrator/test_difficulty_filter_bus.py)."""
 
 import asyncio
+import uuid
 from collections import Counter
 
 import pytest
@@ -29,7 +31,7 @@ def make_filter(consecutive=2, skip_steps=3, **fields):
         enabled=True, consecutive=consecutive, skip_steps=skip_steps, **fields
     )
     return DifficultyFilter(
-        config, make_store(), prompt_of=lambda c: ("e", c % 4), num_prompts={"e": 4}
+        {"e": config}, make_store(), prompt_of=lambda c: ("e", c % 4), num_prompts={"e": 4}
     )
 
 
@@ -98,7 +100,7 @@ def test_outcomes_of_untracked_prompts_eval_tasks_and_a_disabled_filter_are_not_
     f.record("train-0", SOLVED_GROUP)
     f.record("eval-1-0-0", SOLVED_GROUP)
     off = DifficultyFilter(
-        DifficultyFilterConfig(consecutive=1),
+        {"e": DifficultyFilterConfig(consecutive=1)},
         make_store(),
         prompt_of=lambda c: ("e", c),
         num_prompts={"e": 4},
@@ -203,3 +205,57 @@ def test_without_the_filter_a_step_has_no_difficulty_metrics():
     [batch] = c.bus.published_to(c.bus.subjects.batch(1))
     assert not [key for key in batch.metrics if key.startswith("difficulty/")]
     assert c.store.state.prompts == {}
+
+
+FOUR_PROMPTS_ENV = """
+def length_reward(text):
+    return len(text) / 10
+
+
+class _Rubric:
+    funcs = [length_reward]
+
+
+class _Env:
+    dataset = [{"question": f"q{i}", "answer": ""} for i in range(4)]
+    rubric = _Rubric()
+
+
+def load_environment(**args):
+    return _Env()
+"""
+
+
+@pytest.fixture
+def four_prompt_envs(tmp_path, monkeypatch):
+    """Two more environment ids of four prompts each (verifiers-style modules)."""
+    suffix = uuid.uuid4().hex[:6]
+    names = [f"partial_{suffix}", f"unfiltered_{suffix}"]
+    for name in names:
+        (tmp_path / f"{name}.py").write_text(FOUR_PROMPTS_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return [name.replace("_", "-") for name in names]
+
+
+def test_an_environment_sets_its_own_filter_over_the_orchestrator_s(four_prompt_envs):
+    partial, unfiltered = four_prompt_envs
+    issuer = make_issuer(
+        async_level=0,
+        batch_size=4,
+        env=[
+            *SMALL_ENV,
+            {"id": partial, "difficulty_filter": {"solved_threshold": 0.5, "skip_steps": 9}},
+            {"id": unfiltered, "difficulty_filter": {"enabled": False}},
+        ],
+        difficulty_filter={"enabled": True, "consecutive": 1},
+    )
+    cursors = {}  # env id -> the first cursor that draws it
+    for cursor in range(40):
+        cursors.setdefault(issuer.mix.of_cursor(cursor).env_id, cursor)
+    for env_id in ("reverse-text", partial, unfiltered):
+        issuer.difficulty.record(f"train-{cursors[env_id]}", [0.6, 0.7])
+        issuer.difficulty.record(f"train-{cursors[env_id]}", [1.0, 1.0])
+    prompts = issuer.store.state.prompts
+    assert set(prompts) == {"reverse-text", partial}  # the third is not filtered
+    assert list(prompts[partial].values()) == [[1, 10]]  # 0.6 is solved there: skipped at once
+    assert list(prompts["reverse-text"].values()) == [[1, 21]]  # only 1.0 is, here

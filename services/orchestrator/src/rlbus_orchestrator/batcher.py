@@ -177,7 +177,7 @@ class Batcher:
 
     def make_batch(self, step: int, groups: list[PooledGroup]) -> TrainBatch:
         skipped = None
-        if self.difficulty is not None and self.difficulty.config.enabled:
+        if self.difficulty is not None and self.difficulty.enabled:
             skipped = self.difficulty.num_skipped(step)
         metrics = step_metrics(
             step,

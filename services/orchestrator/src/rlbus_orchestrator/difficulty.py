@@ -20,6 +20,9 @@ entry, so the state holds only prompts that are on a streak or skipped. Only env
 finite train set are tracked: a generated one (reverse-text without `num_train`) never draws an
 example twice.
 
+Each environment has its own settings: `[[orchestrator.env]] difficulty_filter` fields over
+`orchestrator.difficulty_filter`'s (one may turn the filter off, or set its own thresholds).
+
 The task issuer asks `selection(step)` once per issue: the cursors of skipped prompts are passed
 over (the data cursor moves on; `CoordinatorState.skipped` counts them), except in an environment
 whose every tracked prompt is skipped, whose tasks are issued anyway and counted as forced (so a
@@ -98,27 +101,37 @@ class DifficultyFilter:
 
     def __init__(
         self,
-        config: DifficultyFilterConfig,
+        configs: dict[str, DifficultyFilterConfig],
         store: StateStore,
         *,
         prompt_of: PromptOf,
         num_prompts: dict[str, int],
     ) -> None:
-        self.config = config
+        self.configs = configs
+        """Each tracked environment's filter (`orchestrator.difficulty_filter` under its
+        `env[].difficulty_filter`), by environment id."""
         self.store = store
         self.prompt_of = prompt_of
         self.num_prompts = num_prompts
         """Train examples of each tracked environment (the livelock check)."""
 
+    @property
+    def enabled(self) -> bool:
+        """Whether any environment's prompts are filtered (the step metrics exist then)."""
+        return any(config.enabled for config in self.configs.values())
+
+    def is_filtered(self, env_id: str) -> bool:
+        config = self.configs.get(env_id)
+        return config is not None and config.enabled
+
     def record(self, task_id: str, rewards: list[float]) -> None:
         """The outcome of a training task's group, as its task ends (module docstring)."""
         cursor = validation.train_cursor(task_id)
-        if not self.config.enabled or cursor is None or not rewards:
-            return
-        prompt = self.prompt_of(cursor)
-        if prompt is None:
+        prompt = None if cursor is None or not rewards else self.prompt_of(cursor)
+        if prompt is None or not self.is_filtered(prompt[0]):
             return
         env_id, index = prompt
+        config = self.configs[env_id]
         step = self.store.state.next_step
         table = self.store.state.prompts.setdefault(env_id, {})
         streak, skip_until = table.get(str(index), (0, 0))
@@ -126,11 +139,11 @@ class DifficultyFilter:
             return  # skipped: a task issued before its verdict
         if skip_until:  # eligible again: the streak starts from nothing
             streak = 0
-        streak = next_streak(streak, group_outcome(rewards, self.config))
+        streak = next_streak(streak, group_outcome(rewards, config))
         if streak == 0:
             table.pop(str(index), None)
-        elif abs(streak) >= self.config.consecutive:
-            until = step + self.config.skip_steps
+        elif abs(streak) >= config.consecutive:
+            until = step + config.skip_steps
             table[str(index)] = [streak, until]
             kind = KINDS[SOLVED if streak > 0 else FAILED]
             log.debug("prompt_skipped", env_id=env_id, example=index, kind=kind, until_step=until)
@@ -138,10 +151,12 @@ class DifficultyFilter:
             table[str(index)] = [streak, 0]
 
     def skipped(self, step: int) -> dict[Prompt, str]:
-        """Prompts skipped while step `step` is built -> `easy` or `hard`."""
+        """Prompts skipped while step `step` is built -> `easy` or `hard` (of the environments
+        filtered now: a history kept from a run that filtered more is left alone)."""
         return {
             (env_id, int(index)): KINDS[SOLVED if streak > 0 else FAILED]
             for env_id, table in self.store.state.prompts.items()
+            if self.is_filtered(env_id)
             for index, (streak, until) in table.items()
             if until > step
         }
@@ -152,7 +167,7 @@ class DifficultyFilter:
 
     def selection(self, step: int) -> Selection:
         """The skips of one issue at step `step` (nothing skipped when disabled)."""
-        kinds = self.skipped(step) if self.config.enabled else {}
+        kinds = self.skipped(step)
         per_env = Counter(env_id for env_id, _ in kinds)
         exhausted = {
             env_id for env_id, n in per_env.items() if n >= self.num_prompts.get(env_id, n)

@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 
 from rlbus.bus.client import Bus
-from rlbus.configs.orchestrator import OrchestratorConfig
+from rlbus.configs.orchestrator import DifficultyFilterConfig, OrchestratorConfig
 from rlbus.obs import tracing
 from rlbus.wire.tasks import Task
 from rlbus_orchestrator.difficulty import DifficultyFilter, Prompt, Selection
@@ -84,7 +84,8 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> tuple[int, ...]:
 def make_difficulty_filter(
     config: OrchestratorConfig, envs: list[RunEnv], store: StateStore
 ) -> DifficultyFilter:
-    """The run's difficulty filter: prompts of the environments with a finite train set."""
+    """The run's difficulty filter: prompts of the environments with a finite train set, each
+    environment with its own settings (env[].difficulty_filter over the orchestrator's)."""
     mix = EnvMix(config)
     sizes = [run_env.env.num_examples("train") for run_env in envs]
 
@@ -95,13 +96,14 @@ def make_difficulty_filter(
             return None
         return envs[entry].settings.env_id, dataset_index(cursor, size, config.seed)
 
+    # entries sharing an id share their prompts: the first entry's size and filter count
     num_prompts: dict[str, int] = {}
-    for run_env, size in zip(envs, sizes, strict=True):
+    configs: dict[str, DifficultyFilterConfig] = {}
+    for env, size, settings in zip(config.env, sizes, mix.settings, strict=True):
         if size is not None:
-            num_prompts.setdefault(run_env.settings.env_id, size)
-    return DifficultyFilter(
-        config.difficulty_filter, store, prompt_of=prompt_of, num_prompts=num_prompts
-    )
+            num_prompts.setdefault(settings.env_id, size)
+            configs.setdefault(settings.env_id, config.env_difficulty_filter(env))
+    return DifficultyFilter(configs, store, prompt_of=prompt_of, num_prompts=num_prompts)
 
 
 def task_id_of(cursor: int) -> str:

@@ -65,6 +65,66 @@ class EnvSamplingConfig(BaseConfig):
         return base.model_copy(update=update)
 
 
+class DifficultyFilterConfig(BaseConfig):
+    """Skip prompts that are too easy or too hard for a while (docs/orchestrator.md,
+    "Difficulty filtering"): a prompt whose groups came back all solved, or all failed, on
+    `consecutive` visits in a row is not issued for `skip_steps` steps, then is eligible again
+    with its streak restarted. Only environments with a finite train set are tracked (a
+    generated one never repeats a prompt)."""
+
+    enabled: bool = False
+    """Track each prompt's outcomes and skip the easy and hard ones (off by default)."""
+
+    consecutive: int = Field(2, ge=1)
+    """Visits in a row, each all solved (or each all failed), that make a prompt skipped."""
+
+    skip_steps: int = Field(20, ge=1)
+    """Steps a prompt stays skipped: from the step being built when its streak completed."""
+
+    solved_threshold: float = 1.0
+    """A sample with reward >= this is solved; a group is all solved when every sample is."""
+
+    failed_threshold: float = 0.0
+    """A sample with reward <= this is failed; a group is all failed when every sample is."""
+
+    @model_validator(mode="after")
+    def _check_thresholds(self) -> "DifficultyFilterConfig":
+        if self.failed_threshold >= self.solved_threshold:
+            raise field_errors(
+                self,
+                (
+                    "failed_threshold",
+                    f"must be below solved_threshold ({self.solved_threshold}): a sample "
+                    "cannot be both solved and failed",
+                ),
+            )
+        return self
+
+
+class EnvDifficultyFilterConfig(BaseConfig):
+    """The difficulty filter of one environment's prompts: a field set here replaces
+    `orchestrator.difficulty_filter`'s; a field left unset (None) falls back to it."""
+
+    enabled: bool | None = None
+    """Filter this environment's prompts (None: orchestrator.difficulty_filter.enabled)."""
+
+    consecutive: int | None = Field(None, ge=1)
+    """Visits in a row that skip a prompt (None: orchestrator.difficulty_filter.consecutive)."""
+
+    skip_steps: int | None = Field(None, ge=1)
+    """Steps a prompt stays skipped (None: orchestrator.difficulty_filter.skip_steps)."""
+
+    solved_threshold: float | None = None
+    """Solved at reward >= this (None: orchestrator.difficulty_filter.solved_threshold)."""
+
+    failed_threshold: float | None = None
+    """Failed at reward <= this (None: orchestrator.difficulty_filter.failed_threshold)."""
+
+    def over(self, base: DifficultyFilterConfig) -> DifficultyFilterConfig:
+        """`base` with the fields set here replacing its own (checked by OrchestratorConfig)."""
+        return base.model_copy(update={name: value for name, value in self if value is not None})
+
+
 class EnvConfig(BaseConfig):
     """One environment, found by id: built-in, installed package (entry point), or verifiers."""
 
@@ -95,6 +155,10 @@ class EnvConfig(BaseConfig):
     """Wall-clock seconds per episode, from its first request (None: no limit). An episode still
     running a few seconds past it is cancelled and left out of its group (a partial group,
     docs/orchestrator.md)."""
+
+    difficulty_filter: EnvDifficultyFilterConfig = EnvDifficultyFilterConfig()
+    """This environment's difficulty filter; unset fields fall back to
+    orchestrator.difficulty_filter."""
 
 
 ENV_ENTRY_POINT_GROUP = "rlbus.environments"
@@ -295,42 +359,6 @@ class SamplesConfig(BaseConfig):
     """Samples per environment: one of each group first, then second ones, and so on."""
 
 
-class DifficultyFilterConfig(BaseConfig):
-    """Skip prompts that are too easy or too hard for a while (docs/orchestrator.md,
-    "Difficulty filtering"): a prompt whose groups came back all solved, or all failed, on
-    `consecutive` visits in a row is not issued for `skip_steps` steps, then is eligible again
-    with its streak restarted. Only environments with a finite train set are tracked (a
-    generated one never repeats a prompt)."""
-
-    enabled: bool = False
-    """Track each prompt's outcomes and skip the easy and hard ones (off by default)."""
-
-    consecutive: int = Field(2, ge=1)
-    """Visits in a row, each all solved (or each all failed), that make a prompt skipped."""
-
-    skip_steps: int = Field(20, ge=1)
-    """Steps a prompt stays skipped: from the step being built when its streak completed."""
-
-    solved_threshold: float = 1.0
-    """A sample with reward >= this is solved; a group is all solved when every sample is."""
-
-    failed_threshold: float = 0.0
-    """A sample with reward <= this is failed; a group is all failed when every sample is."""
-
-    @model_validator(mode="after")
-    def _check_thresholds(self) -> "DifficultyFilterConfig":
-        if self.failed_threshold >= self.solved_threshold:
-            raise field_errors(
-                self,
-                (
-                    "failed_threshold",
-                    f"must be below solved_threshold ({self.solved_threshold}): a sample "
-                    "cannot be both solved and failed",
-                ),
-            )
-        return self
-
-
 class InferenceHttpConfig(BaseConfig):
     """Deadlines and back-off of the rollout workers' HTTP calls to inference replicas."""
 
@@ -472,6 +500,29 @@ class OrchestratorConfig(RunnableConfig):
             return self.min_group_size
         return min(self.min_group_size, group_size)
 
+    def env_difficulty_filter(self, env: EnvConfig) -> DifficultyFilterConfig:
+        """The difficulty filter of `env`'s prompts (its own fields over the orchestrator's)."""
+        return env.difficulty_filter.over(self.difficulty_filter)
+
+    def difficulty_filter_errors(self) -> list[tuple[str, str]]:
+        """An environment's thresholds, resolved against the orchestrator's, in the wrong order."""
+        errors = []
+        for i, env in enumerate(self.env):
+            resolved = self.env_difficulty_filter(env)
+            own = env.difficulty_filter
+            if resolved.failed_threshold < resolved.solved_threshold:
+                continue
+            name = "failed_threshold" if own.failed_threshold is not None else "solved_threshold"
+            errors.append(
+                (
+                    f"env.{i}.difficulty_filter.{name}",
+                    f"env[{i}] ({env.id!r}) would call a sample failed at reward <= "
+                    f"{resolved.failed_threshold} and solved at >= {resolved.solved_threshold}: "
+                    "failed_threshold must be below solved_threshold",
+                )
+            )
+        return errors
+
     def group_size_errors(self) -> list[tuple[str, str]]:
         """The batch size against the group sizes, and the group sizes against min_group_size
         (docs/orchestrator.md, "Several environments")."""
@@ -511,7 +562,7 @@ class OrchestratorConfig(RunnableConfig):
 
     def cross_field_errors(self) -> list[tuple[str, str]]:
         """(field, message) for each rule between fields that this config breaks."""
-        errors = self.group_size_errors()
+        errors = self.group_size_errors() + self.difficulty_filter_errors()
         if self.eval is not None:
             errors += self.eval.label_errors()
         # Without the orchestrator installed (a launcher-only or trainer image) the group is
