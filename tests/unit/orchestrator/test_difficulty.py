@@ -107,7 +107,7 @@ def test_outcomes_of_untracked_prompts_eval_tasks_and_a_disabled_filter_are_not_
     )
     off.record("train-0", SOLVED_GROUP)
     assert f.store.state.prompts == {} and off.store.state.prompts == {}
-    assert not off.selection(1).skipped
+    assert not off.selection(1).kinds
 
 
 def test_the_cursors_of_skipped_prompts_are_passed_over_and_counted_by_kind():

@@ -72,7 +72,6 @@ def next_streak(streak: int, outcome: int) -> int:
 class Selection:
     """What one issue decided: the cursors passed over and issued for skipped prompts."""
 
-    skipped: frozenset[Prompt]
     kinds: dict[Prompt, str]
     """Skipped prompt -> `easy` or `hard`."""
     exhausted: frozenset[str]
@@ -85,8 +84,8 @@ class Selection:
 
     def passes_over(self, cursor: int) -> bool:
         """Whether `cursor` is not to be issued (counted either way)."""
-        prompt = self.prompt_of(cursor) if self.skipped else None
-        if prompt is None or prompt not in self.skipped:
+        prompt = self.prompt_of(cursor) if self.kinds else None
+        if prompt is None or prompt not in self.kinds:
             return False
         if prompt[0] in self.exhausted:
             self.num_forced += 1
@@ -172,4 +171,4 @@ class DifficultyFilter:
         exhausted = {
             env_id for env_id, n in per_env.items() if n >= self.num_prompts.get(env_id, n)
         }
-        return Selection(frozenset(kinds), kinds, frozenset(exhausted), self.prompt_of)
+        return Selection(kinds, frozenset(exhausted), self.prompt_of)
