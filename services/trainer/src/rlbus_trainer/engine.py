@@ -285,8 +285,10 @@ class Engine:
             else:
                 mask[b, 0, :n, :n] = block_causal_mask(mb.seq_lens)[0, 0]
         ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
-        logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask).logits
+        # The reference pass first: no FSDP2 forward without grad then sits between the training
+        # forward and its backward.
         ref_logits = self._reference_logits(ids, pos, mask) if self.use_reference else None
+        logits = self.model(input_ids=ids, position_ids=pos, attention_mask=mask).logits
         logprobs, entropies, ref_logprobs = [], [], []
         sample_ids: list[list[int]] = []
         num_samples = 0  # in the rows before
