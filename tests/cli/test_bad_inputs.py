@@ -349,10 +349,16 @@ CONFIG_CASES = [
         ["--orchestrator.normalize-advantages", "trainer.loss.type = 'dr_grpo'", "must be false"],
     ),
     Case(
-        "ref-kl-full-fine-tuning-on-two-ranks",
+        "ref-offload-on-two-ranks",
         RL,
-        ["--trainer.loss.ref-kl-coef", "0.1", "--deployment.num-train-gpus", "2"],
-        ["--trainer.loss.ref-kl-coef", "deployment.num_train_gpus = 1", "--trainer.lora"],
+        [
+            "--trainer.loss.ref-kl-coef",
+            "0.1",
+            "--trainer.reference.offload",
+            "--deployment.num-train-gpus",
+            "2",
+        ],
+        ["--trainer.reference.offload", "deployment.num_train_gpus = 1", "--trainer.lora"],
     ),
     Case(
         "loss-type-unknown",
@@ -555,9 +561,13 @@ ACCEPTED = [
     (TRAINER, ["--optim.betas", "0.8", "0.95"]),
     (RL, ["--trainer.loss.type", "dr_grpo"]),  # std normalisation is off by default
     (RL, ["--trainer.loss.type", "gspo", "--orchestrator.normalize-advantages"]),
+    (RL, ["--trainer.loss.ref-kl-coef", "0.1", "--deployment.num-train-gpus", "2"]),  # sharded
     (
         RL,
-        ["--trainer.loss.ref-kl-coef", "0.1", "--deployment.num-train-gpus", "2", "--trainer.lora"],
+        [
+            *("--trainer.loss.ref-kl-coef", "0.1", "--trainer.reference.offload"),
+            *("--deployment.num-train-gpus", "2", "--trainer.lora"),  # LoRA: nothing to offload
+        ],
     ),
     (RL, ["--trainer.loss.ref-kl-coef", "0.1", "--trainer.reference.offload"]),
     (RL, ["--seq-len", "128", "--orchestrator.sampling.max-tokens", "128"]),

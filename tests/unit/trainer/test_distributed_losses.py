@@ -66,8 +66,9 @@ def run_steps(tmp_path: Path, config: dict, num_ranks: int) -> list[dict]:
     [
         ({"type": "gspo", "eps_low": 0.5, "eps_high": 0.5, "ref_kl_coef": 0.5}, {"rank": 4}),
         ({"type": "dr_grpo", "max_tokens": 6}, None),
+        ({"type": "dapo", "ref_kl_coef": 0.5}, None),
     ],
-    ids=["gspo-lora-ref-kl", "dr-grpo"],
+    ids=["gspo-lora-ref-kl", "dr-grpo", "dapo-sharded-ref-kl"],
 )
 def test_two_ranks_give_the_steps_of_one_rank(tiny_model, tmp_path, loss, lora):
     config = {
@@ -83,5 +84,5 @@ def test_two_ranks_give_the_steps_of_one_rank(tiny_model, tmp_path, loss, lora):
         assert set(a) == set(b)
         for key in a:
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
-    if lora is not None:
+    if "ref_kl_coef" in loss:
         assert one[0]["ref_kl"] == 0 and one[2]["ref_kl"] > 0

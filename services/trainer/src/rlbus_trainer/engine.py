@@ -19,7 +19,8 @@ the world size to turn that average back into a sum.
 With `loss.ref_kl_coef` > 0 each forward pass is followed by one of the reference model without
 gradients, its logprobs going into `LossInputs.reference_logprobs`: under LoRA the same model
 with its adapters off (`lora.adapters_disabled`, no memory), else a frozen copy of the initial
-weights (`reference.offload`: in host memory, moved to the device for each pass; one rank only).
+weights, sharded as the model (`reference.offload`: in host memory, moved to the device for each
+pass; one rank only).
 """
 
 from __future__ import annotations
@@ -441,19 +442,22 @@ def build_reference(
     config: TrainerConfig, world: World, model: torch.nn.Module
 ) -> torch.nn.Module | None:
     """The frozen copy of the initial weights that `loss.ref_kl_coef` needs under full
-    fine-tuning (in host memory with `reference.offload`); None without a KL term or under LoRA,
-    whose reference is the base model itself. Called before LoRA and sharding touch `model`."""
+    fine-tuning, sharded as the model (in host memory with `reference.offload`, one rank only);
+    None without a KL term or under LoRA, whose reference is the base model itself. Called
+    before LoRA and sharding touch `model`."""
     if config.loss.ref_kl_coef == 0 or config.lora is not None:
         return None
-    if world.world_size > 1:
+    if world.world_size > 1 and config.reference.offload:
         raise ValueError(
-            f"trainer.loss.ref_kl_coef with full fine-tuning needs one trainer rank ({world.world_size} "
-            "here: the reference copy is not sharded): train LoRA adapters (`--trainer.lora`, "
-            "whose reference costs nothing), use one rank, or set ref_kl_coef = 0"
+            f"trainer.reference.offload needs one trainer rank ({world.world_size} here: a "
+            "sharded reference stays on the device, 1/N of the weights per rank): drop "
+            "reference.offload, or train LoRA adapters (`--trainer.lora`, whose reference costs "
+            "nothing)"
         )
     reference = copy.deepcopy(model).requires_grad_(False).eval()
     if config.reference.offload:
         reference.to("cpu")
+    reference = shard_model(reference, world)  # as the model: each rank holds 1/N
     log.info("reference_model_built", offload=config.reference.offload)
     return reference
 

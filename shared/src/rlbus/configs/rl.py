@@ -168,13 +168,14 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
             )
             errors.append(("orchestrator.normalize_advantages", why))
         num_ranks = self.deployment.num_train_gpus
-        if loss.ref_kl_coef > 0 and self.trainer.lora is None and num_ranks > 1:
+        full_ft_reference = loss.ref_kl_coef > 0 and self.trainer.lora is None
+        if full_ft_reference and self.trainer.reference.offload and num_ranks > 1:
             why = (
-                f"with full fine-tuning needs deployment.num_train_gpus = 1 (got {num_ranks}: the "
-                "reference copy is not sharded): train LoRA adapters (--trainer.lora, whose "
-                "reference costs nothing), use one trainer rank, or set it to 0"
+                f"needs deployment.num_train_gpus = 1 (got {num_ranks}: a sharded reference stays "
+                "on the device, 1/N of the weights per rank): drop it, or train LoRA adapters "
+                "(--trainer.lora, whose reference costs nothing)"
             )
-            errors.append(("trainer.loss.ref_kl_coef", why))
+            errors.append(("trainer.reference.offload", why))
         return errors
 
     def _replica_port_errors(self) -> list[tuple[str, str]]:

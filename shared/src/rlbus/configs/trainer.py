@@ -238,8 +238,9 @@ class ReferenceConfig(BaseConfig):
 
     offload: bool = False
     """Keep the frozen copy of the initial weights in host memory and move it to the device for
-    each forward pass (full fine-tuning on one rank; a LoRA run's reference is its base model
-    with the adapters off, which costs no memory, so there it changes nothing)."""
+    each forward pass (full fine-tuning on one rank; on several ranks the copy is sharded as the
+    model instead. A LoRA run's reference is its base model with the adapters off, which costs
+    no memory, so there it changes nothing)."""
 
 
 class LoRAConfig(BaseConfig):
