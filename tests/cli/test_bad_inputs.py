@@ -254,6 +254,25 @@ CONFIG_CASES = [
         ["--trainer.scheduler.min-lr-ratio", "'2'"],
     ),
     Case("custom-loss-no-path", TRAINER, ["--loss.type", "custom"], ["--loss.import-path"]),
+    Case(
+        "fake-rollouts-in-rl",
+        RL,
+        ["--trainer.data.fake"],
+        ["--trainer.data.fake", "trainer @ FILE"],
+    ),
+    Case("fake-sft-endless", SFT, ["--data.type", "fake"], ["--max-steps", "fake data never ends"]),
+    Case(
+        "sft-name-and-path",
+        SFT,
+        ["--data.name", "org/set", "--data.path", "reverse-text"],
+        ["--data.name", "not both"],
+    ),
+    Case(
+        "sft-splits-per-subset",
+        SFT,
+        ["--data.name", "org/set", "--data.subsets", "a", "b", "--data.splits", "x", "y", "z"],
+        ["--data.splits", "one split per subset"],
+    ),
     Case("window-zero", RL, ["--supervision.window-s", "0"], ["--supervision.window-s", "'0'"]),
     Case(
         "http-backoff-order",
@@ -455,7 +474,7 @@ CONFIG_CASES = [
         "copy-fraction-with-file-data",
         SFT,
         ["--data.copy-fraction", "0.4", "--data.path", "d.jsonl"],
-        ["data.copy_fraction=0.4", "data.path='d.jsonl'"],
+        ["data.copy_fraction=0.4", "not 'd.jsonl'"],
         {"d.jsonl": "{}\n"},
     ),
     # --- paths that must exist (checked after parsing, before anything starts) ---
@@ -661,6 +680,12 @@ def unreachable_bus() -> str:
 
 
 COMMAND_CASES = [
+    Command(
+        "trainer-fake-endless",
+        ["trainer", "--data.fake", "--model.name", str(TINY_MODEL)],
+        2,
+        ["--max-steps", "fake data never ends"],
+    ),
     Command(
         "rl-file-directory", ["rl", "--dry-run", "@", "c/"], 2, ["c", "is a directory"], {"c/": ""}
     ),

@@ -15,7 +15,7 @@ import signal
 
 from rlbus import lifecycle
 from rlbus.configs import TrainerConfig
-from rlbus.configs.base import parse_cli
+from rlbus.configs.base import exit_with_config_error, parse_cli
 from rlbus.configs.paths import exit_if_paths_missing
 from rlbus.process_marks import die_with_parent
 from rlbus.rundirs import ensure_run_name, run_id_of
@@ -33,12 +33,15 @@ def die_with_agent() -> None:
 def main(argv: list[str] | None = None) -> None:
     die_with_agent()
     config = parse_cli(TrainerConfig, argv, prog="trainer")
+    if config.data.fake is not None and config.max_steps is None:
+        exit_with_config_error("--max-steps: fake data never ends: set max_steps (--max-steps N)")
     exit_if_paths_missing(config)
     run_dir = ensure_run_name(config, "trainer")
     lifecycle.main(
         "trainer",
         config,
-        "rlbus_trainer.service",
+        # `[data.fake]`: random rollouts, no bus (a throughput run, fake_rollouts.py).
+        "rlbus_trainer.service" if config.data.fake is None else "rlbus_trainer.fake_rollouts",
         command="trainer",
         run_dir=run_dir,
         run_id=run_id_of(config.bus.run_id, config.run.name),

@@ -100,8 +100,9 @@ def _num_steps(config: SFTConfig, data: SFTData) -> int:
     if config.max_steps is not None:
         return config.max_steps
     if data.num_examples is None:
-        what = "fake data" if config.data.type == "fake" else "the built-in reverse-text data"
-        raise ValueError(f"sft: {what} never ends: set max_steps (--max-steps N)")
+        raise ValueError(
+            "sft: the built-in reverse-text data never ends: set max_steps (--max-steps N)"
+        )
     return max(1, data.num_examples // config.data.batch_size)
 
 

@@ -25,7 +25,7 @@ import string
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlbus.configs.sft import ColumnsConfig, SFTDataConfig, SFTSourceConfig
+from rlbus.configs.sft import BUILT_IN_DATA, ColumnsConfig, SFTDataConfig, SFTSourceConfig
 from rlbus.wire.batches import MicroBatch
 from rlbus_trainer.sft_sources import load_conversations
 
@@ -36,8 +36,6 @@ if TYPE_CHECKING:  # names for annotations only: this module imports neither at 
     from rlbus_trainer.loss import LossInputs
 
 REVERSE_TEXT_SYSTEM_PROMPT = "Reverse the text character by character."
-REVERSE_TEXT = "reverse-text"
-"""`data.path` of the built-in generator."""
 
 
 @dataclass
@@ -149,7 +147,7 @@ class SFTData:
             return FakeSFTData(tokenizer, data, seed=seed, seq_len=seq_len)
         resolved = data.resolved_sources()
         common = dict(loss_roles=data.loss_roles, batch_size=data.batch_size, seed=seed)
-        if len(resolved) == 1 and resolved[0].path == REVERSE_TEXT:
+        if data.is_built_in:
             return cls(None, tokenizer, copy_fraction=data.copy_fraction, **common)  # type: ignore[arg-type]
         return cls(
             [load_conversations(source) for source in resolved],
@@ -167,7 +165,7 @@ class SFTData:
             return None
         columns = {k: getattr(data, k) for k in ColumnsConfig.model_fields}
         common = dict(loss_roles=data.loss_roles, batch_size=data.batch_size, seed=seed)
-        if data.val_path == REVERSE_TEXT:
+        if data.val_path == BUILT_IN_DATA:
             return cls(None, tokenizer, split="val", **common)  # type: ignore[arg-type]
         source = SFTSourceConfig(path=data.val_path, **columns)
         return cls([load_conversations(source)], tokenizer, split="val", **common)  # type: ignore[arg-type]

@@ -413,8 +413,6 @@ def _trainer_rules(prefix: str) -> list[Rule]:
         Rule(f"{p}metrics_server", "move", f"{p}metrics", "host, port of /metrics"),
         Rule(f"{p}dist_timeout_seconds", "move", f"{p}collective_timeout_s"),
         Rule(f"{p}log.ranks_filter", "drop", note="every rank logs to its own file"),
-        # sft's own `data` (SFTDataConfig) has a `fake` table: only the RL trainer's is prime-rl's.
-        *([Rule(f"{p}data.fake", "human", "no equivalent: the trainer trains on rollouts from the bus")] if p else []),
         Rule(f"{p}tokenizer", "human", "no equivalent: the tokenizer is the model's (model.name)"),
         *(
             Rule(f"{p}{key}", "drop", note="no rlbus counterpart; training is unchanged")
@@ -577,7 +575,10 @@ SFT_RULES: list[Rule] = [
 ]  # fmt: skip
 """prime-rl `sft` keys (SFTConfig)."""
 
-RULES = {"rl": RL_RULES, "sft": SFT_RULES}
+TRAINER_RULES: list[Rule] = [*_shared_rules(""), *_trainer_rules("")]
+"""prime-rl `trainer` keys (its standalone trainer config, e.g. configs/debug/fake/rl.toml)."""
+
+RULES = {"rl": RL_RULES, "sft": SFT_RULES, "trainer": TRAINER_RULES}
 
 
 # --- applying the table -----------------------------------------------------------------------
@@ -588,7 +589,7 @@ def _ordered(rules: list[Rule]) -> list[Rule]:
     return sorted(rules, key=lambda rule: -rule.prime.count("."))
 
 
-def migrate(data: dict, kind: Literal["rl", "sft"]) -> tuple[dict, list[Change]]:
+def migrate(data: dict, kind: Literal["rl", "sft", "trainer"]) -> tuple[dict, list[Change]]:
     """`data` (a parsed config, not modified) with every prime-rl key the table names handled,
     and what happened to each. `human` keys are removed from the result."""
     order = {path: i for i, path in enumerate(leaf_paths(data))}
@@ -652,7 +653,7 @@ def _deep_copy(value: Any) -> Any:
     return value
 
 
-def migrate_for_load(data: Any, kind: Literal["rl", "sft"]) -> Any:
+def migrate_for_load(data: Any, kind: Literal["rl", "sft", "trainer"]) -> Any:
     """The before-validator of `RLConfig` / `SFTConfig`: prime-rl keys that map are read as their
     rlbus keys (one stderr line each); keys that need a human are a validation error, one line
     per key naming the rlbus equivalent."""

@@ -23,10 +23,9 @@ from rlbus.configs.base import count_header, exit_with_config_error
 from rlbus.configs.common import ModelConfig
 from rlbus.configs.inference import VLLMConfig
 from rlbus.configs.orchestrator import OrchestratorConfig
-from rlbus.configs.sft import SFTDataConfig
+from rlbus.configs.sft import BUILT_IN_DATA, SFTDataConfig
 
 EXPLICIT_PREFIXES = ("/", "./", "../", "~")
-BUILT_IN_DATA = "reverse-text"
 """The SFT data generated on the fly (`sft.data.path` default); every other value is a path."""
 
 

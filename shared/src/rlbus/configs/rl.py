@@ -125,10 +125,22 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
             *self._pushed_value_errors(),
             *self._replica_port_errors(),
             *self._algorithm_errors(),
+            *self._fake_data_errors(),
         ]
         if errors:
             raise field_errors(self, *errors)
         return self
+
+    def _fake_data_errors(self) -> list[tuple[str, str]]:
+        """`trainer.data.fake` is the trainer's stand-alone throughput mode (`trainer @ FILE`): in
+        a run its batches come from the bus."""
+        if self.trainer.data.fake is None:
+            return []
+        why = (
+            "the trainer of an `rl` run trains on the orchestrator's batches: drop it, or run the "
+            "trainer alone on fake data with `trainer @ FILE` and [data.fake] (docs/trainer.md)"
+        )
+        return [("trainer.data.fake", why)]
 
     def _pushed_value_errors(self) -> list[tuple[str, str]]:
         """Completions must fit the engine's context (`inference.vllm.max_model_len`, pushed from

@@ -12,6 +12,9 @@ from rlbus.configs.orchestrator import EvalConfig, OrchestratorConfig
 from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import TrainerConfig
 
+BUILT_IN_DATA = "reverse-text"
+"""`data.path` of the built-in reverse-text generator (the default data)."""
+
 
 class ColumnsConfig(BaseConfig):
     """Where a dataset keeps its conversations: a `messages` column (a whole chat), or a prompt
@@ -83,8 +86,9 @@ class SFTDataConfig(ColumnsConfig):
     """`sft`: conversations from `name`, `path` or `sources`; `fake`: random tokens (`data.fake`),
     no data read, for throughput runs (set max_steps)."""
 
-    path: str = "reverse-text"
-    """JSONL/Parquet file, a `datasets` dataset saved to disk, or the built-in `reverse-text` generator."""
+    path: str | None = None
+    """JSONL/Parquet file, a `datasets` dataset saved to disk, or the built-in `reverse-text`
+    generator (the default when neither `name` nor `sources` is given)."""
 
     name: str | None = None
     """A Hugging Face dataset id (`org/dataset`) instead of `path`: loaded with `datasets` from
@@ -128,24 +132,24 @@ class SFTDataConfig(ColumnsConfig):
 
     @model_validator(mode="after")
     def _copy_fraction_needs_built_in_data(self) -> Self:
-        if self.copy_fraction and (self.path != "reverse-text" or self.name or self.sources):
+        if self.copy_fraction and not self.is_built_in:
             raise ValueError(
                 f"data.copy_fraction={self.copy_fraction} only applies to the built-in 'reverse-text' data, "
-                f"not data.path={self.path!r}: drop --data.copy-fraction or use --data.path reverse-text"
+                f"not {self.label!r}: drop --data.copy-fraction or use --data.path reverse-text"
             )
         return self
 
     @model_validator(mode="after")
     def _one_origin(self) -> Self:
         errors = []
-        if self.name is not None and "path" in self.model_fields_set:
+        if self.name is not None and self.path is not None:
             errors.append(
                 (
                     "name",
                     "give data.name (a Hugging Face dataset) or data.path (a local file), not both",
                 )
             )
-        if self.sources and (self.name is not None or "path" in self.model_fields_set):
+        if self.sources and (self.name is not None or self.path is not None):
             errors.append(
                 (
                     "sources",
@@ -189,7 +193,7 @@ class SFTDataConfig(ColumnsConfig):
             return list(self.sources)
         columns = self.model_dump(include=set(ColumnsConfig.model_fields))
         if self.name is None:
-            return [SFTSourceConfig(path=self.path, **columns)]
+            return [SFTSourceConfig(path=self.path or BUILT_IN_DATA, **columns)]
         subsets: list[str | None] = [*self.subsets] if self.subsets else [None]
         splits = list(self.splits or ["train"])
         if len(subsets) == 1 and len(splits) > 1:
@@ -203,13 +207,19 @@ class SFTDataConfig(ColumnsConfig):
         ]
 
     @property
+    def is_built_in(self) -> bool:
+        """Whether the data is the built-in reverse-text generator (alone)."""
+        sources = self.resolved_sources()
+        return self.type == "sft" and len(sources) == 1 and sources[0].path == BUILT_IN_DATA
+
+    @property
     def label(self) -> str:
         """What the run trains on, for its name: the dataset, file, `mixture` or `fake`."""
         if self.type == "fake":
             return "fake"
         if self.sources:
             return self.sources[0].label if len(self.sources) == 1 else "mixture"
-        return self.name.rsplit("/", 1)[-1] if self.name else self.path
+        return self.name.rsplit("/", 1)[-1] if self.name else self.path or BUILT_IN_DATA
 
 
 class SFTEvalConfig(EvalConfig):
@@ -246,7 +256,9 @@ class SFTEvalConfig(EvalConfig):
 class SFTConfig(TrainerConfig, LaunchConfig):
     """Supervised fine-tuning with the trainer's model, optimizer, checkpoints and offload."""
 
-    data: SFTDataConfig = SFTDataConfig()
+    data: SFTDataConfig = (
+        SFTDataConfig()
+    )  # sft's own data table (the RL trainer's is TrainerDataConfig)
     """Training data."""
 
     num_processes: int = Field(1, ge=1)
@@ -274,6 +286,14 @@ class SFTConfig(TrainerConfig, LaunchConfig):
     def _read_prime_rl_keys(cls, data: Any) -> Any:
         """prime-rl keys are read as their rlbus keys where they map (rlbus.configs.migrate)."""
         return migrate_for_load(data, "sft")
+
+    @model_validator(mode="after")
+    def _fake_data_ends(self) -> Self:  # replaces the RL trainer's check of its `data.fake`
+        if self.data.type == "fake" and self.max_steps is None:
+            raise field_errors(
+                self, ("max_steps", "fake data never ends: set max_steps (--max-steps N)")
+            )
+        return self
 
     @model_validator(mode="after")
     def _eval_names_its_environments(self) -> "SFTConfig":

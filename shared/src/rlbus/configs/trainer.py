@@ -1,11 +1,12 @@
 """Trainer service config (`trainer` command, and the base of `sft`)."""
 
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
 from rlbus.configs.base import BaseConfig
 from rlbus.configs.common import ModelConfig, TrainingRunConfig
+from rlbus.configs.migrate import migrate_for_load
 
 
 class FullOffloadConfig(BaseConfig):
@@ -281,6 +282,26 @@ class LoRAConfig(BaseConfig):
         return modules
 
 
+class FakeRolloutsConfig(BaseConfig):
+    """Random rollouts instead of the bus (`[data.fake]`): the trainer alone trains `max_steps`
+    steps on random tokens and advantages, to measure its throughput (docs/trainer.md, "Fake
+    data"). No bus, orchestrator or inference is needed."""
+
+    batch_size: int = Field(2, ge=1)
+    """Samples per step (global), each `seq_len` tokens."""
+
+    generate_samples: bool = False
+    """Samples of random lengths (up to `seq_len`), packed into rows the way rollouts are,
+    instead of one full-length sample per row."""
+
+
+class TrainerDataConfig(BaseConfig):
+    """Where the trainer's batches come from: the bus (default), or `fake` random rollouts."""
+
+    fake: FakeRolloutsConfig | None = None
+    """Train on random rollouts, without the bus (bare `--data.fake` for the defaults)."""
+
+
 class TrainerConfig(TrainingRunConfig):
     """The trainer service: consumes step batches, trains, checkpoints, publishes weights."""
 
@@ -307,6 +328,9 @@ class TrainerConfig(TrainingRunConfig):
     """Train LoRA adapters instead of the whole model and publish only them (off by default;
     bare `--lora` enables it with the defaults)."""
 
+    data: TrainerDataConfig = TrainerDataConfig()
+    """Batches from the bus, or fake ones for a throughput run (`--data.fake`)."""
+
     max_steps: int | None = Field(None, ge=1)
     """Stop after this step (None: run until stopped)."""
 
@@ -325,6 +349,13 @@ class TrainerConfig(TrainingRunConfig):
     """Deadline of one collective between the ranks (all-reduce, barrier, gather): a rank stuck
     longer ends the group with an error naming the collective, never a silent hang. It must cover
     the longest step rank 0 does alone (writing a checkpoint or a broadcast of a large model)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_prime_rl_keys(cls, data: Any) -> Any:
+        """prime-rl trainer keys are read as their rlbus keys where they map
+        (rlbus.configs.migrate; `sft` and `rl` configs have their own tables)."""
+        return migrate_for_load(data, "trainer")
 
     @model_validator(mode="after")
     def _full_offload_rules(self) -> Self:
