@@ -89,6 +89,30 @@ def test_trained_weights_reached_the_inference_replica(finished_run):
     assert max(row.get("weights/applied_version", 0) for row in rows.values()) >= 1
 
 
+def test_the_run_ends_with_its_model_which_rl_export_rebuilds_from_the_checkpoint(finished_run):
+    """`<run_dir>/model/` (written by the trainer at max_steps) holds the weights of the last
+    broadcast, which the replica served; `rl export` of the last checkpoint writes the same."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run_dir, last = finished_run.run_dir, max_steps_of(finished_run.run_dir)
+    final = load_file(run_dir / "model" / "model.safetensors")
+    served = load_file(run_dir / "broadcasts" / f"step_{last}" / "model.safetensors")
+    assert final.keys() == served.keys()
+    assert all(torch.equal(final[k], served[k]) for k in final)
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in (run_dir / "model").iterdir()
+    }
+    AutoModelForCausalLM.from_pretrained(run_dir / "model")  # loads as a plain HF model
+    done = subprocess.run(
+        [str(BIN / "rl"), "export", str(run_dir)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    exported = load_file(run_dir / "exports" / f"step_{last}" / "model.safetensors")
+    assert all(torch.equal(final[k], exported[k]) for k in final)
+
+
 def test_console_shows_one_parseable_line_per_step(finished_run):
     lines = finished_run.step_lines()
     max_steps = max_steps_of(finished_run.run_dir)

@@ -251,6 +251,7 @@ def export_checkpoint(run_dir: Path, step: int, out: Path, launch_id: str) -> No
             "-m",
             "rlbus_trainer.export_checkpoint",
             *(str(run_dir.absolute()), str(step), str((out / EXPORTED_MODEL).absolute())),
+            "--merged",  # a LoRA run's adapter folded in: the server loads a whole model
         ],
         log_path=out / "logs" / "export.log",
         launch_id=launch_id,

@@ -520,6 +520,7 @@ SUBCOMMANDS = {
     "dead-letters": "rlbus_launch.deadletters",
     "env": "rlbus_launch.envinstall",
     "eval": "rlbus_launch.evalcmd",
+    "export": "rlbus_launch.exportcmd",
     "migrate-config": "rlbus_launch.migrate_config",
     "rollouts": "rlbus_launch.rollouts",
 }

@@ -22,6 +22,7 @@ from rlbus.obs.logging import LOGS_DIR
 from rlbus.rundirs import (
     CHECKPOINTS_DIR,
     EVALS_FILE,
+    FINAL_MODEL_DIR,
     ROLLOUTS_DIR,
     broadcasts_dir,
     complete_steps,
@@ -68,7 +69,10 @@ def last_evals(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def model_dir(run_dir: Path) -> Path | None:
-    """The newest `broadcasts/step_<N>/`, else the newest complete `checkpoints/step_<N>/`."""
+    """The final `model/`, else the newest `broadcasts/step_<N>/`, else the newest complete
+    `checkpoints/step_<N>/`."""
+    if (run_dir / FINAL_MODEL_DIR).is_dir():
+        return run_dir / FINAL_MODEL_DIR
     broadcasts = numbered_steps(broadcasts_dir(run_dir))
     if broadcasts:
         return broadcasts_dir(run_dir) / f"step_{broadcasts[-1]}"

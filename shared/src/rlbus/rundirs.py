@@ -34,6 +34,9 @@ BROADCASTS_DIR = "broadcasts"
 CHECKPOINT_COMPLETE = "COMPLETE"
 """Written last into a finished checkpoint (rlbus_trainer.ckpt): only marked ones count."""
 
+FINAL_MODEL_DIR = "model"
+"""`<run_dir>/model/`: the trained model (or a LoRA run's adapter) written when a run reaches
+max_steps (rlbus_trainer.export; docs/export.md)."""
 ROLLOUTS_DIR = "rollouts"
 """`<run_dir>/rollouts/step_<N>.jsonl`: samples of the rollouts step N trained on (orchestrator)."""
 EVALS_DIR = "evals"

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # only names for annotations: the import itself is deferred (
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-"""A sharded checkpoint's map of tensor names to shard files (read, never written here)."""
+"""A sharded checkpoint's map of tensor names to shard files."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
 WEIGHT_INDEX_SUFFIX = ".index.json"
@@ -111,20 +111,75 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into files of at most `max_shard_bytes` each (a tensor larger than
+    that gets a file of its own), in name order."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in sorted(tensors):
+        size = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def save_weights(
+    tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int | None
+) -> list[Path]:
+    """`model.safetensors`, or, when the weights exceed `max_shard_bytes`, the shards
+    `model-0000i-of-0000N.safetensors` and `model.safetensors.index.json` (the Hugging Face
+    layout, which transformers and vLLM read)."""
+    shards = [sorted(tensors)] if max_shard_bytes is None else shard_plan(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
+        return [out_dir / WEIGHTS_FILE]
+    files, weight_map = [], {}
+    for i, names in enumerate(shards, start=1):
+        file = out_dir / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file.name))
+        files.append(file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    return files
+
+
+GENERATION_CONFIG = "generation_config.json"
+GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def ensure_generation_config(out_dir: Path) -> None:
+    """A `generation_config.json` when the model came without one: its special tokens, from its
+    config.json (what `generate` and vLLM read for the stop tokens)."""
+    if (out_dir / GENERATION_CONFIG).exists():
+        return
+    config = json.loads((out_dir / "config.json").read_text())
+    generation = {k: config[k] for k in GENERATION_KEYS if config.get(k) is not None}
+    (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
+
+
 def write_hf_dir(
     state_dict: dict[str, torch.Tensor],
     model_name: str,
     out_dir: Path,
     *,
     trust_remote_code: bool = False,
+    max_shard_bytes: int | None = None,
 ) -> Path:
-    """Atomically write `state_dict` as an HF model directory at out_dir (replacing it)."""
+    """Atomically write `state_dict` as an HF model directory at out_dir (replacing it): the
+    source model's config, generation config and tokenizer, and the weights in one file or, with
+    `max_shard_bytes`, in shards of at most that size."""
     out_dir = Path(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tied = write_source_files(model_name, trust_remote_code, tmp)
-    save_file(hf_tensors(state_dict, tied), tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+    ensure_generation_config(tmp)
+    save_weights(hf_tensors(state_dict, tied), tmp, max_shard_bytes)
     for file in tmp.iterdir():
         with open(file, "rb") as f:
             os.fsync(f.fileno())

@@ -77,6 +77,7 @@ from rlbus_trainer.engine import (
     setup_distributed,
     teardown_distributed,
 )
+from rlbus_trainer.export import export_final
 from rlbus_trainer.loss import LossFn, build_loss_fn
 from rlbus_trainer.metrics import record_train_step
 from rlbus_trainer.weights import WeightPublisher, build_weight_publisher, latest_version
@@ -270,11 +271,19 @@ async def announce_start(trainer: TrainerRun, replay: dict[str, float] | None) -
 
 
 async def stop_trainer(trainer: TrainerRun, last_step: int) -> None:
-    """Below the step loop: rank 0 marks the run finished when it reached max_steps (and was not
-    told to end) and publishes `stopped`; every rank closes its publisher, bus and group."""
+    """Below the step loop: a run that reached max_steps (and was not told to end) writes its
+    model (`<run_dir>/model/`, export.py; every rank takes part) and rank 0 marks it finished;
+    rank 0 publishes `stopped`; every rank closes its publisher, bus and group."""
     config, stop = trainer.config, trainer.stop
+    finished = not agreed(  # on every rank
+        stop.reason is not None or config.max_steps is None or last_step < config.max_steps
+    )
+    if finished and config.save_final_model:  # before `finished`: a finished run has its model
+        await asyncio.to_thread(
+            export_final, trainer.engine, config, trainer.run_dir, trainer.world
+        )
     if trainer.world.is_main:
-        if stop.reason is None and config.max_steps is not None and last_step >= config.max_steps:
+        if finished:
             await trainer.bus.mark_finished(last_step)
         await publish_event(
             trainer.bus,

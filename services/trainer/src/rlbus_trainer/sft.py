@@ -4,7 +4,8 @@ Same engine as RL (model, FSDP2, optimizer, offload, checkpoints), fed from loca
 the bus: step s trains on examples [(s-1)*batch_size, s*batch_size) of the data (sft_data.py),
 split round-robin over ranks and packed into rows of seq_len. Validation loss every
 `data.val_interval` steps when `data.val_path` is set. At the end rank 0 writes `<run_dir>/model/`,
-an HF directory that `inference` and `rl` load. The `sft` command (rlbus_launch.sft) names the
+an HF directory that `inference` and `rl` load (a LoRA run: its adapter, or with
+`export.merge_lora` the merged model; export.py). The `sft` command (rlbus_launch.sft) names the
 run, writes the resolved config and starts torchrun, whose ranks (sft_entrypoint.py) call
 `run(config)`.
 
@@ -15,7 +16,7 @@ run, writes the resolved config and starts torchrun, whose ranks (sft_entrypoint
         evaluate on environments at `eval` steps (sft_eval.py; step 0 before the loop)
         report   an `sft_step` line and a row for every sink (rank 0)
         ckpt     every `ckpt.interval` steps and at the last, then prune to keep_last
-    end: the final model (write_final_model), unless `save_final_model` is off
+    end: the final model (export.export_final), unless `save_final_model` is off
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import time
 from pathlib import Path
 
 import structlog
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from rlbus.configs.sft import SFTConfig
@@ -38,8 +38,7 @@ from rlbus_trainer.engine import (
     setup_distributed,
     teardown_distributed,
 )
-from rlbus_trainer.hf_dir import write_hf_dir
-from rlbus_trainer.lora import merged_state_dict
+from rlbus_trainer.export import export_final
 from rlbus_trainer.sft_data import SFTData, Tokenized, pack, sft_loss
 from rlbus_trainer.sft_eval import SFTEvaluator
 
@@ -91,7 +90,7 @@ def run(config: SFTConfig) -> Path | None:
 
     for sink in sinks:
         sink.close()
-    out = write_final_model(engine, config, run_dir, world) if config.save_final_model else None
+    out = export_final(engine, config, run_dir, world) if config.save_final_model else None
     teardown_distributed()
     return out
 
@@ -165,24 +164,3 @@ def log_step(record: dict[str, float]) -> None:
         tokens_per_s=round(record["tokens_per_s"]),
         **({"val_loss": round(record["val_loss"], 4)} if "val_loss" in record else {}),
     )
-
-
-def write_final_model(
-    engine: Engine, config: SFTConfig, run_dir: Path, world: World
-) -> Path | None:
-    """`<run_dir>/model/`, an HF directory with any LoRA adapters folded into the weights, written
-    by rank 0 (returned there; None elsewhere). Collective."""
-    state = engine.full_state_dict()
-    if config.lora is not None:  # a plain HF model: the adapters folded into the weights
-        state = merged_state_dict(state, config.lora)
-    out = None
-    if world.is_main:
-        out = write_hf_dir(
-            state,
-            config.model.name,
-            run_dir / "model",
-            trust_remote_code=config.model.trust_remote_code,
-        )
-        log.info("sft_model_written", path=str(out))
-    dist.barrier()
-    return out

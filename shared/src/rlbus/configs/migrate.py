@@ -531,7 +531,8 @@ RL_RULES: list[Rule] = [
     Rule("orchestrator.model.client", "drop", note="rlbus finds replicas in its registry"),
     *_eval_rules("orchestrator.eval"),
     Rule("orchestrator.algo", "human", "no equivalent: rlbus computes GRPO advantages "
-         "(orchestrator.normalize_advantages, trainer.loss)"),
+         "(orchestrator.normalize_advantages, trainer.loss.type; docs/algorithms.md)",
+         harmless={"type": "grpo"}),
     Rule("orchestrator.tasks_per_minute", "human", "no equivalent: no task rate limit"),
     *(
         Rule(f"orchestrator.{key}", "drop", note="no rlbus counterpart; rollouts are unchanged")

@@ -272,9 +272,6 @@ class SFTConfig(TrainerConfig, LaunchConfig):
     """Submit the SFT as a SLURM batch job instead of running it here (bare `--slurm` or a
     `[slurm]` table; docs/slurm.md)."""
 
-    save_final_model: bool = True
-    """Write an HF model directory `<run_dir>/model/` at the end."""
-
     eval: SFTEvalConfig | None = None
     """Evaluation on environments (off unless set; `[[eval.env]]` names them)."""
 

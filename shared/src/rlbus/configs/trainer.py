@@ -2,7 +2,7 @@
 
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 
 from rlbus.configs.base import BaseConfig
 from rlbus.configs.common import ModelConfig, TrainingRunConfig
@@ -302,6 +302,18 @@ class TrainerDataConfig(BaseConfig):
     """Train on random rollouts, without the bus (bare `--data.fake` for the defaults)."""
 
 
+class ExportConfig(BaseConfig):
+    """How models are written out: the final `<run_dir>/model/` and `rl export` (docs/export.md)."""
+
+    merge_lora: bool = False
+    """A LoRA run exports its adapter (a PEFT directory over `model.name`); true: the model with
+    the adapter folded into its weights instead (`rl export --merged` does the same once)."""
+
+    max_shard_size: ByteSize = Field(ByteSize(5 * 1000**3), gt=0)
+    """Largest safetensors file of an exported model: bigger ones are split into shards
+    (`model-00001-of-0000N.safetensors` and an index), as Hugging Face checkpoints are."""
+
+
 class TrainerConfig(TrainingRunConfig):
     """The trainer service: consumes step batches, trains, checkpoints, publishes weights."""
 
@@ -330,6 +342,13 @@ class TrainerConfig(TrainingRunConfig):
 
     data: TrainerDataConfig = TrainerDataConfig()
     """Batches from the bus, or fake ones for a throughput run (`--data.fake`)."""
+
+    save_final_model: bool = True
+    """Write the trained model to `<run_dir>/model/` when the run reaches `max_steps`
+    (docs/export.md)."""
+
+    export: ExportConfig = ExportConfig()
+    """How the final model and `rl export` write models (LoRA merged or not, shard size)."""
 
     max_steps: int | None = Field(None, ge=1)
     """Stop after this step (None: run until stopped)."""
