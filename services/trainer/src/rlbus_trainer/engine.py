@@ -271,21 +271,7 @@ class Engine:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One forward pass over a group of packed rows (padded to the longest), loss over all."""
         dev = self.world.device
-        num_rows, width = len(group), max(len(mb.input_ids) for mb in group)
-        ids = torch.zeros(num_rows, width, dtype=torch.long)  # [B, T]
-        pos = torch.zeros(num_rows, width, dtype=torch.long)  # [B, T]
-        mask = torch.eye(width, dtype=torch.bool).repeat(
-            num_rows, 1, 1, 1
-        )  # [B, 1, T, T]; pads see themselves
-        for b, mb in enumerate(group):
-            n = len(mb.input_ids)
-            ids[b, :n] = torch.tensor(mb.input_ids)
-            pos[b, :n] = torch.tensor(mb.position_ids)
-            if mb.parent_ids:
-                mask[b, 0, :n, :n] = ancestor_mask(mb.parent_ids)[0, 0]
-            else:
-                mask[b, 0, :n, :n] = block_causal_mask(mb.seq_lens)[0, 0]
-        ids, pos, mask = ids.to(dev), pos.to(dev), mask.to(dev)
+        ids, pos, mask = self._padded_inputs(group)
         # The reference pass first: no FSDP2 forward without grad then sits between the training
         # forward and its backward.
         ref_logits = self._reference_logits(ids, pos, mask) if self.use_reference else None
@@ -325,6 +311,26 @@ class Engine:
             reference_logprobs=torch.cat(ref_logprobs) if ref_logprobs else None,
         )
         return loss_fn(inputs, num_global_loss)
+
+    def _padded_inputs(
+        self, group: list[MicroBatch]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids [B, T], positions [B, T] and attention mask [B, 1, T, T] of a group of rows,
+        padded to the longest row (a pad attends to itself only), on the engine's device."""
+        num_rows, width = len(group), max(len(mb.input_ids) for mb in group)
+        ids = torch.zeros(num_rows, width, dtype=torch.long)
+        pos = torch.zeros(num_rows, width, dtype=torch.long)
+        mask = torch.eye(width, dtype=torch.bool).repeat(num_rows, 1, 1, 1)
+        for b, mb in enumerate(group):
+            n = len(mb.input_ids)
+            ids[b, :n] = torch.tensor(mb.input_ids)
+            pos[b, :n] = torch.tensor(mb.position_ids)
+            if mb.parent_ids:
+                mask[b, 0, :n, :n] = ancestor_mask(mb.parent_ids)[0, 0]
+            else:
+                mask[b, 0, :n, :n] = block_causal_mask(mb.seq_lens)[0, 0]
+        dev = self.world.device
+        return ids.to(dev), pos.to(dev), mask.to(dev)
 
     @torch.no_grad()
     def _reference_logits(
