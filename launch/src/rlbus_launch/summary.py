@@ -4,14 +4,15 @@
       steps    40 of 40
       reward   0.6812 at step 1, 0.9023 at step 40
       eval     step 40, reverse-text: reward/mean 0.41, num_examples 16, failed 0, pass@1 0.25
-      model    outputs/reverse-text--tiny--1a2b/broadcasts/step_40
+      model    outputs/reverse-text--tiny--1a2b/model
       samples  outputs/reverse-text--tiny--1a2b/rollouts
       logs     outputs/reverse-text--tiny--1a2b/logs
 
 Everything is read from the run directory: steps and rewards from `metrics.jsonl` (rows merged by
 step, as the progress lines read them), the last evaluation from `evals.jsonl` (one row per
-environment evaluated, `eval/<env>/<metric>` keys), the model from the newest weights broadcast
-or else the newest complete checkpoint (rlbus.rundirs).
+environment evaluated, `eval/<env>/<metric>` keys), the model from the final `model/` (a run
+that reached max_steps), else the newest weights broadcast, else the newest complete checkpoint
+(rlbus.rundirs).
 """
 
 from dataclasses import dataclass

@@ -68,6 +68,14 @@ def test_without_broadcasts_the_model_is_the_newest_complete_checkpoint(tmp_path
     assert f"  model    {run_dir}/checkpoints/step_2" in text.splitlines()
 
 
+def test_a_finished_run_s_model_is_its_final_model_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "broadcasts" / "step_4").mkdir(parents=True)
+    (run_dir / "model").mkdir()
+    text = run_summary(run_dir, outcome="finished", wall_s=1.0, max_steps=4)
+    assert f"  model    {run_dir}/model" in text.splitlines()
+
+
 def test_a_run_that_failed_before_any_step_says_so_plainly(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
