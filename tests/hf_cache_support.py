@@ -3,12 +3,24 @@ leaves them (HF_HOME/hub/datasets--ORG--NAME/snapshots/REV/...), so tests load a
 with no network."""
 
 import json
+import socket
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 REVISION = "0" * 39 + "1"
+HF_VARIABLES_UNSET = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE", "HF_DATASETS_CACHE")
+"""Unset by `unreachable_hub`: loading by name must find out by itself that only the cache is left."""
+
+
+def unreachable_hub(hf_home: Path) -> dict[str, str]:
+    """HF_HOME and an HF_ENDPOINT that refuses connections (a closed local port): the variables
+    of a machine whose hub is out of reach and whose HF cache is `hf_home`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    return {"HF_HOME": str(hf_home), "HF_ENDPOINT": f"http://127.0.0.1:{closed}"}
 
 
 def cache_dataset(hf_home: Path, name: str, subsets: dict[str, dict[str, list[dict]]]) -> Path:

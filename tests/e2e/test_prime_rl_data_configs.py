@@ -9,13 +9,12 @@ files) run here with only the model path changed:
 
 import json
 import os
-import socket
 import subprocess
 import tomllib
 
 import pytest
 from e2e_support import BIN, REPO, configured_model
-from hf_cache_support import cache_dataset, reverse_rows
+from hf_cache_support import HF_VARIABLES_UNSET, cache_dataset, reverse_rows, unreachable_hub
 
 from rlbus.samples import read_records
 
@@ -36,16 +35,9 @@ def with_model(name: str, tmp_path) -> os.PathLike:
 
 def offline_hf(tmp_path) -> dict[str, str]:
     """An environment whose HF cache is `tmp_path/hf` and whose hub does not answer."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "HF_HOME": str(tmp_path / "hf"),
-        "HF_ENDPOINT": f"http://127.0.0.1:{closed}",
-    }
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE", "HF_DATASETS_CACHE"):
-        env.pop(var, None)
+    env = {**os.environ, **unreachable_hub(tmp_path / "hf")}
+    for name in HF_VARIABLES_UNSET:
+        env.pop(name, None)
     return env
 
 

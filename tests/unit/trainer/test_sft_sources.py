@@ -3,11 +3,10 @@
 import itertools
 import json
 import re
-import socket
 from collections import Counter
 
 import pytest
-from hf_cache_support import cache_dataset, reverse_rows
+from hf_cache_support import HF_VARIABLES_UNSET, cache_dataset, reverse_rows, unreachable_hub
 from transformers import AutoTokenizer
 
 from rlbus.configs.sft import ColumnsConfig, SFTConfig, SFTDataConfig
@@ -19,16 +18,12 @@ TEXTS = ["alpha", "bravo", "charlie", "delta"]
 
 @pytest.fixture
 def hf_home(tmp_path, monkeypatch):
-    """An empty HF cache, the hub unreachable (HF_ENDPOINT: a closed local port), no offline
-    flag: loading by name must find out by itself that only the cache is left."""
+    """An empty HF cache and an unreachable hub, no offline flag (hf_cache_support)."""
     home = tmp_path / "hf"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed}")
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE", "HF_DATASETS_CACHE"):
-        monkeypatch.delenv(var, raising=False)
+    for name, value in unreachable_hub(home).items():
+        monkeypatch.setenv(name, value)
+    for name in HF_VARIABLES_UNSET:
+        monkeypatch.delenv(name, raising=False)
     return home
 
 
