@@ -89,6 +89,28 @@ async def test_a_nested_failure_keeps_the_innermost_task_name():
     assert failure.value.task == "weights_watch"
 
 
+async def test_a_task_that_outlasts_its_cancel_is_named_before_it_is_waited_for(monkeypatch):
+    from structlog.testing import capture_logs
+
+    from rlbus import lifecycle
+
+    monkeypatch.setattr(lifecycle, "SLOW_CANCEL_S", 0.05)
+
+    async def stubborn():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await asyncio.shield(asyncio.sleep(0.2))  # cleanup that outlasts the cancel
+
+    with capture_logs() as logs:
+        async with TaskSupervisor() as tasks:
+            slow = tasks.spawn("stubborn", stubborn())
+            await asyncio.sleep(0)
+    assert slow.cancelled()
+    (warning,) = [e for e in logs if e["event"] == "tasks_slow_to_cancel"]
+    assert warning["tasks"] == ["stubborn"] and "stubborn" in warning["stacks"][0]
+
+
 async def test_join_returns_once_every_task_returned():
     async with TaskSupervisor() as tasks:
         done = [tasks.spawn(f"t{i}", asyncio.sleep(0.01 * i)) for i in range(3)]

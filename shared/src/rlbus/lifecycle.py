@@ -380,6 +380,18 @@ class TaskFailed(Exception):
         self.error = error
 
 
+SLOW_CANCEL_S = 10.0
+"""How long a cancelled task may take to end before TaskSupervisor.close names it."""
+
+
+def _stack_text(task: asyncio.Task) -> str:
+    """Where `task` is suspended (its innermost frames), for a log line."""
+    frames = task.get_stack(limit=3)
+    return " <- ".join(
+        f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno} {f.f_code.co_name}" for f in frames
+    )
+
+
 class TaskSupervisor:
     """The background tasks of one component. The first that raises wins: `wait`/`join` raise
     `TaskFailed` for it, and leaving the `async with` cancels whatever still runs."""
@@ -436,12 +448,23 @@ class TaskSupervisor:
         self.raise_if_failed()
 
     async def close(self) -> None:
-        """Cancel what still runs and wait for it to finish."""
+        """Cancel what still runs and wait for it to finish. A task still running
+        `SLOW_CANCEL_S` after its cancel (one that swallows or outlasts it: a bug) is named in a
+        `tasks_slow_to_cancel` warning, then waited for."""
         pending = list(self.tasks)
         for task in pending:
             task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+        if not pending:
+            return
+        _, slow = await asyncio.wait(pending, timeout=SLOW_CANCEL_S)
+        if slow:
+            log.warning(
+                "tasks_slow_to_cancel",
+                tasks=sorted(t.get_name() for t in slow),
+                after_s=SLOW_CANCEL_S,
+                stacks=[_stack_text(t) for t in slow],
+            )
+            await asyncio.wait(slow)
 
     async def __aenter__(self) -> TaskSupervisor:
         return self
