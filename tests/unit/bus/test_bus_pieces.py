@@ -1,5 +1,6 @@
 """Bus pieces that need no server: connection options, claim-check files, server config."""
 
+import asyncio
 import json
 
 import pytest
@@ -98,3 +99,29 @@ def test_dead_letter_kinds_follow_the_stream_or_bucket():
     assert kinds == ["rollout", "batch", "task"]
     assert s.dead_kind(s.weights_bucket) == "weights-record"
     assert s.dead_kind(s.replicas_bucket) == "replica-entry"
+
+
+class StuckSubscription:
+    """A subscription whose UNSUB is never flushed, or whose connection is already closed."""
+
+    def __init__(self, error: Exception | None = None):
+        self.error = error
+        self.calls = 0
+
+    async def unsubscribe(self):
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        await asyncio.sleep(3600)
+
+
+async def test_unsubscribing_at_shutdown_neither_raises_nor_hangs(monkeypatch):
+    import nats.errors
+
+    from rlbus.bus import core
+
+    monkeypatch.setattr(core, "UNSUBSCRIBE_TIMEOUT_S", 0.05)
+    closed, stuck = StuckSubscription(nats.errors.ConnectionClosedError()), StuckSubscription()
+    await asyncio.wait_for(core.unsubscribe_quietly(closed), 2)
+    await asyncio.wait_for(core.unsubscribe_quietly(stuck), 2)
+    assert closed.calls == stuck.calls == 1

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from rlbus.bus import Subscription
+from rlbus.bus import Subscription, unsubscribe_quietly
 from rlbus.bus.client import Bus
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.wire import weights as weights_wire
@@ -105,7 +105,7 @@ class WeightsWatcher:
             await self.poll()
         finally:
             for subscription in subscriptions:
-                await subscription.unsubscribe()
+                await unsubscribe_quietly(subscription)
 
     async def poll(self) -> None:
         while True:

@@ -23,7 +23,7 @@ from nats.aio.subscription import Subscription
 
 from rlbus.bus.client import Bus
 from rlbus.bus.consumer import Consumer, Delivery
-from rlbus.bus.core import BusCore, encode
+from rlbus.bus.core import BusCore, encode, unsubscribe_quietly
 from rlbus.bus.errors import (
     BusAuthError,
     BusConnectError,
@@ -57,4 +57,5 @@ __all__ = [
     "StreamStats",
     "Subscription",
     "encode",
+    "unsubscribe_quietly",
 ]

@@ -33,7 +33,7 @@ from rlbus.bus import control as bus_control
 from rlbus.bus import records
 from rlbus.bus.connection import open_connection
 from rlbus.bus.consumer import Consumer, Delivery
-from rlbus.bus.core import BusCore
+from rlbus.bus.core import BusCore, unsubscribe_quietly
 from rlbus.bus.errors import ClaimCheckError
 from rlbus.bus.kv import KV, Lease
 from rlbus.bus.stats import StreamStats, read_stream_stats
@@ -251,10 +251,7 @@ class Bus(BusCore):
         for task in list(self._background):
             task.cancel()
         for sub in self._subscriptions:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+            await unsubscribe_quietly(sub)
         self._subscriptions.clear()
         if self.nc.is_closed:
             return

@@ -35,7 +35,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from rlbus.bus import claimcheck
-from rlbus.bus.core import MSG_ID_HEADER, BusCore
+from rlbus.bus.core import MSG_ID_HEADER, BusCore, unsubscribe_quietly
 from rlbus.bus.errors import ClaimCheckError
 from rlbus.obs import tracing
 from rlbus.wire.claims import ClaimCheck
@@ -399,10 +399,7 @@ class Consumer(Generic[T]):
 
     async def _unsubscribe(self) -> None:
         assert self._sub is not None
-        try:
-            await self._sub.unsubscribe()
-        except Exception:  # the connection is gone: so is the subscription
-            pass
+        await unsubscribe_quietly(self._sub)  # a gone connection took the subscription along
 
     async def __aenter__(self) -> "Consumer[T]":
         await self.subscribe()

@@ -89,6 +89,20 @@ async def retry_transient(
 _encoder = msgspec.msgpack.Encoder()
 
 
+UNSUBSCRIBE_TIMEOUT_S = 5.0
+"""Longest wait for an UNSUB to be flushed at shutdown."""
+
+
+async def unsubscribe_quietly(subscription: Any) -> None:
+    """Drop a core-NATS subscription at shutdown, whatever the connection's state: a closed or
+    draining connection has dropped it already, and a flush that does not come back within
+    UNSUBSCRIBE_TIMEOUT_S is given up (the server forgets the interest with the connection)."""
+    try:
+        await asyncio.wait_for(subscription.unsubscribe(), UNSUBSCRIBE_TIMEOUT_S)
+    except Exception as error:  # TimeoutError included
+        log.debug("unsubscribe_skipped", error=repr(error))
+
+
 def encode(message: msgspec.Struct | bytes) -> bytes:
     """msgpack bytes of a wire struct (bytes pass through)."""
     return (

@@ -23,7 +23,7 @@ from nats.aio.subscription import Subscription
 from nats.js import api
 
 from rlbus.bus import claimcheck
-from rlbus.bus.core import BusCore
+from rlbus.bus.core import BusCore, unsubscribe_quietly
 from rlbus.bus.errors import ClaimCheckError, PoisonBatch, StepNotFound
 from rlbus.wire import batches
 
@@ -155,8 +155,5 @@ class StepLog:
 
     async def close(self) -> None:
         if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                pass
+            await unsubscribe_quietly(self._sub)
             self._sub = None
