@@ -31,7 +31,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import cast
+from typing import Any, Protocol, cast
 
 import structlog
 import torch
@@ -472,3 +472,19 @@ def torch_optimizers(optimizer: EngineOptimizer) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside an `Optimizers` / `OptimizerStateOffload` (for DCP)."""
     assert isinstance(optimizer, (Optimizers, OptimizerStateOffload)), type(optimizer)
     return optimizer.optimizers
+
+
+class CausalLM(Protocol):
+    """What the trainer reads of its model besides `nn.Module`'s: rlbus_trainer.qwen3's and
+    transformers' models both have it."""
+
+    config: Any
+
+    def get_input_embeddings(self) -> torch.nn.Module: ...
+
+
+def vocab_size_of(model: torch.nn.Module) -> int:
+    """Rows of the input embedding (what a token id must stay below), the config's as fallback."""
+    lm = cast(CausalLM, model)
+    embedding = lm.get_input_embeddings()
+    return int(getattr(embedding, "num_embeddings", None) or lm.config.vocab_size)

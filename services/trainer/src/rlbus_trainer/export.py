@@ -25,7 +25,12 @@ from rlbus.configs import TrainerConfig
 from rlbus.rundirs import FINAL_MODEL_DIR
 from rlbus_trainer.engine import Engine, World
 from rlbus_trainer.hf_dir import TOKENIZER_FILES, local_model_dir, source_files, write_hf_dir
-from rlbus_trainer.lora import adapter_state_dict, merged_state_dict, write_adapter_dir
+from rlbus_trainer.lora import (
+    ADAPTER_CONFIG,
+    adapter_state_dict,
+    merged_state_dict,
+    write_adapter_dir,
+)
 
 log = structlog.get_logger()
 
@@ -75,4 +80,4 @@ def export_final(engine: Engine, config: TrainerConfig, run_dir: Path, world: Wo
 
 def is_adapter_dir(path: Path) -> bool:
     """Whether an exported directory is a LoRA adapter (not a whole model)."""
-    return (path / "adapter_config.json").is_file()
+    return (path / ADAPTER_CONFIG).is_file()

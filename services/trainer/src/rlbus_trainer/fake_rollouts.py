@@ -21,9 +21,13 @@ import structlog
 
 from rlbus.configs import TrainerConfig
 from rlbus.wire.batches import MicroBatch
-from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
+from rlbus_trainer.engine import (
+    build_engine,
+    setup_distributed,
+    teardown_distributed,
+    vocab_size_of,
+)
 from rlbus_trainer.loss import build_loss_fn
-from rlbus_trainer.service import vocab_size_of
 from rlbus_trainer.sft_data import Tokenized, pack
 
 log = structlog.get_logger()

@@ -46,7 +46,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, cast
 
 import structlog
 import torch
@@ -76,6 +75,7 @@ from rlbus_trainer.engine import (
     build_engine,
     setup_distributed,
     teardown_distributed,
+    vocab_size_of,
 )
 from rlbus_trainer.export import export_final
 from rlbus_trainer.loss import LossFn, build_loss_fn
@@ -511,19 +511,3 @@ async def last_metrics_step(bus: Bus) -> int:
         log.warning("trainer_metrics_unread", error=repr(error))
         return 0
     return event.step if isinstance(event, events.StepMetrics) else 0
-
-
-class CausalLM(Protocol):
-    """What the trainer reads of its model besides `nn.Module`'s: rlbus_trainer.qwen3's and
-    transformers' models both have it."""
-
-    config: Any
-
-    def get_input_embeddings(self) -> torch.nn.Module: ...
-
-
-def vocab_size_of(model: torch.nn.Module) -> int:
-    """Rows of the input embedding (what a token id must stay below), the config's as fallback."""
-    lm = cast(CausalLM, model)
-    embedding = lm.get_input_embeddings()
-    return int(getattr(embedding, "num_embeddings", None) or lm.config.vocab_size)

@@ -25,7 +25,7 @@ import string
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlbus.configs.sft import BUILT_IN_DATA, ColumnsConfig, SFTDataConfig, SFTSourceConfig
+from rlbus.configs.sft import BUILT_IN_DATA, SFTDataConfig
 from rlbus.wire.batches import MicroBatch
 from rlbus_trainer.sft_sources import load_conversations
 
@@ -163,11 +163,10 @@ class SFTData:
         """The validation data (`data.val_path`), read with the training data's columns."""
         if not data.val_path:
             return None
-        columns = {k: getattr(data, k) for k in ColumnsConfig.model_fields}
         common = dict(loss_roles=data.loss_roles, batch_size=data.batch_size, seed=seed)
         if data.val_path == BUILT_IN_DATA:
             return cls(None, tokenizer, split="val", **common)  # type: ignore[arg-type]
-        source = SFTSourceConfig(path=data.val_path, **columns)
+        source = data.file_source(data.val_path)
         return cls([load_conversations(source)], tokenizer, split="val", **common)  # type: ignore[arg-type]
 
     @property

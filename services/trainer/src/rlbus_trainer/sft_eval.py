@@ -37,8 +37,7 @@ from rlbus.configs.sft import SFTConfig, SFTEvalConfig
 from rlbus.obs.sinks import JsonlEvalSink
 from rlbus.rundirs import EVAL_RESULTS_FILE, broadcasts_dir, eval_dir, numbered_steps
 from rlbus_trainer.engine import Engine, World
-from rlbus_trainer.hf_dir import write_hf_dir
-from rlbus_trainer.lora import merged_state_dict
+from rlbus_trainer.export import write_model
 
 log = structlog.get_logger()
 
@@ -128,15 +127,9 @@ class SFTEvaluator:
 
     def load_weights(self, step: int, state: dict[str, Any]) -> None:
         """Write step `step`'s weights and load them into the server (module docstring, 1)."""
-        if self.config.lora is not None:  # a plain model: the adapters folded into the weights
-            state = merged_state_dict(state, self.config.lora)
         root = broadcasts_dir(self.run_dir)
-        out = write_hf_dir(
-            state,
-            self.config.model.name,
-            root / f"step_{step}",
-            trust_remote_code=self.config.model.trust_remote_code,
-        )
+        # a whole model: a LoRA run's adapters folded into the weights
+        out = write_model(state, self.config, root / f"step_{step}", merged=True)
         body = {
             "version": step,
             "path": str(out.resolve()),

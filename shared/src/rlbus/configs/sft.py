@@ -191,9 +191,9 @@ class SFTDataConfig(ColumnsConfig):
         or `sources` as given)."""
         if self.sources:
             return list(self.sources)
-        columns = self.model_dump(include=set(ColumnsConfig.model_fields))
         if self.name is None:
-            return [SFTSourceConfig(path=self.path or BUILT_IN_DATA, **columns)]
+            return [self.file_source(self.path or BUILT_IN_DATA)]
+        columns = self.model_dump(include=set(ColumnsConfig.model_fields))
         subsets: list[str | None] = [*self.subsets] if self.subsets else [None]
         splits = list(self.splits or ["train"])
         if len(subsets) == 1 and len(splits) > 1:
@@ -205,6 +205,12 @@ class SFTDataConfig(ColumnsConfig):
             SFTSourceConfig(name=self.name, subset=subset, split=split, weight=weight, **columns)
             for subset, split, weight in zip(subsets, splits, weights, strict=True)
         ]
+
+    def file_source(self, path: str) -> SFTSourceConfig:
+        """A source reading the file `path` with this table's columns (the data, or val_path)."""
+        return SFTSourceConfig(
+            path=path, **self.model_dump(include=set(ColumnsConfig.model_fields))
+        )
 
     @property
     def is_built_in(self) -> bool:
