@@ -19,22 +19,27 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, sys.argv[3])
     from trainer_support import make_train_batch
     from rlbus.configs.trainer import TrainerConfig
-    from rlbus_trainer.engine import build_engine, setup_distributed
+    from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
     from rlbus_trainer.loss import build_loss_fn
     from rlbus_trainer.service import rank_micro_batches
 
     config = TrainerConfig.model_validate(json.loads(open(sys.argv[1]).read()))
     world = setup_distributed()
-    engine = build_engine(config, world)
-    loss_fn = build_loss_fn(config.loss)
-    steps = []
-    for step in (1, 2, 3):
-        batch = make_train_batch(step, num_ranks=2, num_sequences=4)
-        mbs = rank_micro_batches(batch, world.rank, world.world_size)
-        result = engine.train_step(mbs, loss_fn)
-        steps.append({"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics})
-    if world.is_main:
-        open(sys.argv[2], "w").write(json.dumps(steps))
+    try:
+        engine = build_engine(config, world)
+        loss_fn = build_loss_fn(config.loss)
+        steps = []
+        for step in (1, 2, 3):
+            batch = make_train_batch(step, num_ranks=2, num_sequences=4)
+            mbs = rank_micro_batches(batch, world.rank, world.world_size)
+            result = engine.train_step(mbs, loss_fn)
+            steps.append({"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics})
+        if world.is_main:
+            open(sys.argv[2], "w").write(json.dumps(steps))
+    finally:
+        # A rank that exits with its gloo group alive can abort in the group's destructor
+        # ("terminate called without an active exception", 1 run in 5 here).
+        teardown_distributed()
     """
 )
 
