@@ -10,6 +10,7 @@ from trainer_support import make_train_batch
 
 from rlbus.configs.trainer import TrainerConfig
 from rlbus_trainer import qwen3
+from rlbus_trainer.attention import Documents
 from rlbus_trainer.engine import build_engine, load_model, setup_distributed
 from rlbus_trainer.hf_dir import write_hf_dir
 from rlbus_trainer.loss import ancestor_mask, block_causal_mask, build_loss_fn
@@ -53,6 +54,47 @@ def packed_inputs(vocab: int):
     mask[0] = block_causal_mask([5, 4, 3])[0]
     mask[1] = ancestor_mask([-1, 0, 1, 2, 3, 4, 5, 6, 4, 8, 9, 10])[0]
     return ids, pos, mask
+
+
+def documents_inputs(vocab: int):
+    """Three rows padded to 14: four documents; two documents and 3 pads; one document and 4 pads.
+    The same rows as `Documents` and as the dense mask of before (a pad attends to itself)."""
+    torch.manual_seed(2)
+    seq_lens = [[5, 4, 3, 2], [6, 5], [10]]
+    ids = torch.randint(0, vocab, (3, 14))
+    pos = torch.zeros(3, 14, dtype=torch.long)
+    mask = torch.eye(14, dtype=torch.bool).repeat(3, 1, 1, 1)
+    for b, lengths in enumerate(seq_lens):
+        n = sum(lengths)
+        pos[b, :n] = torch.cat([torch.arange(length) for length in lengths])
+        mask[b, 0, :n, :n] = block_causal_mask(lengths)[0, 0]
+    return ids, pos, Documents.of_rows(seq_lens, 14), mask, [sum(lengths) for lengths in seq_lens]
+
+
+def logits_and_grads(model, ids, pos, attention, lengths):
+    """Logits of the real tokens (pads dropped) and every gradient of a loss over them."""
+    model.zero_grad()
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=attention).logits
+    real = torch.cat([logits[b, :n] for b, n in enumerate(lengths)])  # [sum n, vocab]
+    weights = torch.randn(real.shape, generator=torch.Generator().manual_seed(0))
+    (real.log_softmax(-1) * weights).sum().backward()
+    return real.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_documents_give_the_dense_mask_and_transformers_logits(tmp_path, recompute):
+    path = make_hf_model_dir(tmp_path / "m", tied=False, kv_heads=2)
+    ours, theirs = qwen3.load(path, torch.float32), hf_model(path)
+    ours.activation_checkpointing = recompute
+    ids, pos, documents, mask, lengths = documents_inputs(97)
+    new = logits_and_grads(ours, ids, pos, documents, lengths)
+    old = logits_and_grads(ours, ids, pos, mask, lengths)
+    hf = logits_and_grads(theirs, ids, pos, mask, lengths)
+    assert new[0].shape == (sum(lengths), 97)
+    for reference in (old, hf):
+        torch.testing.assert_close(new[0], reference[0], atol=2e-5, rtol=1e-5)
+        for name, grad in reference[1].items():
+            torch.testing.assert_close(new[1][name], grad, atol=5e-5, rtol=1e-4)
 
 
 def hf_model(path):

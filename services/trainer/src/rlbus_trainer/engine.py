@@ -5,9 +5,11 @@
     engine.train_step(mbs, fn)     forward/backward every micro-batch of this rank, clip, step
     engine.full_state_dict()       the whole model on rank 0 (weight publishing, final SFT model)
 
-Micro-batches are `rlbus.wire.batches.MicroBatch` (packed: several sequences per row, a
-block-causal attention mask keeps them apart; in the shared-prefix layout, `parent_ids`, each
-token attends to its ancestors and reads its logprob from its parent's logits). Consecutive rows
+Micro-batches are `rlbus.wire.batches.MicroBatch` (packed: several sequences per row, each
+attending within itself; in the shared-prefix layout, `parent_ids`, each token attends to its
+ancestors and reads its logprob from its parent's logits). `attention.layout_of` describes who
+attends to whom: rlbus's Qwen3 module gets plain rows as `Documents` (no [T, T] mask), the
+shared-prefix layout and transformers models a dense mask. Consecutive rows
 are stacked (padded) into one forward pass while rows x longest row <= `tokens_per_forward`,
 which matters for tiny models where per-call overhead dominates. Every rank runs
 the same number of forward/backward passes (FSDP2 collectives must match), so a rank with fewer
@@ -41,14 +43,13 @@ from rlbus.configs.trainer import TrainerConfig, TrainerModelConfig
 from rlbus.netutil import free_port
 from rlbus.wire.batches import MicroBatch
 from rlbus_trainer import qwen3
+from rlbus_trainer.attention import AttentionLayout, Documents, layout_of
 from rlbus_trainer.full_offload import OptimizerInBackward
 from rlbus_trainer.hf_dir import local_model_dir
 from rlbus_trainer.lora import adapters_disabled, apply_lora
 from rlbus_trainer.loss import (
     LossFn,
     LossInputs,
-    ancestor_mask,
-    block_causal_mask,
     num_loss_samples,
     sample_ids_of,
     token_logprobs_and_entropy,
@@ -205,6 +206,8 @@ class Engine:
         self.use_reference = config.loss.ref_kl_coef > 0
         self.world = world
         self.model = model
+        self.takes_documents = isinstance(model, qwen3.Qwen3ForCausalLM)
+        """rlbus's own module: plain rows go in as `Documents`, not as a dense mask."""
         self.optimizer = optimizer
         self.schedule = schedule
         self.max_norm = config.optim.max_norm
@@ -314,27 +317,24 @@ class Engine:
 
     def _padded_inputs(
         self, group: list[MicroBatch]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token ids [B, T], positions [B, T] and attention mask [B, 1, T, T] of a group of rows,
-        padded to the longest row (a pad attends to itself only), on the engine's device."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionLayout]:
+        """Token ids [B, T], positions [B, T] and the attention (`Documents`, or a mask
+        [B, 1, T, T]) of a group of rows padded to the longest row, on the engine's device."""
         num_rows, width = len(group), max(len(mb.input_ids) for mb in group)
         ids = torch.zeros(num_rows, width, dtype=torch.long)
         pos = torch.zeros(num_rows, width, dtype=torch.long)
-        mask = torch.eye(width, dtype=torch.bool).repeat(num_rows, 1, 1, 1)
         for b, mb in enumerate(group):
             n = len(mb.input_ids)
             ids[b, :n] = torch.tensor(mb.input_ids)
             pos[b, :n] = torch.tensor(mb.position_ids)
-            if mb.parent_ids:
-                mask[b, 0, :n, :n] = ancestor_mask(mb.parent_ids)[0, 0]
-            else:
-                mask[b, 0, :n, :n] = block_causal_mask(mb.seq_lens)[0, 0]
         dev = self.world.device
-        return ids.to(dev), pos.to(dev), mask.to(dev)
+        attention = layout_of(group, width, documents_ok=self.takes_documents)
+        attention = attention if isinstance(attention, Documents) else attention.to(dev)
+        return ids.to(dev), pos.to(dev), attention
 
     @torch.no_grad()
     def _reference_logits(
-        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: AttentionLayout
     ) -> torch.Tensor:
         """[B, T, V] logits of the reference model: the base model (adapters off) under LoRA,
         else the frozen copy, brought to the device for the pass when it is offloaded."""

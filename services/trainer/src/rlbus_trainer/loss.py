@@ -50,6 +50,10 @@ from rlbus.configs.trainer import (
 )
 from rlbus.wire.batches import MicroBatch
 
+# The masks live with the rest of the attention layout; imported here for the callers of before.
+from rlbus_trainer.attention import ancestor_mask as ancestor_mask
+from rlbus_trainer.attention import block_causal_mask as block_causal_mask
+
 
 @dataclass
 class LossInputs:
@@ -106,33 +110,6 @@ def sample_ids_of(mb: MicroBatch) -> list[int]:
 def num_loss_samples(mb: MicroBatch) -> int:
     """Samples of a micro-batch with at least one loss token."""
     return len({s for s, m in zip(sample_ids_of(mb), mb.loss_mask, strict=True) if m})
-
-
-def block_causal_mask(seq_lens: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """[1, 1, T, T] bool mask: each packed sequence attends causally to itself only.
-
-    transformers' sdpa path does not separate packed sequences from position_ids alone
-    (checked with transformers 5.19), so the trainer passes this mask explicitly.
-    """
-    segments = torch.repeat_interleave(
-        torch.arange(len(seq_lens), device=device), torch.tensor(seq_lens, device=device)
-    )
-    total = int(segments.numel())
-    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril_()
-    return (causal & (segments[:, None] == segments[None, :]))[None, None]
-
-
-def ancestor_mask(parent_ids: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """[1, 1, T, T] bool mask of the shared-prefix layout (`MicroBatch.parent_ids`): each token
-    attends to itself and its ancestors (parent, parent's parent, ... up to its sequence's first
-    token). Parents come before their children, so one pass row by row builds it."""
-    total = len(parent_ids)
-    mask = torch.zeros(total, total, dtype=torch.bool)
-    for i, parent in enumerate(parent_ids):
-        if parent >= 0:
-            mask[i] = mask[parent]
-        mask[i, i] = True
-    return mask.to(device)[None, None]
 
 
 def token_logprobs_and_entropy(

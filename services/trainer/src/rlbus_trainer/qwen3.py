@@ -3,12 +3,15 @@
 Importing transformers' model classes costs ~3 s of one core (torch._dynamo, DTensor, version
 checks; docs/trainer.md, "Model implementation"), which is most of a trainer's start-up. This
 module is the same network as transformers' `Qwen3ForCausalLM` for what the trainer does with
-it (training forward with packed rows: position ids and a boolean [B, 1, T, T] mask), with
-the same parameter names, so checkpoints, weight broadcasts and vLLM see no difference.
+it (training forward with packed rows: position ids and the rows' attention), with the same
+parameter names, so checkpoints, weight broadcasts and vLLM see no difference. The attention is
+a `Documents` layout (per-document causal SDPA, no [T, T] tensor) or a dense bool mask
+(`rlbus_trainer/attention.py`).
 `tests/unit/trainer/test_qwen3.py` checks logits and gradients against transformers.
 
     load(model_dir, dtype) -> Qwen3ForCausalLM | None     None: not a model this module covers
     model(input_ids, position_ids, attention_mask).logits  [B, T, vocab]
+                                  attention_mask: Documents or bool [B, 1, T, T]
 
 Covered: `Qwen3ForCausalLM` configs with default RoPE, full attention in every layer, no
 attention bias. Anything else (rope scaling, sliding windows, other architectures) returns None
@@ -28,6 +31,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from rlbus_trainer.attention import AttentionLayout, Documents, document_attention
 from rlbus_trainer.hf_dir import WEIGHTS_FILE, WEIGHTS_INDEX
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -134,7 +138,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionLayout
     ) -> torch.Tensor:
         b, t, _ = x.shape
         heads = (b, t, -1, self.head_dim)
@@ -145,7 +149,11 @@ class Attention(nn.Module):
         if self.num_groups > 1:
             k = k.repeat_interleave(self.num_groups, dim=1)
             v = v.repeat_interleave(self.num_groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        if isinstance(attention, Documents):
+            out = document_attention(q, k, v, attention, scale)  # [B, H, T, D]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention, scale=scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -169,9 +177,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionLayout
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -206,9 +214,11 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: AttentionLayout
     ) -> CausalLMOutput:
-        """input_ids, position_ids: [B, T]; attention_mask: bool [B, 1, T, T], True = attend."""
+        """input_ids, position_ids: [B, T]; attention_mask: the rows' `Documents`, or a bool
+        [B, 1, T, T] mask, True = attend (named as transformers names its mask argument, so the
+        engine calls both models alike)."""
         x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
         for layer in self.model.layers:
