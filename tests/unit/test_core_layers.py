@@ -3,7 +3,7 @@
 The core (`shared/src/rlbus`) is a stack of layers; a module may import only from its own unit or
 a strictly lower layer (docs/architecture.md, "Layers"):
 
-    0  wire, netutil, docstrings, secrets, process_marks, broadcast (torch), envindex
+    0  wire, netutil, docstrings, secrets, process_marks, broadcast (torch), envindex, placement
     1  checksums, rundirs
     2  configs
     3  obs
@@ -38,6 +38,7 @@ CORE_LAYERS = {
     "process_marks": 0,
     "broadcast": 0,
     "envindex": 0,
+    "placement": 0,
     "checksums": 1,
     "rundirs": 1,
     "samples": 1,

@@ -32,7 +32,9 @@ from pathlib import Path
 from rlbus.configs import InferenceConfig, RLConfig
 from rlbus.configs.bus import BusConfig
 from rlbus.configs.common import ServiceConfig
+from rlbus.configs.rl import gpu_placement
 from rlbus.obs.logging import log_file_path
+from rlbus.placement import GpuPlacement, detected_gpus, visible_devices
 from rlbus.wire.subjects import RunSubjects
 from rlbus_launch.cpus import (
     CpuPlan,
@@ -53,6 +55,7 @@ BUS_FILE = "bus.json"
 """`configs/bus.json`: where a run's bus is, for clients outside rlbus (docs/bus-messages.md)."""
 CREDENTIAL_FIELDS = ("token_file", "user", "password_file", "creds_file", "nkey_seed_file")
 TLS_FIELDS = ("tls_ca", "tls_cert", "tls_key")
+CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 """Run-directory folder of the 0600 secret files the launcher writes for its children."""
 
 
@@ -308,9 +311,20 @@ def resolve_bus(
     return processes, files, secret_files
 
 
-def planned_cpus(config: RLConfig) -> CpuPlan | None:
-    """The cores of each service, when `deployment.cpu_binding` is on and the host has no GPUs."""
-    if config.deployment.cpu_binding == "off" or host_has_gpus():
+def planned_gpus(config: RLConfig) -> GpuPlacement | None:
+    """The GPUs of each replica and of the trainer (rlbus.placement): over `deployment.gpu_ids`,
+    else the GPUs detected; None on a host without GPUs where the config names none."""
+    deployment = config.deployment
+    gpu_ids = deployment.gpu_ids if deployment.gpu_ids is not None else detected_gpus()
+    named = deployment.infer_gpu_ids is not None or deployment.train_gpu_ids is not None
+    if not gpu_ids and not named:
+        return None
+    return gpu_placement(config, gpu_ids)
+
+
+def planned_cpus(config: RLConfig, gpus: GpuPlacement | None) -> CpuPlan | None:
+    """The cores of each service, when `deployment.cpu_binding` is on and the run has no GPUs."""
+    if config.deployment.cpu_binding == "off" or gpus is not None or host_has_gpus():
         return None
     deployment = config.deployment
     return plan_cpus(usable_cores(), deployment.num_infer_replicas, deployment.num_train_gpus)
@@ -324,13 +338,18 @@ def service_process(
     return ServiceProcess(name=name, argv=argv, log_path=log_path, env=env or {}, cwd=Path.cwd())
 
 
-def trainer_process(config: RLConfig, launch: Launch, cpus: CpuPlan | None) -> ServiceProcess:
-    """The trainer: one rank, or torchrun over `deployment.num_train_gpus` ranks."""
+def trainer_process(
+    config: RLConfig, launch: Launch, cpus: CpuPlan | None, gpus: GpuPlacement | None
+) -> ServiceProcess:
+    """The trainer: one rank, or torchrun over `deployment.num_train_gpus` ranks; on its own
+    GPUs (one per rank) or cores."""
     path = config_path(launch.run_dir, "trainer").absolute()
     argv = trainer_argv(config.deployment.num_train_gpus, path)
     env: dict[str, str] = {}
     if cpus is not None:
         argv, env = bind_trainer(argv, cpus)
+    if gpus is not None:
+        env[CUDA_VISIBLE] = visible_devices(gpus.trainer)
     return service_process("trainer", argv, launch.run_dir, env)
 
 
@@ -355,32 +374,40 @@ def orchestrator_processes(
 
 
 def inference_process(
-    config: RLConfig, name: str, run_dir: Path, cores: list[int] | None
+    config: RLConfig, name: str, run_dir: Path, cores: list[int] | None, gpus: tuple[int, ...]
 ) -> ServiceProcess:
     """Inference replica `name`; with `cores`, its engine's threads bound to them (and the
-    process too, with `cpu_binding = "auto"`); an attach process runs no vLLM: never bound."""
+    process too, with `cpu_binding = "auto"`); with `gpus`, it sees only those devices. An
+    attach process runs no vLLM: never bound."""
     argv = python_module_argv("rlbus_inference.entrypoint", config_path(run_dir, name).absolute())
     env: dict[str, str] = {}
-    if cores is not None and config.inference.attach is None:
+    if config.inference.attach is not None:
+        return service_process(name, argv, run_dir, env)
+    if cores is not None:
         env = bind_inference_env(cores)
         if config.deployment.cpu_binding == "auto":
             argv = under_taskset(argv, cores)
+    if gpus:
+        env[CUDA_VISIBLE] = visible_devices(gpus)
     return service_process(name, argv, run_dir, env)
 
 
 def service_processes(
-    config: RLConfig, launch: Launch, names: list[str], cpus: CpuPlan | None
+    config: RLConfig, launch: Launch, names: list[str], gpus: GpuPlacement | None
 ) -> list[ServiceProcess]:
-    """The processes of the services `names` (inference replicas, orchestrator, trainer)."""
+    """The processes of the services `names` (inference replicas, orchestrator, trainer), each on
+    its own GPUs (`gpus`) or, on a CPU host, its own cores."""
     processes: list[ServiceProcess] = []
+    cpus = planned_cpus(config, gpus)
     replicas = [name for name in names if name not in ("orchestrator", "trainer")]
     for index, name in enumerate(replicas):
         cores = cpus.inference[index] if cpus is not None else None
-        processes.append(inference_process(config, name, launch.run_dir, cores))
+        devices = gpus.inference[index] if gpus is not None else ()
+        processes.append(inference_process(config, name, launch.run_dir, cores, devices))
     if "orchestrator" in names:
         processes += orchestrator_processes(config, launch, cpus)
     if "trainer" in names:
-        processes.append(trainer_process(config, launch, cpus))
+        processes.append(trainer_process(config, launch, cpus, gpus))
     return processes
 
 
@@ -409,6 +436,6 @@ def build_rl_launch(config: RLConfig, run_dir: Path) -> Launch:
     launch.metrics = plan_metrics_ports(services, config.deployment.num_rollout_workers)
     launch.configs.update(services)
     processes.append(service_process("monitor", monitor_argv(config, run_dir), run_dir))
-    processes += service_processes(config, launch, list(services), planned_cpus(config))
+    processes += service_processes(config, launch, list(services), planned_gpus(config))
     launch.processes = in_launch_order(processes)
     return launch

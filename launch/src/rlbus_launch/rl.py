@@ -517,6 +517,7 @@ def point_latest(run_dir: Path) -> None:
 
 
 SUBCOMMANDS = {
+    "compose-gpus": "rlbus_launch.composegpus",
     "dead-letters": "rlbus_launch.deadletters",
     "env": "rlbus_launch.envinstall",
     "eval": "rlbus_launch.evalcmd",

@@ -39,6 +39,8 @@ from rlbus.bus.natsauth import client_flags, write_security_dir
 from rlbus.configs import InferenceConfig, OrchestratorConfig, RLConfig, SFTConfig, SlurmConfig
 from rlbus.configs.base import parse_cli
 from rlbus.configs.common import ServiceConfig
+from rlbus.configs.rl import gpu_placement
+from rlbus.placement import PlacementError, place_gpus
 from rlbus.rundirs import run_id_of
 from rlbus.secrets import write_secret_file
 from rlbus_launch.plan import (
@@ -291,38 +293,33 @@ def rendezvous_line(nodes_var: str) -> str:
 # ---- rl ----------------------------------------------------------------------------------------
 
 
-def even_devices(gpus: int, replicas: int) -> list[list[int]]:
-    """GPUs 0..gpus-1 split into `replicas` equal consecutive ranges (one-line error otherwise)."""
-    if gpus < replicas or gpus % replicas:
-        raise SlurmSetupError(
-            f"{gpus} inference GPUs do not split evenly over deployment.num_infer_replicas "
-            f"({replicas}): set --slurm.inference-gpus (one node) or --slurm.gpus-per-node "
-            "(inference nodes) to a multiple of the replicas"
-        )
-    each = gpus // replicas
-    return [list(range(i * each, (i + 1) * each)) for i in range(replicas)]
+def node_gpu_ids(config: RLConfig, slurm: SlurmConfig) -> list[int]:
+    """The GPUs of one node of the job: `deployment.gpu_ids`, else 0..gpus_per_node-1 (SLURM
+    numbers a step's devices from 0)."""
+    if config.deployment.gpu_ids is not None:
+        return list(config.deployment.gpu_ids)
+    return list(range(slurm.gpus_per_node))
 
 
 def one_node_gpus(
-    slurm: SlurmConfig, replicas: int, per_replica: int, train: int
+    config: RLConfig, slurm: SlurmConfig
 ) -> tuple[list[list[int] | None], list[int] | None]:
-    """(devices of each inference replica, trainer devices) on a single node: inference first,
-    the trainer's `train` GPUs after them, never shared. None each on CPU nodes."""
+    """(devices of each inference replica, trainer devices) on a single node, by the launcher's
+    own rule (rlbus.placement); None each on CPU nodes."""
     if not slurm.gpus_per_node:
-        return [None] * replicas, None
-    infer = slurm.inference_gpus if slurm.inference_gpus is not None else replicas * per_replica
-    if infer + train > slurm.gpus_per_node:
-        raise SlurmSetupError(
-            f"slurm.inference_gpus ({infer}) + deployment.num_train_gpus ({train}) exceed "
-            f"slurm.gpus_per_node ({slurm.gpus_per_node}): lower --slurm.inference-gpus or "
-            "--deployment.num-train-gpus, or raise --slurm.gpus-per-node"
-        )
-    return list(even_devices(infer, replicas)), list(range(infer, infer + train))
+        return [None] * config.deployment.num_infer_replicas, None
+    try:
+        placement = gpu_placement(config, node_gpu_ids(config, slurm))
+    except PlacementError as error:
+        raise SlurmSetupError(f"{error} (slurm.gpus_per_node = {slurm.gpus_per_node})") from None
+    return [list(r) for r in placement.inference], list(placement.trainer)
 
 
-def multi_node_gpus(slurm: SlurmConfig, replicas: int, train: int) -> list[list[int] | None]:
-    """Devices of each inference replica on an inference node (the node's GPUs split evenly);
-    a trainer node's GPUs all go to its torchrun."""
+def multi_node_gpus(config: RLConfig, slurm: SlurmConfig) -> list[list[int] | None]:
+    """Devices of each inference replica on an inference node (every replica runs on each
+    inference node, tensor_parallel_size GPUs each); a trainer node's GPUs all go to its
+    torchrun."""
+    replicas, train = config.deployment.num_infer_replicas, config.deployment.num_train_gpus
     if not slurm.gpus_per_node:
         return [None] * replicas
     if train > slurm.gpus_per_node:
@@ -330,7 +327,17 @@ def multi_node_gpus(slurm: SlurmConfig, replicas: int, train: int) -> list[list[
             f"deployment.num_train_gpus ({train}) exceeds slurm.gpus_per_node "
             f"({slurm.gpus_per_node}): on several nodes it is the trainer ranks per trainer node"
         )
-    return list(even_devices(slurm.gpus_per_node, replicas))
+    try:
+        placement = place_gpus(
+            node_gpu_ids(config, slurm),
+            num_replicas=replicas,
+            tensor_parallel_size=config.inference.vllm.tensor_parallel_size,
+            num_train_gpus=0,
+            infer_gpu_ids=config.deployment.infer_gpu_ids,
+        )
+    except PlacementError as error:
+        raise SlurmSetupError(f"{error} (on each inference node)") from None
+    return [list(r) for r in placement.inference]
 
 
 def node_split(slurm: SlurmConfig) -> tuple[int, int]:
@@ -395,15 +402,13 @@ def launcher_config(config: RLConfig) -> RLConfig:
 
 
 def gpus_of_steps(
-    config: RLConfig, slurm: SlurmConfig, num_replicas: int
+    config: RLConfig, slurm: SlurmConfig
 ) -> tuple[list[list[int] | None], list[int] | None]:
     """(devices of each inference replica, trainer devices: None on several nodes, where a
     trainer node's GPUs all go to its torchrun)."""
-    num_train_gpus = config.deployment.num_train_gpus
     if slurm.nodes > 1:
-        return multi_node_gpus(slurm, num_replicas, num_train_gpus), None
-    per_replica = config.inference.vllm.tensor_parallel_size
-    return one_node_gpus(slurm, num_replicas, per_replica, num_train_gpus)
+        return multi_node_gpus(config, slurm), None
+    return one_node_gpus(config, slurm)
 
 
 def adapt_configs_to_nodes(
@@ -521,7 +526,7 @@ def rl_job(config: RLConfig, run_dir: Path) -> tuple[Job, dict[str, ServiceConfi
     multi = slurm.nodes > 1
     num_infer_nodes, num_train_nodes = node_split(slurm) if multi else (1, 1)
     replicas = [name for name in configs if name.startswith("inference")]
-    infer_devices, train_devices = gpus_of_steps(config, slurm, len(replicas))
+    infer_devices, train_devices = gpus_of_steps(config, slurm)
     adapt_configs_to_nodes(configs, config, replicas, num_train_nodes)
 
     job = new_rl_job(config, slurm, run_dir, launch)

@@ -139,7 +139,7 @@ def test_migrate_config_lists_what_needs_a_human_and_exits_2(capsys, tmp_path):
     ("name", "code", "changed"),
     [
         ("reverse-text-rl.toml", 0, ["orchestrator.train.source", "orchestrator.renderer"]),
-        ("wordle-rl.toml", 0, ["deployment.num_infer_gpus", "inference.vllm.data_parallel_size"]),
+        ("wordle-rl.toml", 0, ["inference.vllm.data_parallel_size"]),
         ("alphabet-sort-lora-rl.toml", 0, ["trainer.model.lora", "orchestrator.model.lora.name"]),
         ("math-eval-rl.toml", 0, ["orchestrator.eval.source", "trainer.scheduler.min_lr"]),
         ("multinode-slurm-rl.toml", 2, ["deployment.num_train_nodes", "trainer.model.compile"]),
@@ -160,7 +160,7 @@ def test_migrated_values_are_right_for_math_and_sft(capsys, tmp_path):
     _, math, _ = migrate_fixture("math-eval-rl.toml", capsys, tmp_path)
     assert math["trainer"]["seq_len"] == 8192
     assert math["trainer"]["scheduler"]["min_lr_ratio"] == pytest.approx(0.1)
-    assert math["deployment"] == {"num_train_gpus": 2, "num_infer_replicas": 2}
+    assert math["deployment"] == {"num_train_gpus": 2, "num_infer_gpus": 2}
     assert math["orchestrator"]["eval"] == {
         "interval": 40,
         "env": [{"id": "aime24", "name": "aime", "rollouts_per_example": 16}],

@@ -60,10 +60,16 @@ def test_multi_node_trainer_srun_has_explicit_task_counts_and_c10d(tmp_path):
 
 
 def test_one_node_gpus_are_disjoint():
-    slurm = SlurmConfig(gpus_per_node=8, inference_gpus=4)
-    inference, trainer = one_node_gpus(slurm, 2, 1, 4)
+    config = parse_cli(
+        RLConfig,
+        ["@", str(DEBUG_RL), "--slurm.gpus-per-node", "8", "--slurm.inference-gpus", "4",
+         "--inference.vllm.tensor-parallel-size", "2", "--deployment.num-train-gpus", "4"],
+    )  # fmt: skip
+    assert config.slurm is not None and config.deployment.num_infer_replicas == 2
+    inference, trainer = one_node_gpus(config, config.slurm)
     assert inference == [[0, 1], [2, 3]] and trainer == [4, 5, 6, 7]
-    assert one_node_gpus(SlurmConfig(), 1, 1, 2) == ([None], None)
+    cpu = config.model_copy(update={"slurm": SlurmConfig()})
+    assert one_node_gpus(cpu, SlurmConfig()) == ([None, None], None)
 
 
 def test_gpu_split_that_does_not_fit_names_the_fields(tmp_path):
@@ -72,7 +78,7 @@ def test_gpu_split_that_does_not_fit_names_the_fields(tmp_path):
         ["@", str(DEBUG_RL), "--slurm.gpus-per-node", "2", "--slurm.inference-gpus", "2",
          "--run.name", "r", "--output-dir", str(tmp_path)],
     )  # fmt: skip
-    with pytest.raises(SlurmSetupError, match="slurm.inference_gpus .* deployment.num_train_gpus"):
+    with pytest.raises(SlurmSetupError, match="needs 3 GPUs.*num_train_gpus.*gpus_per_node = 2"):
         rl_job(config.with_run_name("r"), tmp_path / "r")
 
 

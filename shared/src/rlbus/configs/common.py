@@ -4,7 +4,7 @@ and the blocks of top-level fields every runnable config inherits (`ServiceConfi
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, ByteSize, Field
 
 from rlbus.configs.base import BaseConfig
 from rlbus.configs.bus import BusConfig
@@ -143,6 +143,18 @@ class WeightBroadcastConfig(BaseConfig):
     timeout_s: float = Field(300.0, gt=0)
     """nccl: timeout of every collective; a sync fails loudly instead of hanging."""
 
+    max_shard_size: ByteSize = Field(ByteSize(5 * 1000**3), gt=0)
+    """filesystem: largest safetensors file of a version; more weights are split into shards
+    with an index, as Hugging Face checkpoints are (the same default as
+    `trainer.export.max_shard_size`). Files are written tensor by tensor, so this bounds file
+    sizes, not the trainer's memory."""
+
+    bucket_size: ByteSize = Field(ByteSize(256 * 1024**2), gt=0)
+    """nccl: most bytes in one broadcast: small tensors are packed into buckets up to this
+    size, bigger ones go in chunks of it. Rank 0's extra memory during a broadcast is one
+    bucket plus the full tensor being gathered (docs/weights.md). The default is
+    `rlbus.broadcast.BUCKET_BYTES` (a test keeps them equal: that module imports torch)."""
+
 
 class DeploymentConfig(BaseConfig):
     """Where the services run."""
@@ -151,7 +163,25 @@ class DeploymentConfig(BaseConfig):
     """Trainer processes (torchrun --nproc-per-node) on this node."""
 
     num_infer_replicas: int = Field(1, ge=1)
-    """Inference server processes started by the launcher."""
+    """Inference server processes started by the launcher (each of
+    `inference.vllm.tensor_parallel_size` GPUs on a GPU host)."""
+
+    num_infer_gpus: int | None = Field(None, ge=1)
+    """GPUs for inference (prime-rl's key): num_infer_replicas = num_infer_gpus /
+    inference.vllm.tensor_parallel_size. Unset: num_infer_replicas x tensor_parallel_size."""
+
+    gpu_ids: list[int] | None = None
+    """The GPUs of this node the run may use, e.g. [0, 1, 2, 3]: inference takes the first ones,
+    the trainer the next (rlbus.placement; docs/launcher.md). Default: the GPUs detected
+    (CUDA_VISIBLE_DEVICES, else every NVIDIA device); on SLURM 0..slurm.gpus_per_node-1. With an
+    explicit list, a CPU host plans (--dry-run) as if it had them."""
+
+    infer_gpu_ids: list[int] | None = None
+    """The GPUs of the inference replicas, in order (tensor_parallel_size consecutive ones per
+    replica). Default: the first GPUs of gpu_ids."""
+
+    train_gpu_ids: list[int] | None = None
+    """The GPUs of the trainer's ranks. Default: the GPUs of gpu_ids after inference's."""
 
     num_rollout_workers: int = Field(0, ge=0)
     """Rollout-worker processes started besides the orchestrator (`worker-<i>`, each running

@@ -145,19 +145,6 @@ def _loss_roles(value: Any, data: dict) -> list[str]:
     return [role for role, on in flags.items() if on]
 
 
-def _infer_replicas(value: Any, data: dict) -> int:
-    """prime-rl gives inference GPUs; rlbus runs replicas of tensor_parallel_size GPUs each."""
-    tp = get_path(data, "inference.vllm.tensor_parallel_size")
-    tp = 1 if tp is _UNSET else int(tp)
-    if int(value) % tp:
-        raise Unmappable(
-            "deployment.num_infer_gpus",
-            f"deployment.num_infer_replicas: {value} GPUs do not split into replicas of "
-            f"tensor_parallel_size = {tp} GPUs",
-        )
-    return max(1, int(value) // tp)
-
-
 def _needs_slurm(key: str, data: dict) -> None:
     if not isinstance(get_path(data, "slurm"), dict):
         raise Unmappable(
@@ -497,8 +484,6 @@ def _launcher_rules() -> list[Rule]:
 RL_RULES: list[Rule] = [
     *_launcher_rules(),
     *_shared_rules(""),
-    Rule("deployment.num_infer_gpus", "convert", "deployment.num_infer_replicas",
-         "GPUs / tensor_parallel_size", _infer_replicas),
     Rule("inference.vllm.data_parallel_size", "move", "deployment.num_infer_replicas",
          "one rlbus replica per data-parallel rank"),
     Rule("inference.parallel.dp", "move", "deployment.num_infer_replicas",

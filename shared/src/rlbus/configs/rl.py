@@ -25,6 +25,7 @@ from rlbus.configs.migrate import migrate_for_load
 from rlbus.configs.orchestrator import OrchestratorConfig
 from rlbus.configs.slurm import SlurmConfig
 from rlbus.configs.trainer import TrainerConfig
+from rlbus.placement import GpuPlacement, PlacementError, place_gpus
 from rlbus.rundirs import resolve_run_dir
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -120,8 +121,11 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
 
     @model_validator(mode="after")
     def _push_shared_values_down(self) -> Self:
+        if errors := inference_gpu_errors(self):
+            raise field_errors(self, *errors)
         self.push_shared_values_down()
         errors = [
+            *placement_errors(self),
             *self._pushed_value_errors(),
             *self._replica_port_errors(),
             *self._algorithm_errors(),
@@ -279,3 +283,64 @@ class RLConfig(TrainingRunConfig, LaunchConfig):
             config.bus = config.bus.model_copy(update={"run_id": name})
         config.push_shared_values_down()
         return config
+
+
+def gpu_placement(config: RLConfig, gpu_ids: list[int]) -> GpuPlacement:
+    """The run's GPU split over `gpu_ids` (rlbus.placement.place_gpus with the run's counts);
+    with only explicit per-service lists and no gpu_ids, those lists are the node's GPUs."""
+    deployment = config.deployment
+    if not gpu_ids:
+        named = [*(deployment.infer_gpu_ids or ()), *(deployment.train_gpu_ids or ())]
+        gpu_ids = list(dict.fromkeys(named))  # a device in both lists is place_gpus's error
+    return place_gpus(
+        gpu_ids,
+        num_replicas=deployment.num_infer_replicas,
+        tensor_parallel_size=config.inference.vllm.tensor_parallel_size,
+        num_train_gpus=deployment.num_train_gpus,
+        infer_gpu_ids=deployment.infer_gpu_ids,
+        train_gpu_ids=deployment.train_gpu_ids,
+    )
+
+
+def inference_gpu_errors(config: RLConfig) -> list[tuple[str, str]]:
+    """prime-rl counts inference in GPUs (`deployment.num_infer_gpus`, or the older
+    `slurm.inference_gpus`), rlbus in replicas of tensor_parallel_size GPUs: the GPU count
+    sets the replicas, and an explicit replica count must agree with it."""
+    deployment, tp = config.deployment, config.inference.vllm.tensor_parallel_size
+    legacy = config.slurm.inference_gpus if config.slurm is not None else None
+    gpus, field = deployment.num_infer_gpus, "deployment.num_infer_gpus"
+    if legacy is not None:
+        if gpus is not None and gpus != legacy:
+            return [("slurm.inference_gpus", f"must equal {field} ({gpus}): drop one")]
+        gpus, field = legacy, "slurm.inference_gpus"
+    if gpus is None:
+        return []
+    if gpus % tp:
+        why = f"must be a multiple of inference.vllm.tensor_parallel_size ({tp})"
+        return [(field, f"{why}: each replica runs on tensor_parallel_size GPUs")]
+    replicas = gpus // tp
+    if "num_infer_replicas" in deployment.model_fields_set:
+        if deployment.num_infer_replicas != replicas:
+            why = (
+                f"must be {field} / inference.vllm.tensor_parallel_size = {gpus} / {tp} = "
+                f"{replicas}: set only one of the two"
+            )
+            return [("deployment.num_infer_replicas", why)]
+    else:
+        deployment.num_infer_replicas = replicas
+    return []
+
+
+def placement_errors(config: RLConfig) -> list[tuple[str, str]]:
+    """A GPU split named in the config (`deployment.gpu_ids`, `infer_gpu_ids`,
+    `train_gpu_ids`) is checked here, with the launcher's own function (rlbus.placement);
+    detected GPUs are checked when the run is planned."""
+    deployment = config.deployment
+    named = (deployment.gpu_ids, deployment.infer_gpu_ids, deployment.train_gpu_ids)
+    if all(ids is None for ids in named):
+        return []
+    try:
+        gpu_placement(config, deployment.gpu_ids or [])
+    except PlacementError as error:
+        return [(error.field, error.reason)]
+    return []

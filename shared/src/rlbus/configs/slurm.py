@@ -37,10 +37,10 @@ class SlurmConfig(BaseConfig):
     """`rl` with nodes > 1: the first this many nodes run inference (the first also NATS, the
     orchestrator and the monitor); the other nodes run one multi-node torchrun."""
 
-    inference_gpus: int | None = Field(None, ge=0)
-    """`rl` on one node: GPUs 0..k-1 go to inference (split evenly between the replicas), the
-    next `deployment.num_train_gpus` to the trainer. Default: one per replica times
-    `vllm.tensor_parallel_size`. Ignored when gpus_per_node is 0."""
+    inference_gpus: int | None = Field(None, ge=1)
+    """`rl`: the older spelling of `deployment.num_infer_gpus` (GPUs for inference, split into
+    replicas of `vllm.tensor_parallel_size`; docs/launcher.md, "GPUs"). Ignored when
+    gpus_per_node is 0."""
 
     exclusive: bool = True
     """`#SBATCH --exclusive`: the job has its nodes to itself (the services size themselves to the
