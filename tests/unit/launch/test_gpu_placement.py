@@ -203,3 +203,14 @@ def test_detected_gpus_read_cuda_visible_devices_then_the_device_nodes(tmp_path)
     assert detected_gpus({"CUDA_VISIBLE_DEVICES": "-1"}, tmp_path) == []
     with pytest.raises(PlacementError, match="deployment.gpu_ids"):
         detected_gpus({"CUDA_VISIBLE_DEVICES": "GPU-8d1f"}, tmp_path)
+
+
+def test_compose_gpus_on_a_host_without_gpus_is_one_line_and_exit_2(tmp_path):
+    result = subprocess.run(
+        [BIN / "rl", "compose-gpus", "@", DEBUG_RL, "--out", tmp_path / "gpu.yml"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={"PATH": str(BIN), "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "the node has 0 []" in result.stderr
+    assert not (tmp_path / "gpu.yml").exists()
