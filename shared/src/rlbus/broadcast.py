@@ -27,14 +27,24 @@ A failed group is never used again (`closed`): the sender forms a new generation
 Frames. One version is sent as broadcasts from rank 0, each under the group timeout:
 
     1. int64[1]   number of bytes of the header; 0 means the sender is closing the group
-    2. uint8[n]   JSON header {"version": int, "tensors": [[name, dtype, shape], ...]}
-    3. one tensor per header entry, in header order, with the dtype and shape it announces
+    2. uint8[n]   JSON header {"version": int, "bucket_bytes": int,
+                               "tensors": [[name, dtype, shape], ...]}
+    3. uint8[k]   the tensors' raw bytes in frames of at most `bucket_bytes` (`frames`, the one
+                  rule both sides follow): in header order, whole tensors are packed into one
+                  frame while it stays within `bucket_bytes`; a bigger tensor goes alone, in
+                  chunks of `bucket_bytes`; frames of zero bytes are not sent
     4. int64[1]   all-reduce (sum) acknowledgement: each receiver adds 1 once it has every tensor
                   (`receive_tensors` does it when exhausted), so rank 0 learns that all of them
                   got the version, and a dead receiver fails the version by the deadline
 
-Order. The header lists the tensors in the sender's state-dict order and the tensors follow in
-exactly that order; receivers allocate each one from its header entry and must not reorder.
+Memory. The sender takes its tensors from an iterator (`send_stream`; the trainer's is a walk
+that gathers one FSDP tensor at a time), pulling each only when a frame needs it: beyond the
+tensor at hand it holds at most one bucket (a frame of one piece is a slice of the tensor
+itself, no copy). A receiver receives a one-piece frame straight into the tensor's memory and
+copies a packed one out of one bucket.
+
+Order. The header lists the tensors in the sender's order and their bytes follow in exactly
+that order; receivers allocate each one from its header entry and must not reorder.
 Dtypes are named without the `torch.` prefix and limited to `DTYPES`: a state dict with any
 other dtype is refused by `Header.of` before a single frame is sent (a refusal half-way through
 would leave the receivers waiting for tensors that never come).
@@ -43,6 +53,7 @@ would leave the receivers waiting for tensors that never come).
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -62,6 +73,10 @@ DTYPES = {
     "int32": torch.int32,
     "uint8": torch.uint8,
 }
+
+BUCKET_BYTES = 256 * 1024**2
+"""Most bytes in one tensor frame unless the sender says otherwise (the header carries it):
+`weight_broadcast.bucket_size`'s default."""
 
 BEAT_S = 0.25
 """How often a receiver bumps its liveness counter in the group's store."""
@@ -90,37 +105,87 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
 
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        """The entry announcing `tensor`; ValueError when the broadcast does not carry its dtype."""
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise ValueError(
+                f"tensor {name!r} has dtype {dtype}, which the weight broadcast does not "
+                f"carry (supported: {', '.join(DTYPES)}); cast it before publishing"
+            )
+        return cls(name, dtype, tuple(tensor.shape))
+
+    @property
+    def num_bytes(self) -> int:
+        return DTYPES[self.dtype].itemsize * math.prod(self.shape)
+
 
 @dataclass(frozen=True)
 class Header:
-    """Frame 2: the version and its tensors, in the order they are sent."""
+    """Frame 2: the version, its tensors in the order they are sent, and the bucket size that
+    packs them into frames (`frames`)."""
 
     version: int
     tensors: tuple[TensorSpec, ...]
+    bucket_bytes: int = BUCKET_BYTES
 
     @classmethod
-    def of(cls, version: int, state_dict: Mapping[str, torch.Tensor]) -> Header:
+    def of(
+        cls, version: int, state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES
+    ) -> Header:
         """The header announcing `state_dict`; ValueError names a tensor of an unsupported dtype."""
-        specs = []
-        for name, tensor in state_dict.items():
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            if dtype not in DTYPES:
-                raise ValueError(
-                    f"tensor {name!r} has dtype {dtype}, which the weight broadcast does not "
-                    f"carry (supported: {', '.join(DTYPES)}); cast it before publishing"
-                )
-            specs.append(TensorSpec(name, dtype, tuple(tensor.shape)))
-        return cls(version, tuple(specs))
+        specs = tuple(TensorSpec.of(n, t) for n, t in state_dict.items())
+        return cls(version, specs, bucket_bytes)
 
     def encode(self) -> bytes:
         entries = [[t.name, t.dtype, list(t.shape)] for t in self.tensors]
-        return json.dumps({"version": self.version, "tensors": entries}).encode()
+        body = {"version": self.version, "bucket_bytes": self.bucket_bytes, "tensors": entries}
+        return json.dumps(body).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Header:
         body = json.loads(raw)
         specs = tuple(TensorSpec(n, d, tuple(s)) for n, d, s in body["tensors"])
-        return cls(int(body["version"]), specs)
+        return cls(int(body["version"]), specs, int(body["bucket_bytes"]))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [start, end) of tensor `index` (in header order), in one frame."""
+
+    index: int
+    start: int
+    end: int
+
+
+def frames(header: Header) -> list[tuple[Piece, ...]]:
+    """The frames (each one broadcast) that carry the header's tensors, the same on both sides:
+    in header order, whole tensors are packed into a frame while it stays within
+    `bucket_bytes`; a tensor bigger than that goes alone, in chunks of `bucket_bytes`. Empty
+    frames (only empty tensors) are not sent."""
+    out: list[tuple[Piece, ...]] = []
+    packed: list[Piece] = []
+    used = 0
+    for index, spec in enumerate(header.tensors):
+        size = spec.num_bytes
+        if packed and (used + size > header.bucket_bytes):
+            out.append(tuple(packed))
+            packed, used = [], 0
+        if size <= header.bucket_bytes:
+            packed.append(Piece(index, 0, size))
+            used += size
+            continue
+        for start in range(0, size, header.bucket_bytes):
+            out.append((Piece(index, start, min(size, start + header.bucket_bytes)),))
+    if packed:
+        out.append(tuple(packed))
+    return [frame for frame in out if sum(p.end - p.start for p in frame)]
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view of its memory (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 class BroadcastGroup(Protocol):
@@ -340,16 +405,30 @@ def send_state_dict(
     version: int,
     state_dict: Mapping[str, torch.Tensor],
     names: Mapping[int, str] | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> Header:
-    """Rank 0: broadcast one version (frames 1-3); returns the header it sent. BroadcastError
-    names the version and the receivers that went silent (`names`: rank -> a readable name)."""
-    header = Header.of(version, state_dict)
+    """Rank 0: broadcast one version held in memory (`send_stream` of its items)."""
+    header = Header.of(version, state_dict, bucket_bytes)
+    return send_stream(group, header, iter(state_dict.items()), names)
+
+
+def send_stream(
+    group: BroadcastGroup,
+    header: Header,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    names: Mapping[int, str] | None = None,
+) -> Header:
+    """Rank 0: broadcast one version (frames 1-4), its tensors taken from `tensors` as the
+    frames need them, in header order: beyond the tensor at hand, at most one bucket is held.
+    BroadcastError names the version and the receivers that went silent (`names`: rank -> a
+    readable name)."""
     raw = header.encode()
     try:
         _send_size(group, len(raw))
         group.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device))
-        for spec in header.tensors:
-            group.broadcast(state_dict[spec.name].detach().contiguous().to(group.device))
+        source = _Source(header, tensors, group.device)
+        for frame in frames(header):
+            group.broadcast(source.frame(frame))
         acks = _acknowledge(group, 0)
     except BroadcastError as error:
         silent = [
@@ -358,16 +437,55 @@ def send_state_dict(
         who = f"silent rank(s): {', '.join(silent)}" if silent else "no rank went silent"
         group.close()
         raise BroadcastError(
-            f"weights version {version} not delivered to the {group.world_size - 1} receiver(s) "
-            f"of {group.where} ({who}): {error}. The replicas keep serving their previous "
-            "version; the next version forms a new group from the replica registry"
+            f"weights version {header.version} not delivered to the {group.world_size - 1} "
+            f"receiver(s) of {group.where} ({who}): {error}. The replicas keep serving their "
+            "previous version; the next version forms a new group from the replica registry"
         ) from error
     if acks != group.world_size - 1:
         raise BroadcastError(
-            f"weights version {version}: {acks} of {group.world_size - 1} receiver(s) of "
-            f"{group.where} acknowledged it"
+            f"weights version {header.version}: {acks} of {group.world_size - 1} receiver(s) "
+            f"of {group.where} acknowledged it"
         )
     return header
+
+
+class _Source:
+    """The sender's side of `frames`: pulls each tensor from the stream when a frame first needs
+    it and keeps only the current one (a big tensor spans several frames)."""
+
+    def __init__(
+        self, header: Header, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device
+    ) -> None:
+        self.header, self.tensors, self.device = header, tensors, device
+        self.index = -1
+        self.flat = torch.empty(0, dtype=torch.uint8)
+
+    def bytes_of(self, index: int) -> torch.Tensor:
+        while self.index < index:  # empty tensors in between have no piece: skip them
+            name, tensor = next(self.tensors)
+            self.index += 1
+            # the stream and the header come from the same state dict: a mismatch is a bug
+            assert TensorSpec.of(name, tensor) == self.header.tensors[self.index], name
+            self.flat = _bytes_of(tensor.detach().to(self.device).contiguous())
+        return self.flat
+
+    def frame(self, pieces: tuple[Piece, ...]) -> torch.Tensor:
+        """One frame's bytes: a slice of the tensor itself when it is the only piece (no copy),
+        else the pieces copied into one bucket."""
+        if len(pieces) == 1:
+            (piece,) = pieces
+            return self.bytes_of(piece.index)[piece.start : piece.end]
+        bucket = torch.empty(
+            sum(p.end - p.start for p in pieces), dtype=torch.uint8, device=self.device
+        )
+        offset = 0
+        for piece in pieces:
+            size = piece.end - piece.start
+            bucket[offset : offset + size].copy_(
+                self.bytes_of(piece.index)[piece.start : piece.end]
+            )
+            offset += size
+        return bucket
 
 
 def _acknowledge(group: BroadcastGroup, received: int) -> int:
@@ -397,17 +515,54 @@ def receive_header(group: BroadcastGroup) -> Header | None:
 
 
 def receive_tensors(group: BroadcastGroup, header: Header) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receivers: yield (name, tensor) in header order as each broadcast arrives; a failure is a
-    BroadcastError naming the version (the caller keeps its previous weights)."""
-    for index, spec in enumerate(header.tensors):
-        tensor = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=group.device)
-        try:
-            group.broadcast(tensor)
-        except BroadcastError as error:
-            raise BroadcastError(
-                f"weights version {header.version}: tensor {index + 1}/{len(header.tensors)} "
-                f"({spec.name}) not received from the trainer (rank 0) at {group.where}: "
-                f"{error}. Is the trainer alive? This replica keeps its previous version"
-            ) from error
-        yield spec.name, tensor
+    """Receivers: yield (name, tensor) in header order as soon as each is complete (a frame
+    holding a single piece is received into the tensor's memory, a packed one is copied out);
+    a failure is a BroadcastError naming the version (the caller keeps its previous weights)."""
+    tensors: dict[int, torch.Tensor] = {}  # allocated, not yet yielded
+    allocated = 0
+
+    def allocate(up_to: int) -> None:
+        nonlocal allocated
+        for index in range(allocated, up_to + 1):
+            spec = header.tensors[index]
+            tensors[index] = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=group.device)
+        allocated = max(allocated, up_to + 1)
+
+    done = 0  # tensors yielded so far: the caller holds them, this side does not
+    for pieces in frames(header):
+        allocate(pieces[-1].index)
+        if len(pieces) == 1:
+            (piece,) = pieces
+            into = _bytes_of(tensors[piece.index])[piece.start : piece.end]
+            _receive(group, header, piece, into)
+        else:
+            size = sum(p.end - p.start for p in pieces)
+            bucket = torch.empty(size, dtype=torch.uint8, device=group.device)
+            _receive(group, header, pieces[0], bucket)
+            offset = 0
+            for piece in pieces:
+                size = piece.end - piece.start
+                _bytes_of(tensors[piece.index]).copy_(bucket[offset : offset + size])
+                offset += size
+        last = pieces[-1]
+        complete = last.index + (last.end == header.tensors[last.index].num_bytes)
+        while done < complete:
+            yield header.tensors[done].name, tensors.pop(done)
+            done += 1
+    allocate(len(header.tensors) - 1)  # trailing empty tensors came in no frame
+    for index in range(done, len(header.tensors)):
+        yield header.tensors[index].name, tensors.pop(index)
     _acknowledge(group, 1)
+
+
+def _receive(group: BroadcastGroup, header: Header, first: Piece, into: torch.Tensor) -> None:
+    """One frame into `into`; BroadcastError names the version and the frame's first tensor."""
+    try:
+        group.broadcast(into)
+    except BroadcastError as error:
+        spec = header.tensors[first.index]
+        raise BroadcastError(
+            f"weights version {header.version}: tensor {first.index + 1}/{len(header.tensors)} "
+            f"({spec.name}) not received from the trainer (rank 0) at {group.where}: "
+            f"{error}. Is the trainer alive? This replica keeps its previous version"
+        ) from error

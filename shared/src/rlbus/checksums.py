@@ -1,15 +1,17 @@
 """The one checksum of rlbus: hex sha256, of bytes in memory or of a file read in chunks.
 
 Filesystem weight broadcasts carry, per file, a `WeightFile(name, size, sha256)`
-(`rlbus.wire.weights`): the trainer computes them with `weight_files` after writing a version,
-inference checks them with `verify_files` before loading a single tensor, so a truncated or
-corrupted directory is refused and the engine keeps serving the version it already has.
+(`rlbus.wire.weights`): the trainer hashes each safetensors shard while writing it
+(`rlbus_trainer.safetensors_stream`, hex sha256 of the same bytes) and the other files with
+`weight_files`; inference checks them with `verify_files` before loading a single tensor, so a
+truncated or corrupted directory is refused and the engine keeps serving the version it has.
 Claim-check payloads (`rlbus.bus.claimcheck`) are named and verified with `sha256_bytes`.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 
 from rlbus.wire.weights import WeightFile
@@ -35,10 +37,14 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def weight_files(directory: Path) -> list[WeightFile]:
-    """Name, size and sha256 of every file directly in `directory`, sorted by name."""
+def weight_files(
+    directory: Path, known: Mapping[str, WeightFile] | None = None
+) -> list[WeightFile]:
+    """Name, size and sha256 of every file directly in `directory`, sorted by name; a file in
+    `known` (hashed while it was written, the trainer's shards) is taken as given, not read."""
+    known = known or {}
     return [
-        WeightFile(name=f.name, size=f.stat().st_size, sha256=sha256_file(f))
+        known.get(f.name) or WeightFile(name=f.name, size=f.stat().st_size, sha256=sha256_file(f))
         for f in sorted(Path(directory).iterdir())
         if f.is_file()
     ]

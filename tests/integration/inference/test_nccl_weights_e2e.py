@@ -58,8 +58,10 @@ def served_version(run) -> int:
 
 def make_engine(state: dict[str, torch.Tensor]):
     return SimpleNamespace(
-        full_state_dict=lambda: state,
-        model=SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=False)),
+        # the publishers walk the model's state dict (rlbus_trainer.stream_state)
+        model=SimpleNamespace(
+            state_dict=lambda: state, config=SimpleNamespace(tie_word_embeddings=False)
+        ),
     )
 
 

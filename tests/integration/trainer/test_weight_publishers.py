@@ -22,8 +22,10 @@ from rlbus_trainer.weights import FilesystemWeightPublisher, NcclWeightPublisher
 
 def make_engine(state: dict[str, torch.Tensor], tied=True):
     return SimpleNamespace(
-        full_state_dict=lambda: state,
-        model=SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=tied)),
+        # the publishers walk the model's state dict (rlbus_trainer.stream_state)
+        model=SimpleNamespace(
+            state_dict=lambda: state, config=SimpleNamespace(tie_word_embeddings=tied)
+        ),
     )
 
 

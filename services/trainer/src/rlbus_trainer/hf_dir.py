@@ -7,9 +7,11 @@ then the directory is renamed into place, so a reader never sees a half-written 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,15 +93,24 @@ def write_source_files(model_name: str, trust_remote_code: bool, out_dir: Path) 
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
+TIED_HEAD = "lm_head.weight"
+"""The output projection that a model with `tie_word_embeddings` shares with its embeddings."""
+
+
+def is_hf_tensor(name: str, tie_word_embeddings: bool) -> bool:
+    """Whether a state-dict entry goes into an HF checkpoint (what vLLM's loaders accept): all but
+    a tied `lm_head.weight`, which the checkpoint does not repeat."""
+    return not (tie_word_embeddings and name == TIED_HEAD)
+
+
 def hf_tensors(
     state_dict: dict[str, torch.Tensor], tie_word_embeddings: bool
 ) -> dict[str, torch.Tensor]:
-    """State-dict names as HF checkpoints spell them (what vLLM's loaders accept): a tied
-    `lm_head.weight` is left out, tensors are contiguous and on the CPU."""
+    """The HF checkpoint's tensors (`is_hf_tensor`), contiguous and on the CPU."""
     return {
         name: t.detach().to("cpu").contiguous()
         for name, t in state_dict.items()
-        if not (tie_word_embeddings and name == "lm_head.weight")
+        if is_hf_tensor(name, tie_word_embeddings)
     }
 
 
@@ -111,13 +122,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    """Tensor names grouped into files of at most `max_shard_bytes` each (a tensor larger than
-    that gets a file of its own), in name order."""
+def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Names (with their byte sizes) grouped, in the order given, into files of at most
+    `max_shard_bytes` each; a tensor larger than that gets a file of its own."""
     shards: list[list[str]] = [[]]
     used = 0
-    for name in sorted(tensors):
-        size = tensors[name].numel() * tensors[name].element_size()
+    for name, size in sizes:
         if shards[-1] and used + size > max_shard_bytes:
             shards.append([])
             used = 0
@@ -126,25 +136,42 @@ def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[l
     return shards
 
 
+def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """`plan_shards` of a state dict, in name order."""
+    sizes = [(n, tensors[n].numel() * tensors[n].element_size()) for n in sorted(tensors)]
+    return plan_shards(sizes, max_shard_bytes)
+
+
+def shard_names(num_shards: int) -> list[str]:
+    """The weights files of a checkpoint in `num_shards` files: `model.safetensors` alone, else
+    `model-0000i-of-0000N.safetensors` (the Hugging Face layout, which transformers and vLLM
+    read, with `WEIGHTS_INDEX`)."""
+    if num_shards == 1:
+        return [WEIGHTS_FILE]
+    return [f"model-{i:05d}-of-{num_shards:05d}.safetensors" for i in range(1, num_shards + 1)]
+
+
+def write_index(out_dir: Path, weight_map: dict[str, str], total_size: int) -> Path:
+    """`model.safetensors.index.json`: tensor name -> shard file, and the tensors' total bytes."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (out_dir / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    return out_dir / WEIGHTS_INDEX
+
+
 def save_weights(
     tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int | None
 ) -> list[Path]:
-    """`model.safetensors`, or, when the weights exceed `max_shard_bytes`, the shards
-    `model-0000i-of-0000N.safetensors` and `model.safetensors.index.json` (the Hugging Face
-    layout, which transformers and vLLM read)."""
+    """`model.safetensors`, or, when the weights exceed `max_shard_bytes`, shards and their
+    index (`shard_names`)."""
     shards = [sorted(tensors)] if max_shard_bytes is None else shard_plan(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        save_file(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
-        return [out_dir / WEIGHTS_FILE]
     files, weight_map = [], {}
-    for i, names in enumerate(shards, start=1):
-        file = out_dir / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file.name))
-        files.append(file)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    for file_name, names in zip(shard_names(len(shards)), shards, strict=True):
+        save_file({n: tensors[n] for n in names}, out_dir / file_name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file_name))
+        files.append(out_dir / file_name)
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        write_index(out_dir, weight_map, total)
     return files
 
 
@@ -162,6 +189,26 @@ def ensure_generation_config(out_dir: Path) -> None:
     (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2))
 
 
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path) -> Iterator[Path]:
+    """A temp directory next to `out_dir` to write into; on success every file in it is fsynced
+    and it is renamed to `out_dir` (replacing it), so a reader never sees a half-written version.
+    On an error the temp directory stays (the next write replaces it; pruning skips dot names)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    for file in tmp.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.rename(tmp, out_dir)
+    _fsync_dir(out_dir.parent)
+
+
 def write_hf_dir(
     state_dict: dict[str, torch.Tensor],
     model_name: str,
@@ -173,19 +220,8 @@ def write_hf_dir(
     """Atomically write `state_dict` as an HF model directory at out_dir (replacing it): the
     source model's config, generation config and tokenizer, and the weights in one file or, with
     `max_shard_bytes`, in shards of at most that size."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tied = write_source_files(model_name, trust_remote_code, tmp)
-    ensure_generation_config(tmp)
-    save_weights(hf_tensors(state_dict, tied), tmp, max_shard_bytes)
-    for file in tmp.iterdir():
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.rename(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
-    return out_dir
+    with atomic_dir(out_dir) as tmp:
+        tied = write_source_files(model_name, trust_remote_code, tmp)
+        ensure_generation_config(tmp)
+        save_weights(hf_tensors(state_dict, tied), tmp, max_shard_bytes)
+    return Path(out_dir)

@@ -3,21 +3,23 @@
     publisher = build_weight_publisher(config, bus=bus, run_dir=run_dir, world=world)
     await publisher.publish(step, engine)      # every rank calls it (gathering is collective)
 
-- `FilesystemWeightPublisher`: rank 0 writes `<run_dir>/broadcasts/step_N/` (HF safetensors +
-  config + tokenizer, temp dir + fsync + rename; hf_dir.py), then puts a `WeightsPublished` with
-  each file's sha256 (`rlbus.checksums.weight_files`) under the weights KV key `latest` and on
+- `FilesystemWeightPublisher`: every rank walks the model tensor by tensor
+  (`rlbus_trainer.stream_state`: one FSDP all-gather per tensor, no rank holds the whole model)
+  and rank 0 writes each tensor as it comes into `<run_dir>/broadcasts/step_N/` (HF safetensors
+  shards of at most `weight_broadcast.max_shard_size` + index + config + tokenizer, temp dir +
+  fsync + rename; `rlbus_trainer.safetensors_stream`), hashing each shard while writing it; then
+  it puts a `WeightsPublished` with each file's sha256 under the weights KV key `latest` and on
   the weights-published subject.
-  Broadcasts beyond the newest `keep_last` that no replica serves any more are pruned.
-- `LoraWeightPublisher` (with `trainer.lora`): the same, but each directory holds the LoRA
-  adapters only, as PEFT writes them (`rlbus_trainer.lora.write_adapter_dir`), announced with
-  `lora_name` (docs/lora.md).
+- `LoraWeightPublisher` (with `trainer.lora`): the same directories, but each holds the LoRA
+  adapters only (gathered with `Engine.full_state_dict`: they are small), as PEFT writes them
+  (`rlbus_trainer.lora.write_adapter_dir`), announced with `lora_name` (docs/lora.md).
 - `NcclWeightPublisher`: rank 0 hosts a broadcast group with every worker of every registered
   replica (TCPStore at host:port, announced with the ranks as `location`, `ranks`, `world_size`
-  in the weights KV key: the rendezvous goes over the bus), then sends the version tensor by
-  tensor with the protocol of `rlbus.broadcast` (int64 header size, JSON header, tensors in
-  header order, an all-reduce acknowledgement), the same module the inference workers receive
-  with. gloo on CPU (testable here), vLLM's PyNccl on CUDA (docs/weights.md). Every
-  collective runs under `timeout_s`; a failure is published as `WeightsFailed(replica_id=
+  in the weights KV key: the rendezvous goes over the bus), then streams the version from the
+  same tensor-by-tensor walk with the protocol of `rlbus.broadcast` (int64 header size, JSON
+  header, the tensors' bytes in buckets of at most `weight_broadcast.bucket_size`, an all-reduce
+  acknowledgement), the same module the inference workers receive with. gloo on CPU (testable
+  here), vLLM's PyNccl on CUDA (docs/weights.md). Every collective runs under `timeout_s`; a failure is published as `WeightsFailed(replica_id=
   "trainer")` naming the silent ranks, and the next version forms a new group generation (new
   port) from the replica registry, as does any join or leave: never a hang.
 
@@ -34,7 +36,7 @@ import functools
 import re
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -53,9 +55,11 @@ from rlbus.obs import tracing
 from rlbus.rundirs import broadcasts_dir
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
+from rlbus.wire.weights import WeightFile
 from rlbus_trainer.engine import Engine, World
-from rlbus_trainer.hf_dir import hf_tensors, write_hf_dir
 from rlbus_trainer.lora import adapter_state_dict, write_adapter_dir
+from rlbus_trainer.safetensors_stream import write_hf_dir_streamed
+from rlbus_trainer.stream_state import drain, full_tensors, tensor_specs, tied_embeddings
 
 log = structlog.get_logger()
 
@@ -146,26 +150,45 @@ class FilesystemWeightPublisher:
     lora_name: str | None = None
     """The record's `lora_name`: set by a publisher of adapters only (`LoraWeightPublisher`)."""
 
-    def write(self, state: dict[str, torch.Tensor], out: Path) -> Path:
-        """Write one version's files to `out` (atomically: temp dir, fsync, rename)."""
-        return write_hf_dir(
-            state,
-            self.config.model.name,
-            out,
-            trust_remote_code=self.config.model.trust_remote_code,
-        )
+    async def _stale(self, step: int) -> bool:
+        """Whether the bus already has version `step` or a newer one: never rewrite a directory
+        replicas may serve."""
+        if await latest_version(self.bus) >= step:
+            log.warning("weights_version_not_newer", version=step)
+            return True
+        return False
+
+    async def write_version(self, step: int, engine: Engine, out: Path) -> list[WeightFile] | None:
+        """Collective: every rank gathers the model tensor by tensor (`stream_state`), rank 0
+        writes each as it comes into shards at `out` (atomically) and returns the files with
+        their checksums; None on the other ranks and when the version is stale."""
+        model, device = engine.model, torch.device("cpu")
+        tied = tied_embeddings(model)
+        walk = full_tensors(model, tied, main=self.world.is_main, device=device)
+        try:
+            if not self.world.is_main or await self._stale(step):
+                return None
+            return await asyncio.to_thread(
+                write_hf_dir_streamed,
+                tensor_specs(model, tied),
+                walk,
+                self.config.model.name,
+                out,
+                max_shard_bytes=int(self.config.weight_broadcast.max_shard_size),
+                trust_remote_code=self.config.model.trust_remote_code,
+            )
+        finally:  # the other ranks wait in the walk's gathers until rank 0 ran them all
+            await asyncio.to_thread(drain, walk)
 
     async def publish(self, step: int, engine: Engine) -> dict[str, float]:
         """Rank 0 writes version `step`, announces it and prunes old ones (collective)."""
         t0 = time.perf_counter()
-        state = await asyncio.to_thread(engine.full_state_dict)
+        out = self.root / f"step_{step}"
+        files = await self.write_version(step, engine, out)
         if not self.world.is_main:
             return {}
-        if await latest_version(self.bus) >= step:  # never rewrite a directory replicas may serve
-            log.warning("weights_version_not_newer", version=step)
+        if files is None:
             return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
-        out = await asyncio.to_thread(self.write, state, self.root / f"step_{step}")
-        files = await asyncio.to_thread(weight_files, out)
         t1 = time.perf_counter()
         announced = await _announce(
             self.bus,
@@ -259,6 +282,7 @@ class NcclWeightPublisher:
     ) -> None:
         self.config, self.bus, self.world = config, bus, world
         self.timeout_s = config.weight_broadcast.timeout_s
+        self.bucket_bytes = config.weight_broadcast.bucket_size
         self.host = host or _advertised_host()
         self.group: broadcast.BroadcastGroup | None = None
         self.members: Members = ()
@@ -330,15 +354,27 @@ class NcclWeightPublisher:
 
     async def publish(self, step: int, engine: Engine) -> dict[str, float]:
         """Rank 0 broadcasts version `step` to the group, formed anew when the registered
-        replicas changed (collective over the trainer's ranks)."""
-        t0 = time.perf_counter()
-        state = await asyncio.to_thread(engine.full_state_dict)
-        if not self.world.is_main:
-            return {}
-        tensors = hf_tensors(
-            state, bool(getattr(engine.model.config, "tie_word_embeddings", False))
-        )
+        replicas changed, as every rank gathers the model tensor by tensor (collective over the
+        trainer's ranks)."""
+        tied = tied_embeddings(engine.model)
+        walk = full_tensors(engine.model, tied, main=self.world.is_main, device=_sender_device())
         try:
+            if not self.world.is_main:
+                return {}
+            return await self._send(step, lambda: tensor_specs(engine.model, tied), walk)
+        finally:  # the other ranks wait in the walk's gathers until rank 0 ran them all
+            await asyncio.to_thread(drain, walk)
+
+    async def _send(
+        self,
+        step: int,
+        specs: Callable[[], list[broadcast.TensorSpec]],
+        tensors: Iterator[tuple[str, torch.Tensor]],
+    ) -> dict[str, float]:
+        """Rank 0: announce version `step` (forming a group when needed) and stream it."""
+        t0 = time.perf_counter()
+        try:
+            header = broadcast.Header(step, tuple(specs()), int(self.bucket_bytes))
             members, started = await self.read_members()
             if self.group is None or (members, started) != (self.members, self.started):
                 await self.close()  # a join, a leave or a restart: a new group for this version
@@ -350,27 +386,12 @@ class NcclWeightPublisher:
                 return {"publish_s": time.perf_counter() - t0, "publish_refused": 1.0}
             assert self.group is not None  # formed by _open_group, or kept from the last version
             await asyncio.to_thread(
-                broadcast.send_state_dict, self.group, step, tensors, self.rank_names()
+                broadcast.send_stream, self.group, header, tensors, self.rank_names()
             )
         except (
             Exception
         ) as error:  # a deadline passed or a peer vanished: report, re-form next time
-            reason = f"{type(error).__name__}: {error} (group ranks: {self.ranks})"[:1000]
-            log.warning(
-                "weights_broadcast_failed",
-                version=step,
-                generation=self.generation,
-                reason=reason,
-            )
-            if self.group is not None:
-                self.group.close()
-            self.group = None
-            await self.bus.publish(
-                self.bus.subjects.weights_failed,
-                weights.encoder.encode(
-                    weights.WeightsFailed(version=step, replica_id="trainer", reason=reason)
-                ),
-            )
+            await self._report_failure(step, error)
             return {"publish_s": time.perf_counter() - t0, "publish_failed": 1.0}
         log.info(
             "weights_broadcast",
@@ -378,9 +399,26 @@ class NcclWeightPublisher:
             generation=self.generation,
             location=self.location,
             num_receivers=self.world_size - 1,
-            num_tensors=len(tensors),
+            num_tensors=len(header.tensors),
+            num_frames=len(broadcast.frames(header)),
         )
         return {"publish_s": time.perf_counter() - t0}
+
+    async def _report_failure(self, step: int, error: Exception) -> None:
+        """Log and publish a failed version (`WeightsFailed` from "trainer"); drop the group."""
+        reason = f"{type(error).__name__}: {error} (group ranks: {self.ranks})"[:1000]
+        log.warning(
+            "weights_broadcast_failed", version=step, generation=self.generation, reason=reason
+        )
+        if self.group is not None:
+            self.group.close()
+        self.group = None
+        await self.bus.publish(
+            self.bus.subjects.weights_failed,
+            weights.encoder.encode(
+                weights.WeightsFailed(version=step, replica_id="trainer", reason=reason)
+            ),
+        )
 
     async def close(self) -> None:
         """Drop the group: its store and sockets close, and the workers leave it when they join
@@ -401,9 +439,15 @@ class LoraWeightPublisher(FilesystemWeightPublisher):
         self.lora = config.lora
         self.lora_name = config.lora.name
 
-    def write(self, state: dict[str, torch.Tensor], out: Path) -> Path:
-        """The adapters of `state` as a PEFT directory at `out` (atomically)."""
-        return write_adapter_dir(adapter_state_dict(state), self.lora, self.config.model.name, out)
+    async def write_version(self, step: int, engine: Engine, out: Path) -> list[WeightFile] | None:
+        """Collective: the model gathered on rank 0 (the adapters are small; the base model's
+        tensors are dropped there), its adapters written as a PEFT directory at `out`."""
+        state = await asyncio.to_thread(engine.full_state_dict)
+        if not self.world.is_main or await self._stale(step):
+            return None
+        adapters = adapter_state_dict(state)
+        await asyncio.to_thread(write_adapter_dir, adapters, self.lora, self.config.model.name, out)
+        return await asyncio.to_thread(weight_files, out)
 
 
 PUBLISHERS: dict[str, type[FilesystemWeightPublisher] | type[NcclWeightPublisher]] = {
