@@ -19,11 +19,13 @@ no mask runs the flash kernels on GPU and the CPU flash kernel here, as they are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from rlbus.wire.batches import MicroBatch
+if TYPE_CHECKING:  # imports msgspec; benchmarks/gpu_check.py runs this module with torch alone
+    from rlbus.wire.batches import MicroBatch
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,10 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlbus_trainer.attention import AttentionLayout, Documents, document_attention
-from rlbus_trainer.hf_dir import WEIGHTS_FILE, WEIGHTS_INDEX
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 
@@ -231,6 +229,11 @@ class Qwen3ForCausalLM(nn.Module):
 
 def read_weights(model_dir: Path) -> dict[str, torch.Tensor] | None:
     """Every tensor of the directory's safetensors (one file or an index of shards)."""
+    # Imported here: benchmarks/gpu_check.py builds this module on a machine with torch alone.
+    from safetensors.torch import load_file
+
+    from rlbus_trainer.hf_dir import WEIGHTS_FILE, WEIGHTS_INDEX
+
     if (model_dir / WEIGHTS_FILE).is_file():
         return load_file(model_dir / WEIGHTS_FILE)
     if not (model_dir / WEIGHTS_INDEX).is_file():
