@@ -25,6 +25,7 @@ tensor bit for bit. docs/gpu.md says what ran where.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import queue
 import resource
@@ -122,12 +123,14 @@ def train_steps(model, optimizer, batch, num_steps: int, device: torch.device) -
     return (time.perf_counter() - start) / num_steps
 
 
-def attention_ops(model, optimizer, batch, device: torch.device) -> list[str]:
-    """Attention op and kernel names the profiler saw in one step."""
+def attention_ops(model, optimizer, batch, device: torch.device, forced: bool) -> list[str]:
+    """Attention op and kernel names the profiler saw in one step (flash forced as in the timed
+    steps when they ran forced)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    flash = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if forced else contextlib.nullcontext()
+    with torch.profiler.profile(activities=activities) as prof, flash:
         train_steps(model, optimizer, batch, 1, device)
     words = ("attention", "flash", "fmha", "cutlass", "sdpa")
     names = {e.name for e in prof.events() if any(w in e.name.lower() for w in words)}
@@ -157,7 +160,7 @@ def check_size(size: Size, device: torch.device, dtype: torch.dtype, steps: int)
         "num_params": num_params,
         "sdpa_forced": forced,
         "flash_error": error,
-        "attention_ops": attention_ops(model, optimizer, batch, device),
+        "attention_ops": attention_ops(model, optimizer, batch, device, forced is not None),
         "step_s": seconds,
         "tokens_per_s": size.rows * size.seq_len / seconds,
         "peak_memory_mib": peak_memory_mib(device),
@@ -167,6 +170,17 @@ def check_size(size: Size, device: torch.device, dtype: torch.dtype, steps: int)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def checked(size: Size, device: torch.device, dtype: torch.dtype, steps: int) -> dict:
+    """`check_size`, or what failed (an out-of-memory on the big size must not cost the rest of
+    a GPU session's check)."""
+    try:
+        return check_size(size, device, dtype, steps)
+    except Exception as e:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"size": asdict(size), "error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -293,6 +307,9 @@ def third_party_modules() -> list[str]:
 def print_report(report: dict) -> None:
     print(f"device: {report['device']} ({report['dtype']}), torch {report['torch']}")
     for r in report["sizes"]:
+        if "error" in r:
+            print(f"  {r['size']['name']}: FAILED {r['error']}")
+            continue
         kernel = "flash forced" if r["sdpa_forced"] else f"unforced (flash: {r['flash_error']})"
         print(
             f"  {r['size']['name']}: {r['num_params'] / 1e6:.1f}M params, "
@@ -324,10 +341,10 @@ def main() -> None:
         parser.error("no CUDA device: run with --smoke for the CPU check")
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    init = f"tcp://127.0.0.1:{free_port()}"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=0, world_size=1)
     if cuda:
         torch.cuda.set_device(device)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=0, world_size=1)
     sizes = SMOKE_SIZES if args.smoke else GPU_SIZES
     steps = 1 if args.smoke else args.steps
     report = {
@@ -335,7 +352,7 @@ def main() -> None:
         "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "smoke": args.smoke,
-        "sizes": [check_size(size, device, dtype, steps) for size in sizes],
+        "sizes": [checked(size, device, dtype, steps) for size in sizes],
     }
     dist.destroy_process_group()
     report["broadcast"] = check_broadcast(args.smoke)
