@@ -49,8 +49,11 @@ def make_base_model(out_dir: Path) -> Path:
     return build_tiny_model(out_dir, seed=0)
 
 
-def make_changed_weights(model_dir: Path, out_dir: Path, *, seed: int = 3) -> Path:
-    """A weights dir (safetensors only) whose greedy output clearly differs from the base model's.
+def make_changed_weights(
+    model_dir: Path, out_dir: Path, *, seed: int = 3, max_shard_bytes: int | None = None
+) -> Path:
+    """A weights dir whose greedy output clearly differs from the base model's; with
+    `max_shard_bytes`, written as the trainer's publisher writes it (streamed shards + index).
 
     A random tiny model with tied embeddings echoes the last prompt token; scaling the embedding
     and the residual-branch projections makes the layers dominate, so outputs are diverse with
@@ -65,9 +68,16 @@ def make_changed_weights(model_dir: Path, out_dir: Path, *, seed: int = 3) -> Pa
         if "down_proj" in name or "o_proj" in name:
             tensors[name] *= 100
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if max_shard_bytes is None:
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        from rlbus.broadcast import TensorSpec
+        from rlbus_trainer.safetensors_stream import write_weights
+
+        specs = [TensorSpec.of(n, t) for n, t in tensors.items()]
+        write_weights(specs, iter(tensors.items()), out_dir, max_shard_bytes)
     for name in os.listdir(model_dir):  # a full HF dir: config + tokenizer for transformers
-        if not name.endswith(".safetensors"):
+        if not name.endswith((".safetensors", ".index.json")):
             shutil.copy(model_dir / name, out_dir / name)
     return out_dir
 

