@@ -3,7 +3,8 @@
     setup_distributed()            torch.distributed from torchrun's env (or a 1-rank group), gloo on CPU
     build_engine(config, world)    model (FSDP2 per layer + root on 2+ ranks), optimizer, lr schedule
     engine.train_step(mbs, fn)     forward/backward every micro-batch of this rank, clip, step
-    engine.full_state_dict()       the whole model on rank 0 (weight publishing, final SFT model)
+    engine.full_state_dict()       the whole model on rank 0 (final SFT model, export, LoRA publishing;
+                                   full weights are published tensor by tensor: stream_state.py)
 
 Micro-batches are `rlbus.wire.batches.MicroBatch` (packed: several sequences per row, each
 attending within itself; in the shared-prefix layout, `parent_ids`, each token attends to its
