@@ -3,7 +3,7 @@
 A forward pass stacks rows of `MicroBatch`es, padded to the longest, into [B, T]. Each row holds
 several documents (`seq_lens`) or a shared-prefix tree (`parent_ids`). Two descriptions:
 
-    Documents            per row, its document lengths (the padding tail a document of its own):
+    Documents            per row, its document lengths (the last one running to the padded end):
                          rlbus's Qwen3 module (`qwen3.py`) runs `document_attention`, one causal
                          SDPA call per document, and no [T, T] tensor exists
     dense mask           bool [B, 1, T, T], True = attend: shared-prefix rows (a token's ancestors
@@ -31,7 +31,9 @@ if TYPE_CHECKING:  # imports msgspec; benchmarks/gpu_check.py runs this module w
 @dataclass(frozen=True)
 class Documents:
     """Per row of a forward pass, the lengths of its documents in order. Each row's lengths sum
-    to the padded width T; a row's padding is one more document, whose outputs are discarded."""
+    to the padded width T: a row's padding extends its last document. Causal attention keeps
+    the padding out of every real token's view, the pads' outputs are dropped, and rows of one
+    document each then share one layout, so one SDPA call covers them all."""
 
     lengths: tuple[tuple[int, ...], ...]
 
@@ -41,8 +43,8 @@ class Documents:
         rows = []
         for lengths in seq_lens:
             pad = width - sum(lengths)
-            assert pad >= 0, (lengths, width)
-            rows.append(tuple(n for n in [*lengths, pad] if n > 0))
+            assert pad >= 0 and lengths, (lengths, width)
+            rows.append((*lengths[:-1], lengths[-1] + pad))
         return cls(tuple(rows))
 
 
