@@ -40,11 +40,7 @@ def model_of(args: argparse.Namespace):
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    model = qwen3.Qwen3ForCausalLM(config)  # its Linear layers skip init: fill every weight
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    return model
+    return qwen3.random_model(config)
 
 
 def run_case(args: argparse.Namespace) -> dict[str, float]:

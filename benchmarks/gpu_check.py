@@ -85,12 +85,7 @@ def build_model(size: Size, device: torch.device, dtype: torch.dtype) -> qwen3.Q
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    with torch.device(device):
-        model = qwen3.Qwen3ForCausalLM(config).to(dtype)
-    with torch.no_grad():  # the module's Linear layers skip their init (weights come from files)
-        for p in model.parameters():
-            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    return model
+    return qwen3.random_model(config, dtype=dtype, device=device)
 
 
 def packed_batch(size: Size, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Documents]:

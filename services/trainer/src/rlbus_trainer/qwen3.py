@@ -227,6 +227,19 @@ class Qwen3ForCausalLM(nn.Module):
         return CausalLMOutput(self.lm_head(self.model.norm(x)))  # [B, T, vocab]
 
 
+def random_model(
+    config: Qwen3Config, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Qwen3ForCausalLM:
+    """A model of `config` with random weights (normal, std 0.02; norms at 1), seeded from torch's
+    global generator: for benchmarks and checks that need a model of a given size, no file."""
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    with torch.no_grad():  # the module's Linear layers skip their init (weights come from files)
+        for p in model.parameters():
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    return model
+
+
 def read_weights(model_dir: Path) -> dict[str, torch.Tensor] | None:
     """Every tensor of the directory's safetensors (one file or an index of shards)."""
     # Imported here: benchmarks/gpu_check.py builds this module on a machine with torch alone.
