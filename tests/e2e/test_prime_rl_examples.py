@@ -22,7 +22,8 @@ FIT_TO_TWO_CPU_CORES = [
     "--max-steps", str(MAX_STEPS),
     "--seq-len", "1024",
     "--deployment.num-train-gpus", "1",
-    "--deployment.num-infer-gpus", "1",  # prime-rl's examples name 6
+    "--deployment.num-infer-gpus", "1",  # prime-rl's examples name 6 (and wordle's dp 6)
+    "--deployment.num-infer-replicas", "1",
     "--orchestrator.batch-size", "8",
     "--orchestrator.group-size", "4",
     "--inference.vllm.cpu-kv-cache-bytes", "256MiB",

@@ -323,7 +323,8 @@ def inference_gpu_errors(config: RLConfig) -> list[tuple[str, str]]:
         if deployment.num_infer_replicas != replicas:
             why = (
                 f"must be {field} / inference.vllm.tensor_parallel_size = {gpus} / {tp} = "
-                f"{replicas}: set only one of the two"
+                f"{replicas}: give them agreeing values or only one (prime-rl's "
+                "inference.parallel.dp / data_parallel_size set the replicas too)"
             )
             return [("deployment.num_infer_replicas", why)]
     else:
