@@ -256,3 +256,29 @@ def test_a_failed_task_in_a_foreign_loop_terminates_the_process_with_one_line(tm
     assert result.returncode == -signal.SIGTERM
     (line,) = [e for e in events(result.stderr) if e["level"] == "error"]
     assert line["task"] == "gate_listener" and "address already in use" in line["error"]
+
+
+async def test_a_task_that_swallows_its_cancel_is_cancelled_again_and_close_returns(monkeypatch):
+    from rlbus import lifecycle
+
+    monkeypatch.setattr(lifecycle, "SLOW_CANCEL_S", 0.05)
+    swallowed = []
+
+    async def swallows_once():
+        while True:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                if swallowed:  # the second cancel ends it
+                    raise
+                swallowed.append(True)  # as a library that turns a cancel into another error
+                asyncio.current_task().uncancel()
+
+    async def supervise() -> asyncio.Task:
+        async with TaskSupervisor() as tasks:
+            task = tasks.spawn("swallows_once", swallows_once())
+            await asyncio.sleep(0)
+        return task
+
+    stubborn = await asyncio.wait_for(supervise(), 5)  # close() returns: no wait forever
+    assert swallowed == [True] and stubborn.cancelled()

@@ -450,7 +450,9 @@ class TaskSupervisor:
     async def close(self) -> None:
         """Cancel what still runs and wait for it to finish. A task still running
         `SLOW_CANCEL_S` after its cancel (one that swallows or outlasts it: a bug) is named in a
-        `tasks_slow_to_cancel` warning, then waited for."""
+        `tasks_slow_to_cancel` warning and cancelled again every `SLOW_CANCEL_S` until it ends:
+        a cancel lost inside a library (asyncio.wait_for can turn one into a TimeoutError when
+        its deadline passes at the same moment) must not keep the service from exiting."""
         pending = list(self.tasks)
         for task in pending:
             task.cancel()
@@ -464,7 +466,10 @@ class TaskSupervisor:
                 after_s=SLOW_CANCEL_S,
                 stacks=[_stack_text(t) for t in slow],
             )
-            await asyncio.wait(slow)
+        while slow:
+            for task in slow:
+                task.cancel()
+            _, slow = await asyncio.wait(slow, timeout=SLOW_CANCEL_S)
 
     async def __aenter__(self) -> TaskSupervisor:
         return self

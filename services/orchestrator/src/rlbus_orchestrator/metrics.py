@@ -301,6 +301,13 @@ def _forget_gone(streams: set[tuple[str, ...]], consumers: set[tuple[str, ...]])
     _consumer_labels.update(consumers)
 
 
+def cancel_was_lost() -> bool:
+    """This task was cancelled, but a library turned the cancel into another error (a bus
+    request's deadline passing at the same moment): end as cancelled, not retry."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def poll_stream_stats(bus: Bus, interval_s: float = STREAM_STATS_INTERVAL_S) -> None:
     """`refresh_stream_stats` every `interval_s` until cancelled, in a process that serves
     metrics (returns at once otherwise). A bus outage is one warning line; the gauges keep their
@@ -314,6 +321,8 @@ async def poll_stream_stats(bus: Bus, interval_s: float = STREAM_STATS_INTERVAL_
             await refresh_stream_stats(bus)
             failing = False
         except Exception as error:
+            if cancel_was_lost():
+                raise asyncio.CancelledError from error
             if not failing:
                 log.warning("stream_stats_failed", error=repr(error), retry_in_s=interval_s)
             failing = True
