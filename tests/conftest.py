@@ -127,10 +127,6 @@ async def bus(make_bus) -> Bus:
 
 
 SLOW_GROUP = "slow"
-SYSTEM_GROUP = "system"
-SYSTEM_LANE = ("tests/e2e/test_compose.py", "tests/e2e/test_slurm.py")
-"""Slow tests of their own lane, run beside the slow lane: most of their time goes to apt,
-debootstrap and image builds (disk and network, not the 2 cores), and then to one short run."""
 SLOW_IDS_VAR = "RLBUS_TEST_SLOW_IDS"
 """A file the xdist workers write the ids of the collected `slow` tests to, for the controller's
 scheduler (`SlowTogetherScheduling`)."""
@@ -165,9 +161,8 @@ def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` (the README's whole-suite command) runs every `slow` test on one worker,
     one after the other as a serial run would, while the other workers take the fast tests beside
     them: two vLLM or torchrun tests never share the 2 cores of a CI machine, and the fast tier no
-    longer waits for them. The compose and SLURM deployments (`SYSTEM_LANE`) are a second lane
-    on another worker: they mostly install and build. (xdist's own loadgroup cannot group them
-    under pytest 9: it renames `item._nodeid`, which pytest 9 no longer reads.)"""
+    longer waits for them. (xdist's own loadgroup cannot group them under pytest 9: it renames
+    `item._nodeid`, which pytest 9 no longer reads.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -179,8 +174,6 @@ def pytest_xdist_make_scheduler(config, log):
             if self.slow_ids is None:
                 text = Path(os.environ[SLOW_IDS_VAR]).read_text(encoding="utf-8")
                 self.slow_ids = set(json.loads(text)) if text else set()
-            if nodeid not in self.slow_ids:
-                return nodeid
-            return SYSTEM_GROUP if nodeid.startswith(SYSTEM_LANE) else SLOW_GROUP
+            return SLOW_GROUP if nodeid in self.slow_ids else nodeid
 
     return SlowTogetherScheduling(config, log)
