@@ -18,8 +18,8 @@ from rlbus.checksums import weight_files
 from rlbus.configs.base import parse_cli
 from rlbus.configs.sft import SFTConfig
 from rlbus_trainer import ckpt
+from rlbus_trainer.attention import block_causal_mask
 from rlbus_trainer.engine import build_engine, setup_distributed, teardown_distributed
-from rlbus_trainer.loss import block_causal_mask
 
 pytestmark = pytest.mark.slow
 

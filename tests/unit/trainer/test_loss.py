@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from rlbus_trainer.attention import block_causal_mask
 from rlbus_trainer.loss import (
     LossInputs,
-    block_causal_mask,
     default_loss,
     token_logprobs_and_entropy,
 )

@@ -10,10 +10,10 @@ from trainer_support import make_train_batch
 
 from rlbus.configs.trainer import TrainerConfig
 from rlbus_trainer import qwen3
-from rlbus_trainer.attention import Documents
+from rlbus_trainer.attention import Documents, ancestor_mask, block_causal_mask
 from rlbus_trainer.engine import build_engine, load_model, setup_distributed
 from rlbus_trainer.hf_dir import write_hf_dir
-from rlbus_trainer.loss import ancestor_mask, block_causal_mask, build_loss_fn
+from rlbus_trainer.loss import build_loss_fn
 from rlbus_trainer.service import rank_micro_batches
 from rlbus_trainer.tiny_model import build_tiny_model
 

@@ -7,9 +7,10 @@ import torch
 from trainer_support import make_train_batch
 
 from rlbus.configs.trainer import TrainerConfig
+from rlbus_trainer.attention import block_causal_mask
 from rlbus_trainer.engine import World, build_engine, build_reference, setup_distributed
 from rlbus_trainer.lora import adapters_disabled
-from rlbus_trainer.loss import block_causal_mask, build_loss_fn
+from rlbus_trainer.loss import build_loss_fn
 
 
 def make_config(tiny_model, **overrides) -> TrainerConfig:

@@ -50,10 +50,6 @@ from rlbus.configs.trainer import (
 )
 from rlbus.wire.batches import MicroBatch
 
-# The masks live with the rest of the attention layout; imported here for the callers of before.
-from rlbus_trainer.attention import ancestor_mask as ancestor_mask
-from rlbus_trainer.attention import block_causal_mask as block_causal_mask
-
 
 @dataclass
 class LossInputs:
